@@ -1,0 +1,25 @@
+# Qwen3.5-4B -> quantized, compile-cache-baked, quality-gated serving image (image.tar.gz).
+#   real GPU host:   snakemake --cores 4 image.tar.gz
+#   tiny CPU profile: snakemake --cores 2 --configfile config/tiny.yaml image.tar.gz
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/download.smk"
+include: "rules/quantize.smk"
+include: "rules/bake_compile_cache.smk"
+include: "rules/build_image.smk"
+include: "rules/latency_probe.smk"
+include: "rules/quality_gate.smk"
+include: "rules/tarball.smk"
+
+
+rule all:
+    input:
+        rules.tarball.output,
+    default_target: True

@@ -1,0 +1,22 @@
+rule bake_compile_cache:
+    """Serve the quantized model once in the base image, so the compile and kernel caches ship in the image."""
+    input:
+        base=optional(LOCAL_BASE, "results/base_image/image.json"),
+        model=rules.quantize.output.model,
+        serving=SERVING_FILES,
+    output:
+        cache="results/{variant}/bake_compile_cache/compile_cache.tar",
+        serve="results/{variant}/bake_compile_cache/serve.json",
+        coldstart="results/{variant}/bake_compile_cache/coldstart.json",
+    params:
+        serve=serve_settings,
+        base_ref=config["image"]["base"],
+        run=run_settings(),
+        categories=config["probe"]["categories"],
+        sentence=config["probe"]["sentence"],
+    log:
+        "logs/bake_compile_cache/{variant}.log",
+    benchmark:
+        "benchmarks/bake_compile_cache/{variant}.tsv"
+    script:
+        "../scripts/bake_compile_cache.py"

@@ -1,0 +1,40 @@
+rule base_image:
+    """The tiny profile's base: Debian + Python + the CPU serving venv (no registry to pull a base from)."""
+    input:
+        venv=venv("serve"),
+    output:
+        image="results/base_image/image.json",
+    params:
+        suite=config["image"]["base_suite"],
+        mirror=config["image"]["base_mirror"],
+        packages=config["image"]["base_packages"],
+        tag=f"docker.io/library/{config['image']['name']}-base:{config['envs']['serve']}",
+        builder=config["image"]["builder"],
+    log:
+        "logs/base_image/base_image.log",
+    benchmark:
+        "benchmarks/base_image/base_image.tsv"
+    script:
+        "../scripts/base_image.py"
+
+
+rule build_image:
+    input:
+        base=optional(LOCAL_BASE, rules.base_image.output.image),
+        model=rules.quantize.output.model,
+        cache=rules.bake_compile_cache.output.cache,
+        serve=rules.bake_compile_cache.output.serve,
+        serving=SERVING_FILES,
+        dockerfile="Dockerfile",
+    output:
+        image="results/{variant}/build_image/image.json",
+    params:
+        tag=lambda wildcards: image_ref(wildcards.variant),
+        builder=config["image"]["builder"],
+        base_ref=config["image"]["base"],
+    log:
+        "logs/build_image/{variant}.log",
+    benchmark:
+        "benchmarks/build_image/{variant}.tsv"
+    script:
+        "../scripts/build_image.py"

@@ -1,0 +1,94 @@
+import copy
+from pathlib import Path
+
+import jsonschema
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+CONFIG_SCHEMA = str(Path(workflow.basedir) / "schemas" / "config.schema.yaml")
+
+
+def check_config(config, schema_path=CONFIG_SCHEMA):
+    """Reject a bad config before any job runs, naming every offending key (jsonschema alone names few)."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    lines = []
+    for error in jsonschema.Draft202012Validator(schema).iter_errors(config):
+        path = [str(part) for part in error.absolute_path]
+        if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+            known = error.schema.get("properties", {})
+            lines += [f"config key '{'.'.join(path + [k])}': unknown key" for k in error.instance if k not in known]
+        else:
+            lines.append(f"config key '{'.'.join(path) or '(top level)'}': {error.message}")
+    if lines:
+        raise WorkflowError(f"invalid configuration ({schema_path}):\n  " + "\n  ".join(sorted(lines)))
+
+
+check_config(config)
+validate(config, CONFIG_SCHEMA, set_default=True)
+config = copy.deepcopy(config)  # defaults were set from shared schema objects
+if config["variant"] not in config["variants"]:
+    raise WorkflowError(
+        f"invalid configuration: config key 'variant': {config['variant']!r} is not one of the variants "
+        f"{sorted(config['variants'])}"
+    )
+
+MODEL_DIR = f"weights/{config['model']['name']}"
+LOCAL_BASE = config["image"]["base"] == "local"
+SERVING_FILES = sorted(
+    str(path) for path in Path("serving").rglob("*") if path.is_file() and "__pycache__" not in path.parts
+)
+# Repairs each venv needs after `pip install` (see scripts/make_venv.py).
+VENV_REPAIRS = {"serve-cpu": ["drop_cuda_media", "guard_torchvision"]}
+
+
+wildcard_constraints:
+    variant="|".join(sorted(config["variants"])),
+    env="[a-z0-9-]+",
+
+
+def venv(kind):
+    """Readiness marker of the venv used for a kind of stage (compress, serve, eval)."""
+    return f".venvs/{config['envs'][kind]}/pip-freeze.txt"
+
+
+def optional(condition, path):
+    """An input that only some profiles have (an empty named input otherwise)."""
+    return path if condition else []
+
+
+def variant_config(wildcards):
+    return config["variants"][wildcards.variant]
+
+
+def serve_settings(wildcards):
+    """Everything the serving entrypoint needs, as it is written to serve.json inside the image."""
+    variant = variant_config(wildcards)
+    speculative = variant["speculative"]
+    return dict(
+        variant["serve"],
+        speculative={"method": speculative["method"], "num_speculative_tokens": speculative["k"]},
+    )
+
+
+def image_ref(variant):
+    return f"docker.io/library/{config['image']['name']}:{variant}"
+
+
+def run_settings():
+    """How a built image is started, for every stage that runs it."""
+    image = config["image"]
+    return {"gpus": image["gpus"], "shm_size": image["shm_size"], "ping_timeout_s": image["ping_timeout_s"]}
+
+
+rule venv:
+    input:
+        requirements="envs/{env}.txt",
+    output:
+        freeze=".venvs/{env}/pip-freeze.txt",
+    params:
+        repairs=lambda wildcards: VENV_REPAIRS.get(wildcards.env, []),
+    log:
+        "logs/venv/{env}.log",
+    script:
+        "../scripts/make_venv.py"

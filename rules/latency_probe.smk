@@ -1,0 +1,14 @@
+rule latency_probe:
+    input:
+        image=rules.build_image.output.image,
+        schema="schemas/latency.schema.yaml",
+    output:
+        latency="results/{variant}/latency_probe/latency.json",
+    params:
+        run=run_settings(),
+        model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
+        probe=config["probe"],
+    log:
+        "logs/latency_probe/{variant}.log",
+    script:
+        "../scripts/latency_probe.py"

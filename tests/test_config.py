@@ -1,0 +1,73 @@
+"""The config schema rejects bad configs before any job runs, naming the offending key."""
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, snakemake
+
+
+def tiny_config() -> dict:
+    return yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+
+
+def dry_run_with(tmp_path: Path, config: dict):
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump(config))
+    return snakemake("-n", "image.tar.gz", *TINY, str(override), check=False)
+
+
+@pytest.mark.parametrize("mutate, key, words", [
+    (lambda c: c.update(typo_key=1), "typo_key", "unknown key"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=-1), "variants.tiny-awq-mtp1.speculative.k",
+     "less than the minimum"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_seqs="eight"),
+     "variants.tiny-awq-mtp1.serve.max_num_seqs", "is not of type 'integer'"),
+    (lambda c: c["image"].update(max_size_gb=0), "image.max_size_gb", "less than or equal to the minimum"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_sqs=4), "variants.tiny-awq-mtp1.serve.max_num_sqs",
+     "unknown key"),
+    (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
+])
+def test_bad_config_is_rejected_naming_the_key(tmp_path, mutate, key, words):
+    config = tiny_config()
+    mutate(config)
+    result = dry_run_with(tmp_path, config)
+    assert result.returncode != 0
+    assert f"config key '{key}'" in result.stderr + result.stdout
+    assert words in result.stderr + result.stdout
+    assert "Job stats" not in result.stdout  # rejected before the DAG was even built
+
+
+def test_both_profiles_validate():
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    real = yaml.safe_load((ROOT / "config.yaml").read_text())
+    merged = copy.deepcopy(real)
+    for key, value in tiny_config().items():  # Snakemake merges --configfile over config.yaml the same way
+        merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
+    jsonschema.Draft202012Validator(schema).validate(real)
+    jsonschema.Draft202012Validator(schema).validate(merged)
+
+
+def test_every_schema_key_is_described_with_a_default():
+    """The config schema documents itself: each property has a description and (unless required) a default."""
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    missing = []
+
+    def walk(node, path):
+        if not isinstance(node, dict):
+            return
+        required = set(node.get("required", []))
+        for name, sub in node.get("properties", {}).items():
+            if "description" not in sub and "$ref" not in sub:
+                missing.append(f"{path}{name}: description")
+            if "default" not in sub and name not in required and path.startswith("$defs.variant") is False:
+                missing.append(f"{path}{name}: default")
+            walk(sub, f"{path}{name}.")
+        for name, sub in node.get("$defs", {}).items():
+            walk(sub, f"$defs.{name}.")
+
+    walk(schema, "")
+    assert not missing, missing

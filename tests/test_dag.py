@@ -1,0 +1,85 @@
+"""DAG shape: lint, the rendered graph, and which stages a config change reruns."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY, snakemake
+
+STAGES = ["download", "quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball"]
+
+
+def planned_jobs(*extra: str) -> dict[str, int]:
+    """Jobs a dry run would run, from Snakemake's job-stats table."""
+    out = snakemake("-n", "image.tar.gz", *TINY, *extra).stdout
+    if "Nothing to be done" in out:
+        return {}
+    table = out.split("Job stats:", 1)[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+def test_lint_is_clean():
+    for profile in ([], TINY):
+        result = snakemake("--lint", *profile, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "Lints for" not in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_every_stage_is_a_rule_in_its_own_file():
+    for stage in STAGES:
+        text = (ROOT / "rules" / f"{stage}.smk").read_text()
+        assert re.search(rf"^rule {stage}:", text, re.M), stage
+
+
+def test_dag_renders_to_svg(tmp_path):
+    if shutil.which("dot") is None:
+        pytest.fail("graphviz `dot` is missing: run setup/install.sh")
+    for profile in ([], TINY):
+        dag = snakemake("--dag", "image.tar.gz", *profile).stdout
+        svg = subprocess.run(["dot", "-Tsvg"], input=dag, capture_output=True, text=True, check=True).stdout
+        assert "<svg" in svg
+        for stage in STAGES:
+            assert stage in svg
+
+
+def test_scripts_never_read_config():
+    """Config reaches scripts only as params or input files, so Snakemake can track it for reruns."""
+    for script in (ROOT / "scripts").glob("*.py"):
+        assert "snakemake.config" not in script.read_text(), script
+
+
+def variant_override(tmp_path: Path, **changes) -> str:
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    variant = tiny["variants"][tiny["variant"]]
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            variant[section][field] = value
+        else:
+            variant[section] = value
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump({"variants": {tiny["variant"]: variant}}))
+    return str(override)
+
+
+@pytest.mark.e2e
+def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
+    assert planned_jobs() == {}
+    jobs = planned_jobs(variant_override(tmp_path, speculative__k=2))
+    assert set(jobs) == {"bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball"}, jobs
+
+
+@pytest.mark.e2e
+def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
+    recipe = ROOT / "results" / "test-recipe-copy.yaml"
+    shutil.copy(ROOT / "recipes" / "awq-w4a16-g32.yaml", recipe)
+    try:
+        jobs = planned_jobs(variant_override(tmp_path, recipe=str(recipe.relative_to(ROOT))))
+    finally:
+        recipe.unlink()
+    assert set(jobs) == {"quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate",
+                         "tarball"}, jobs
