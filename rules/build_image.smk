@@ -1,7 +1,7 @@
 rule base_image:
     """The tiny profile's base: Debian + Python + the CPU serving venv (no registry to pull a base from)."""
     input:
-        venv=venv("serve"),
+        serve_venv=venv("serve"),  # copied into the image; not a venv to run this script in
     output:
         image="results/base_image/image.json",
     params:

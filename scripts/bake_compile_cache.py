@@ -63,7 +63,7 @@ def container_env(base: dict | None) -> dict:
 
 
 def main(job) -> None:
-    from containers import free_port, run_container, wait_for_ping
+    from containers import run_container
 
     out_dir = Path(job.output.cache).parent
     cache_dir = out_dir / "cache"
@@ -75,18 +75,19 @@ def main(job) -> None:
     base_ref = base["ref"] if base else job.params.base_ref
     serving_dir = Path(os.path.commonpath(job.input.serving)).resolve()
     volumes = [
-        (str(Path(job.input.model).resolve()), IMAGE_MODEL_DIR, "ro"),
-        (str(serving_dir), f"{IMAGE_CODE_DIR}/serving", "ro"),
-        (str(Path(job.output.serve).resolve()), IMAGE_SERVE_JSON, "ro"),
-        (str(cache_dir.resolve()), IMAGE_CACHE_DIR, "rw"),
+        f"{Path(job.input.model).resolve()}:{IMAGE_MODEL_DIR}:ro",
+        f"{serving_dir}:{IMAGE_CODE_DIR}/serving:ro",
+        f"{Path(job.output.serve).resolve()}:{IMAGE_SERVE_JSON}:ro",
+        f"{cache_dir.resolve()}:{IMAGE_CACHE_DIR}",
     ]
     run = job.params.run
     started = time.monotonic()
-    with run_container(base_ref, port=free_port(), volumes=volumes, env=container_env(base), gpus=run["gpus"],
-                       shm_size=run["shm_size"], name_prefix="bake", entrypoint=["python3", "-m", "serving"]) as container:
-        cold_start_s = wait_for_ping(container.base_url, run["ping_timeout_s"], container.alive)
+    with run_container(base_ref, volumes=volumes, env=container_env(base), gpus=run["gpus"],
+                       shm_size=run["shm_size"], name_prefix="bake", args=["python3", "-m", "serving"],
+                       docker_args=["--entrypoint", ""]) as container:
+        cold_start_s = container.wait_ready(run["ping_timeout_s"])
         warm_up(container.base_url, job.params.serve["served_model_name"], job.params.categories, job.params.sentence)
-        log_text = container.logs()
+        log_text = container.logs(tail=100000)
     bake_s = time.monotonic() - started
     print(log_text[-20000:])
     packed = deterministic_tar(cache_dir, Path(job.output.cache))

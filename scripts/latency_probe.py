@@ -94,13 +94,12 @@ def probe(base_url: str, model: str, probe_settings: dict, log=print) -> dict:
 
 
 def main(job) -> None:
-    from containers import free_port, run_container, wait_for_ping
+    from containers import run_container
 
     image = json.loads(Path(job.input.image).read_text())
     run = job.params.run
-    with run_container(image["ref"], port=free_port(), gpus=run["gpus"], shm_size=run["shm_size"],
-                       name_prefix="latency-probe") as container:
-        cold_start_s = wait_for_ping(container.base_url, run["ping_timeout_s"], container.alive)
+    with run_container(image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe") as container:
+        cold_start_s = container.wait_ready(run["ping_timeout_s"])
         result = probe(container.base_url, job.params.model_name, job.params.probe)
     result.update(image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s,
                   warmup=job.params.probe["warmup"], ignore_eos=job.params.probe["ignore_eos"])

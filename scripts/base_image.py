@@ -1,0 +1,157 @@
+"""Build a local Python base image holding the CPU serving environment (tiny profile only).
+
+No registry is reachable on the tiny host, so the base is a Debian minbase rootfs from debootstrap
+with the serve-cpu venv's site-packages copied in and put on PYTHONPATH. The real profile uses a
+pinned vLLM image instead and skips this rule.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from common import StageError, write_json
+from containers import builder_env, detect_builder, image_id, image_size, run
+
+SITE = "/opt/venv/site-packages"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# triton is the GPU compiler (~1 GB, unused by vLLM's CPU backend); torch's C++ headers serve no one
+DEFAULT_EXCLUDE = ("triton", "triton-*.dist-info", "torch/include")
+DEFAULT_SMOKE = "import torch, vllm; print(vllm.__version__, torch.__version__)"
+
+
+def venv_site_packages(venv_marker: str | Path) -> Path:
+    found = sorted((Path(venv_marker).parent / "lib").glob("python3.*/site-packages"))
+    if len(found) != 1:
+        raise StageError(f"expected one lib/python3.*/site-packages next to {venv_marker}, found {found}")
+    return found[0]
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()) + "/"
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1].replace("\\040", " ") for line in mounts]
+    return sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
+
+
+def remove_rootfs(path: Path) -> None:
+    """rm -rf that first unmounts what debootstrap may have left mounted (it bind-mounts host /dev
+    nodes inside containers): deleting through a live bind mount would delete the host's files."""
+    if not path.exists():
+        return
+    for point in _mounts_under(path):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+    if _mounts_under(path):
+        raise StageError(f"{path} still has mounts ({_mounts_under(path)}); unmount them and delete it by hand")
+    shutil.rmtree(path)
+
+
+def debootstrap(rootfs: Path, suite: str, mirror: str, packages: list[str]) -> None:
+    cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs), mirror]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        log = rootfs / "debootstrap" / "debootstrap.log"
+        tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else result.stderr.splitlines()[-20:]
+        raise StageError(f"debootstrap {suite} from {mirror} failed (exit {result.returncode}):\n" + "\n".join(tail))
+
+
+def _excluded(rel: str, patterns) -> bool:
+    return any(fnmatch.fnmatch(rel, pattern) for pattern in patterns)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:  # hard links: no 3 GB copy; safe since the rootfs is only read, then deleted
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def copy_site_packages(src: Path, dst: Path, exclude=DEFAULT_EXCLUDE) -> None:
+    """Copy src to dst leaving out paths (relative to src, glob patterns) in exclude."""
+    def ignore(directory, names):
+        rel_dir = Path(directory).relative_to(src)
+        return {n for n in names if _excluded(str(rel_dir / n) if str(rel_dir) != "." else n, exclude)}
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore, copy_function=_link_or_copy)
+
+
+def chroot_python(rootfs: Path, code: str) -> str:
+    env = {"PATH": PATH, "PYTHONPATH": SITE, "LANG": "C.UTF-8", "HOME": "/root"}
+    result = subprocess.run(["chroot", str(rootfs), "python3", "-c", code], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise StageError(f"python3 in the base rootfs failed on {code!r}:\n"
+                         + "\n".join(result.stderr.strip().splitlines()[-15:]))
+    return result.stdout.strip()
+
+
+def image_env() -> dict[str, str]:
+    return {"PATH": PATH, "PYTHONPATH": SITE, "LANG": "C.UTF-8"}
+
+
+def import_rootfs(rootfs: Path, ref: str, builder: str, workdir: Path) -> None:
+    env = image_env()
+    if builder == "docker":
+        changes = [f"ENV {k}={v}" for k, v in env.items()] + ['CMD ["python3"]']
+        cmd = ["docker", "import", *(a for c in changes for a in ("--change", c)), "-", ref]
+        tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        result = subprocess.run(cmd, stdin=tar.stdout, capture_output=True, text=True, env=builder_env("docker"))
+        tar.stdout.close()
+        if tar.wait() != 0 or result.returncode != 0:
+            raise StageError(f"docker import of the base rootfs failed: {result.stderr.strip()[-2000:]}")
+        return
+    archive = workdir / "rootfs.tar"
+    run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(archive), "."], what="tar of the base rootfs")
+    container = run(["buildah", "from", "scratch"], builder="buildah").strip()
+    try:
+        run(["buildah", "add", container, str(archive), "/"], builder="buildah", what="buildah add rootfs")
+        run(["buildah", "config", *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
+             "--cmd", '["python3"]', container], builder="buildah")
+        run(["buildah", "commit", container, ref], builder="buildah", what=f"buildah commit {ref}")
+    finally:
+        subprocess.run(["buildah", "rm", container], capture_output=True, env=builder_env("buildah"))
+
+
+def main(job) -> None:
+    params = job.params
+    started = time.monotonic()
+    builder = detect_builder(getattr(params, "builder", "auto"))
+    # input `venv` makes run_stage re-run this (stdlib-only) script in that venv; `serve_venv` does not
+    marker = getattr(job.input, "serve_venv", None) or job.input.venv
+    site = venv_site_packages(marker)
+    out = Path(job.output.image)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="base-rootfs-", dir=out.parent))
+    rootfs = work / "rootfs"
+    try:
+        debootstrap(rootfs, params.suite, params.mirror, list(params.packages))
+        print(f"debootstrap {params.suite}: {time.monotonic() - started:.0f} s", flush=True)
+        py = site.parent.name  # python3.X: the venv's C extensions are built for this minor version
+        if not (rootfs / "usr" / "lib" / py).is_dir():
+            found = sorted(p.name for p in (rootfs / "usr" / "lib").glob("python3.*"))
+            raise StageError(f"the venv is {py} but Debian {params.suite} ships {found}: "
+                             "make the serve-cpu venv with that Python or pick a matching suite")
+        t = time.monotonic()
+        copy_site_packages(site, rootfs / SITE.lstrip("/"), tuple(getattr(params, "exclude", DEFAULT_EXCLUDE)))
+        shutil.copy2(marker, rootfs / "opt" / "venv" / "pip-freeze.txt")
+        print(f"copied {site}: {time.monotonic() - t:.0f} s", flush=True)
+        version = chroot_python(rootfs, "import platform; print(platform.python_version())")
+        smoke = chroot_python(rootfs, getattr(params, "smoke", DEFAULT_SMOKE))  # fail here, not in a container
+        print(f"smoke test in rootfs: {smoke}", flush=True)
+        t = time.monotonic()
+        import_rootfs(rootfs, params.tag, builder, work)
+        print(f"{builder} import {params.tag}: {time.monotonic() - t:.0f} s", flush=True)
+    finally:
+        remove_rootfs(work)
+    size = image_size(params.tag, builder)
+    write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder,
+                     "python": version, "site_packages": SITE, "size_bytes": size})
+    print(f"base image {params.tag} ({size} bytes) in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    from common import run_stage
+    run_stage(main, globals().get("snakemake"), __file__)

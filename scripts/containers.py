@@ -1,0 +1,230 @@
+"""Container helpers shared by base_image, build_image, latency_probe, quality_gate and tarball.
+
+Stdlib only: imported by the main interpreter. Two builders are supported: a Docker daemon
+(Debian's 20.10 here, driven by a newer client, hence DOCKER_BUILDKIT=0) and daemonless buildah.
+Running an image needs the Docker daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from common import StageError
+
+START_HINT = "start one with `bash setup/start-docker.sh` (as root)"
+# Defaults only: a value the user exported wins (e.g. STORAGE_DRIVER=overlay on a capable host).
+_BUILDER_ENV = {
+    "docker": {"DOCKER_BUILDKIT": "0"},  # the 20.10 daemon has no BuildKit API the 28.x client accepts
+    "buildah": {"STORAGE_DRIVER": "vfs", "BUILDAH_ISOLATION": "chroot"},  # no daemon, works in a container
+}
+
+
+def builder_env(builder: str) -> dict[str, str]:
+    return {**_BUILDER_ENV[builder], **os.environ}
+
+
+def run(cmd: Sequence[str], *, builder: str = "docker", what: str | None = None, **kwargs) -> str:
+    """Run a command, return its stdout; a failure becomes a StageError carrying stderr's tail."""
+    result = subprocess.run(list(cmd), capture_output=True, text=True, env=builder_env(builder), **kwargs)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+        raise StageError(f"{what or ' '.join(cmd[:3])} failed (exit {result.returncode}):\n{tail}")
+    return result.stdout
+
+
+def docker_answers() -> bool:
+    if not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                              timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def buildah_works() -> bool:
+    if not shutil.which("buildah"):
+        return False
+    return subprocess.run(["buildah", "images", "-q"], capture_output=True, env=builder_env("buildah"),
+                          timeout=60).returncode == 0
+
+
+def detect_builder(preference: str = "auto") -> str:
+    """"docker" or "buildah"; "auto" prefers a running Docker daemon (it can also run the image)."""
+    if preference not in ("auto", "docker", "buildah"):
+        raise StageError(f"builder must be auto, docker or buildah, not {preference!r}")
+    if preference in ("auto", "docker") and docker_answers():
+        return "docker"
+    if preference == "docker":
+        raise StageError(f"builder docker: no Docker daemon answers `docker info`; {START_HINT}")
+    if buildah_works():
+        return "buildah"
+    if preference == "buildah":
+        raise StageError("builder buildah: `buildah images` fails (apt-get install buildah; "
+                         "it runs with STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot)")
+    raise StageError(f"no image builder: no Docker daemon answers ({START_HINT}) and buildah is not usable "
+                     "(apt-get install buildah)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | None = None,
+                  logs: Callable[[], str] | None = None, interval_s: float = 1.0) -> float:
+    """Poll GET {base_url}/ping until it answers 200; return the seconds it took."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last = "no answer yet"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:  # a per-request timeout: a server that accepts but never answers must not hang us
+            with urllib.request.urlopen(f"{base_url}/ping", timeout=max(0.2, min(5.0, remaining))) as reply:
+                if reply.status == 200:
+                    return time.monotonic() - start
+                last = f"HTTP {reply.status}"
+        except urllib.error.HTTPError as error:
+            last = f"HTTP {error.code}"
+        except (OSError, ValueError) as error:  # refused, reset, timed out while the server starts
+            last = str(getattr(error, "reason", error))
+        if alive is not None and not alive():
+            raise StageError(f"container exited after {time.monotonic() - start:.0f} s without answering "
+                             f"/ping; last container log lines:\n{logs() if logs else '(none)'}")
+        time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+    raise StageError(f"server never answered /ping within {timeout_s:g} s (last: {last}); last container "
+                     f"log lines:\n{logs() if logs else '(none)'}")
+
+
+class RunningContainer:
+    def __init__(self, name: str, port: int):
+        self.name, self.port = name, port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def logs(self, tail: int = 40) -> str:
+        result = subprocess.run(["docker", "logs", "--tail", str(tail), self.name], capture_output=True, text=True)
+        return (result.stdout + result.stderr).strip() or "(no output)"
+
+    def alive(self) -> bool:
+        result = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", self.name],
+                                capture_output=True, text=True)
+        return result.stdout.strip() == "true"
+
+    def wait_ready(self, timeout_s: float) -> float:
+        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.logs)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def run_container(image: str, *, port: int | None = None, volumes: Sequence[str] = (),
+                  env: dict[str, str] | None = None, gpus: bool = False, shm_size: str = "1g",
+                  name_prefix: str = "pipeline", args: Sequence[str] = (),
+                  docker_args: Sequence[str] = ()) -> Iterator[RunningContainer]:
+    """`docker run -d` the image with its port 8080 on 127.0.0.1:port; always `docker rm -f` it on exit.
+
+    volumes are "HOST:CONTAINER[:ro]" strings. vLLM needs more /dev/shm than Docker's 64 MB default.
+    """
+    if not docker_answers():
+        raise StageError("running the image needs a Docker daemon (buildah can build but not run it); "
+                         + START_HINT)
+    port = port or free_port()
+    # a name known before `docker run`, so an interrupt during the run itself still finds the container
+    name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+    cmd = ["docker", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8080", "--shm-size", shm_size]
+    if gpus:
+        cmd += ["--gpus", "all"]
+    for volume in volumes:
+        cmd += ["-v", volume]
+    for key, value in (env or {}).items():
+        cmd += ["-e", f"{key}={value}"]
+    cmd += [*docker_args, image, *args]
+    # Snakemake stops jobs with SIGTERM, which would skip `finally` and leak a running server
+    previous = None
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        pass
+    try:
+        run(cmd, what=f"docker run {image}")
+        yield RunningContainer(name, port)
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def image_exists(ref: str, builder: str = "docker") -> bool:
+    cmd = ["docker", "image", "inspect", ref] if builder == "docker" else ["buildah", "inspect", "--type", "image", ref]
+    return subprocess.run(cmd, capture_output=True, env=builder_env(builder)).returncode == 0
+
+
+def image_id(ref: str, builder: str = "docker") -> str:
+    """The image's config digest, "sha256:<hex>" for both builders."""
+    if builder == "docker":
+        out = run(["docker", "image", "inspect", "-f", "{{.Id}}", ref], what=f"docker image inspect {ref}")
+    else:
+        out = run(["buildah", "inspect", "--type", "image", "-f", "{{.FromImageID}}", ref], builder="buildah",
+                  what=f"buildah inspect {ref}")
+    out = out.strip()
+    return out if out.startswith("sha256:") else f"sha256:{out}"
+
+
+def image_size(ref: str, builder: str = "docker") -> int | None:
+    """Unpacked size in bytes (Docker only; None for buildah)."""
+    if builder != "docker":
+        return None
+    return int(run(["docker", "image", "inspect", "-f", "{{.Size}}", ref], what=f"docker image inspect {ref}"))
+
+
+def save_image(ref: str, out_path: str | Path, builder: str = "docker", compress_level: int = 1) -> Path:
+    """Write a gzipped docker-archive (loadable by `docker load`) of ref to out_path.
+
+    gzip -n leaves name and time out of the header so identical images give identical bytes. Written to
+    a .partial file first: an interrupted save never leaves a file a rerun would trust.
+    """
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path.with_name(out_path.name + ".partial")
+    raw = out_path.with_name(out_path.name + ".tar.partial")
+    level = f"-{int(compress_level)}"
+    try:
+        with open(partial, "wb") as sink:
+            if builder == "docker":
+                save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                gzip = subprocess.Popen(["gzip", "-n", level], stdin=save.stdout, stdout=sink)
+                save.stdout.close()  # gzip owns the pipe now: docker save sees EPIPE if gzip dies
+                save_err = save.stderr.read().decode(errors="replace")
+                if save.wait() != 0:
+                    gzip.wait()
+                    raise StageError(f"docker save {ref} failed: {save_err.strip()[-2000:]}")
+                if gzip.wait() != 0:
+                    raise StageError(f"gzip of {ref} failed (disk full?)")
+            else:
+                raw.unlink(missing_ok=True)
+                run(["buildah", "push", ref, f"docker-archive:{raw}:{ref}"], builder="buildah",
+                    what=f"buildah push {ref}")
+                with open(raw, "rb") as source:
+                    if subprocess.run(["gzip", "-n", level], stdin=source, stdout=sink).returncode != 0:
+                        raise StageError(f"gzip of {ref} failed (disk full?)")
+        partial.replace(out_path)
+    finally:
+        partial.unlink(missing_ok=True)
+        raw.unlink(missing_ok=True)
+    return out_path

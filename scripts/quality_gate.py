@@ -1,0 +1,353 @@
+"""Quality gate: run lm-eval against the serving image's chat endpoint and fail below the thresholds.
+
+Each task runs through lm-eval's `local-chat-completions` exactly as the competition did (chat template
+applied by the server, few-shot as multi-turn, concurrency 8), one `simple_evaluate` per task because
+every task has its own generation settings: max tokens, temperature 0 and `chat_template_kwargs:
+{"enable_thinking": ...}`, which lm-eval copies verbatim from gen_kwargs into the request body.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import StageError, validate_json, write_json
+
+SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "quality.schema.yaml"
+TASK_DEFAULTS = {"num_fewshot": None, "thinking": False, "max_tokens": 256, "stream": False, "filter": "none"}
+
+
+def normalize_tasks(tasks: list[dict]) -> list[dict]:
+    out = []
+    for task in tasks:
+        task = {**TASK_DEFAULTS, **task}
+        missing = [k for k in ("name", "task", "metric", "threshold") if task.get(k) is None]
+        if missing:
+            raise StageError(f"quality task {task!r} lacks {', '.join(missing)}")
+        out.append(task)
+    names = [t["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise StageError(f"quality task names must be unique, got {names}")
+    return out
+
+
+def lm_eval_limit(limit: float | int | None) -> float | int | None:
+    # lm-eval reads a float < 1 as a fraction but 1.0 as "one doc"; our config means "all of it" by 1.
+    if limit is None or limit == 1:
+        return None
+    return limit if limit < 1 else int(limit)
+
+
+def gen_kwargs_for(task: dict) -> dict:
+    """Per-task generation settings, merged by lm-eval over the task YAML's generation_kwargs."""
+    return {
+        "max_gen_toks": int(task["max_tokens"]),
+        "temperature": 0.0,
+        "do_sample": False,
+        # passed through into the request body: the server's chat template reads it (thinking off by default)
+        "chat_template_kwargs": {"enable_thinking": bool(task["thinking"])},
+    }
+
+
+def build_task_requests(tasks: list[dict], *, base_url: str, model_name: str, num_concurrent: int,
+                        limit: float | int | None, timeout_s: int = 3600) -> list[dict]:
+    """One lm-eval invocation per task: its model args, simple_evaluate kwargs and result keys."""
+    requests = []
+    for task in normalize_tasks(tasks):
+        requests.append({
+            "name": task["name"],
+            "task": task["task"],
+            "stream": bool(task["stream"]),
+            "model_args": {
+                "model": model_name,
+                "base_url": base_url.rstrip("/") + "/v1/chat/completions",
+                "num_concurrent": int(num_concurrent),
+                "tokenized_requests": False,
+                "tokenizer_backend": None,  # no tokenizer download: the server applies the chat template
+                "max_retries": 3,
+                "timeout": int(timeout_s),  # per request; a 12k-token thinking answer takes minutes
+            },
+            "evaluate_kwargs": {
+                "num_fewshot": task["num_fewshot"],
+                "limit": lm_eval_limit(limit),
+                "gen_kwargs": gen_kwargs_for(task),
+                "apply_chat_template": True,
+                "fewshot_as_multiturn": True,
+            },
+            "metric_key": f"{task['metric']},{task['filter']}",
+            "stderr_key": f"{task['metric']}_stderr,{task['filter']}",
+        })
+    return requests
+
+
+def sse_to_completion(lines) -> dict:
+    """Join an OpenAI chat stream (SSE `data:` lines) into the shape of a non-streamed response."""
+    parts: dict[int, list[str]] = {}
+    for raw in lines:
+        line = (raw.decode() if isinstance(raw, bytes) else raw).strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            break
+        for choice in json.loads(data).get("choices", []):
+            # content only: a reasoning parser's `reasoning_content` is not the answer, as in non-streamed mode
+            parts.setdefault(choice.get("index", 0), []).append((choice.get("delta") or {}).get("content") or "")
+    return {"choices": [{"index": i, "message": {"content": "".join(p)}} for i, p in sorted(parts.items())]}
+
+
+def _streaming_chat_class():
+    """local-chat-completions with `stream: true` (lm-eval 0.4.11 cannot read a stream by itself)."""
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    class StreamingChatCompletion(LocalChatCompletion):
+        def _create_payload(self, *args, **kwargs) -> dict:
+            return {**super()._create_payload(*args, **kwargs), "stream": True}
+
+        def model_call(self, messages, *, generate=True, gen_kwargs=None, **kwargs):
+            import requests
+
+            payload = self._create_payload(self.create_message(messages), generate=generate,
+                                           gen_kwargs=copy.deepcopy(gen_kwargs), seed=self._seed, **kwargs)
+            with requests.post(self.base_url, json=payload, headers=self.header, stream=True,
+                               timeout=self.timeout) as response:
+                response.raise_for_status()
+                return sse_to_completion(response.iter_lines())
+
+        async def amodel_call(self, session, sem, messages, *, generate=True, cache_keys=None, ctxlens=None,
+                              gen_kwargs=None, **kwargs):
+            payload = self._create_payload(self.create_message(messages), generate=generate,
+                                           gen_kwargs=copy.deepcopy(gen_kwargs), seed=self._seed, **kwargs)
+            async with sem:
+                async with session.post(self.base_url, json=payload, headers=self.header) as response:
+                    if not response.ok:
+                        print(f"request failed ({response.status}): {(await response.text())[:500]}; retrying",
+                              file=sys.stderr)
+                    response.raise_for_status()
+                    lines = [line async for line in response.content]
+            answers = self.parse_generations(outputs=sse_to_completion(lines))
+            for answer, cache in zip(answers, cache_keys or []):
+                self.cache_hook.add_partial("generate_until", cache, answer)
+            return answers
+
+    return StreamingChatCompletion
+
+
+def _dataset_error(name: str, error: BaseException) -> str:
+    found = re.search(r"Couldn't reach '([^']+)'", str(error))
+    what = f"dataset {found.group(1)}" if found else "its dataset"
+    return (f"task {name}: cannot load {what} ({type(error).__name__}: {str(error)[:300]}). On an offline host "
+            "download it beforehand into the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE) on a connected "
+            "machine; gated sets (Idavidrein/gpqa) need HF_TOKEN and accepted terms.")
+
+
+def task_manager(tasks_dir: str | None):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(Path(tasks_dir).resolve()) if tasks_dir else None)
+
+
+def check_datasets(requests: list[dict], manager) -> None:
+    """Load every task's data before a server is started, and name every dataset that is missing."""
+    from lm_eval.tasks import get_task_dict
+
+    problems = []
+    for request in requests:
+        if request["task"] not in manager.all_tasks:
+            problems.append(f"task {request['name']}: lm-eval knows no task {request['task']!r}")
+            continue
+        try:
+            get_task_dict([request["task"]], manager)
+        except Exception as error:  # datasets raises ConnectionError, FileNotFoundError, hub errors...
+            problems.append(_dataset_error(request["name"], error))
+    if problems:
+        raise StageError("\n".join(problems))
+
+
+def _stderr_from_samples(samples: list[dict], metric: str) -> float | None:
+    """Binomial stderr over the flattened per-doc values (IFEval's instruction-level metric gets none)."""
+    values = []
+    for sample in samples:
+        value = sample.get(metric)
+        values.extend(value if isinstance(value, list) else [value])
+    values = [float(v) for v in values if isinstance(v, (bool, int, float))]
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def run_lm_eval(base_url: str, tasks: list[dict], *, model_name: str, num_concurrent: int = 8,
+                limit: float | int | None = None, tasks_dir: str | None = None, timeout_s: int = 3600,
+                samples_dir: str | Path | None = None, manager=None) -> dict[str, dict]:
+    """Run every task against an OpenAI-compatible server; return {name: {score, stderr, n, seconds, ...}}."""
+    import lm_eval
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    manager = manager or task_manager(tasks_dir)
+    scores = {}
+    for request in build_task_requests(tasks, base_url=base_url, model_name=model_name,
+                                       num_concurrent=num_concurrent, limit=limit, timeout_s=timeout_s):
+        print(f"[quality_gate] {request['name']}: lm_eval.simple_evaluate(model=local-chat-completions"
+              f"{' (streaming)' if request['stream'] else ''}, model_args={request['model_args']}, "
+              f"tasks=[{request['task']!r}], {request['evaluate_kwargs']})", flush=True)
+        model_class = _streaming_chat_class() if request["stream"] else LocalChatCompletion
+        start = time.monotonic()
+        output = lm_eval.simple_evaluate(model=model_class(**request["model_args"]), tasks=[request["task"]],
+                                         task_manager=manager, log_samples=True, **request["evaluate_kwargs"])
+        seconds = time.monotonic() - start
+        result = (output or {}).get("results", {}).get(request["task"], {})
+        samples = (output or {}).get("samples", {})
+        metric = request["metric_key"].split(",")[0]
+        stderr = _number(result.get(request["stderr_key"]))
+        stderr_source = "lm-eval"
+        if stderr is None and request["task"] in samples:
+            stderr, stderr_source = _stderr_from_samples(samples[request["task"]], metric), "samples"
+        n = output.get("n-samples", {}) if output else {}
+        scores[request["name"]] = {
+            "score": _number(result.get(request["metric_key"])),
+            "stderr": stderr,
+            "stderr_source": stderr_source if stderr is not None else None,
+            "n_docs": sum(v.get("effective", 0) for k, v in n.items()) if n else None,
+            "seconds": round(seconds, 1),
+            "available_metrics": sorted(k for k in result if "_stderr" not in k and k != "alias"),
+        }
+        print(f"[quality_gate] {request['name']}: {request['metric_key']} = {scores[request['name']]['score']} "
+              f"(stderr {stderr}) in {seconds:.0f} s", flush=True)
+        if samples_dir:
+            _write_samples(Path(samples_dir) / f"{request['name']}.jsonl", samples)
+    return scores
+
+
+def _write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
+    # what the model answered and how it was scored: the first thing to read when a gate fails
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep = ("doc_id", "target", "resps", "filtered_resps", "filter")
+    with open(path, "w") as handle:
+        for task, rows in samples.items():
+            for row in rows:
+                extra = {k: v for k, v in row.items() if k not in keep and k not in ("doc", "arguments",
+                                                                                    "doc_hash", "prompt_hash",
+                                                                                    "target_hash")}
+                handle.write(json.dumps({"task": task, **{k: row.get(k) for k in keep}, **extra},
+                                        default=str) + "\n")
+
+
+def evaluate_gate(scores: dict[str, dict], tasks: list[dict]) -> tuple[bool, list[dict]]:
+    """Compare each task's score with its threshold; a missing score fails."""
+    rows = []
+    for task in normalize_tasks(tasks):
+        got = scores.get(task["name"], {})
+        score, stderr = got.get("score"), got.get("stderr")
+        margin = None if score is None else score - task["threshold"]
+        passed = margin is not None and margin >= 0
+        close = margin is not None and stderr is not None and abs(margin) < 2 * stderr
+        rows.append({
+            "name": task["name"], "task": task["task"], "metric": task["metric"], "filter": task["filter"],
+            "score": score, "stderr": stderr, "threshold": task["threshold"], "margin": margin,
+            "passed": passed, "within_2_stderr": close,
+        })
+    return all(row["passed"] for row in rows), rows
+
+
+def format_table(rows: list[dict]) -> str:
+    def num(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    header = ["task", "metric", "score", "stderr", "threshold", "margin", "result"]
+    body = []
+    for row in rows:
+        margin = "-" if row["margin"] is None else f"{row['margin']:+.4f}"
+        result = "PASS" if row["passed"] else "FAIL"
+        if row["within_2_stderr"]:
+            result += " (WARN: |margin| < 2 stderr)"
+        if row["score"] is None:
+            result += " (no score)"
+        body.append([row["name"], f"{row['metric']},{row['filter']}", num(row["score"]), num(row["stderr"]),
+                     num(float(row["threshold"])), margin, result])
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def scores_copy_path(log_path: str) -> Path:
+    """logs/quality_gate/<variant>.log -> logs/quality_gate/<variant>.scores.json (kept when the job fails)."""
+    return Path(log_path).with_suffix(".scores.json")
+
+
+def main(job) -> None:
+    from containers import free_port, run_container, wait_for_ping  # container plumbing, host-side
+
+    p = job.params
+    tasks = normalize_tasks(p.tasks)
+    image = json.loads(Path(job.input.image).read_text())["ref"]
+    timeout_s = int(getattr(p, "request_timeout_s", 3600))
+    log_dir = scores_copy_path(job.log[0]).parent if job.log else None
+    samples_dir = Path(job.log[0]).with_suffix(".samples") if job.log else None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    manager = task_manager(p.tasks_dir)
+    requests = build_task_requests(tasks, base_url="http://unused", model_name=p.model_name,
+                                   num_concurrent=p.num_concurrent, limit=p.limit)
+    start = time.monotonic()
+    check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
+    with run_container(image, port=free_port(), gpus=bool(p.gpus), shm_size=p.shm_size,
+                       name_prefix="quality-gate") as container:
+        ping_s = wait_for_ping(container.base_url, p.ping_timeout_s, alive=container.alive, logs=container.logs)
+        print(f"[quality_gate] {image} answered /ping after {ping_s:.0f} s", flush=True)
+        try:
+            scores = run_lm_eval(container.base_url, tasks, model_name=p.model_name,
+                                 num_concurrent=p.num_concurrent, limit=p.limit, tasks_dir=p.tasks_dir,
+                                 timeout_s=timeout_s, samples_dir=samples_dir, manager=manager)
+        except StageError:
+            raise
+        except Exception as error:
+            raise StageError(f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
+                             f"last container log lines:\n{container.logs()}") from error
+
+    passed, rows = evaluate_gate(scores, tasks)
+    print(format_table(rows), flush=True)
+    import lm_eval
+
+    report = {
+        "image": image,
+        "model_name": p.model_name,
+        "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
+        "limit": p.limit,
+        "num_concurrent": p.num_concurrent,
+        "passed": passed,
+        "seconds": round(time.monotonic() - start, 1),
+        "server_ready_s": round(ping_s, 1),
+        "tasks": [{**row, **{k: scores.get(row["name"], {}).get(k) for k in ("n_docs", "seconds", "stderr_source")},
+                   **{k: t[k] for k in ("num_fewshot", "thinking", "max_tokens", "stream")}}
+                  for row, t in zip(rows, tasks)],
+    }
+    validate_json(report, SCHEMA)
+    write_json(job.output.scores, report)
+    if log_dir:  # Snakemake deletes a failed job's outputs; the log dir keeps the scores for the user
+        log_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(job.output.scores, scores_copy_path(job.log[0]))
+    if not passed:
+        failed = [f"{r['name']} {r['score'] if r['score'] is not None else 'no score'} < {r['threshold']}"
+                  for r in rows if not r["passed"]]
+        raise StageError(f"quality gate failed: {'; '.join(failed)} (scores kept in "
+                         f"{scores_copy_path(job.log[0]) if job.log else job.output.scores})")
+
+
+if __name__ == "__main__":
+    from common import run_stage
+
+    run_stage(main, globals().get("snakemake"), __file__)

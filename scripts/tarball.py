@@ -1,0 +1,46 @@
+"""Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from common import StageError, sha256_file
+from containers import image_exists, image_id, save_image
+
+
+def enforce_size_limit(path: Path, max_size_gb: float) -> int:
+    """Size in bytes; deletes the file and raises when it is over the limit (GB = 1e9 bytes)."""
+    size = path.stat().st_size
+    if size > max_size_gb * 1e9:
+        path.unlink()
+        raise StageError(f"{path} is {size / 1e9:.2f} GB, over the limit of {max_size_gb:g} GB (max_size_gb); "
+                         "deleted. Shrink the image (fewer packages, pruned vocabulary) or raise the limit")
+    return size
+
+
+def write_sha256(path: Path, sha_path: Path) -> str:
+    digest = sha256_file(path)
+    partial = sha_path.with_name(sha_path.name + ".partial")
+    partial.write_text(f"{digest}  {path.name}\n")  # `sha256sum -c` format, run from the file's folder
+    partial.replace(sha_path)
+    return digest
+
+
+def main(job) -> None:
+    image = json.loads(Path(job.input.image).read_text())
+    out = Path(job.output.tarball)
+    started = time.monotonic()
+    if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:
+        raise StageError(f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
+                         "rerun with `-R build_image`")
+    save_image(image["ref"], out, image["builder"], int(getattr(job.params, "compress_level", 1)))
+    size = enforce_size_limit(out, float(job.params.max_size_gb))
+    digest = write_sha256(out, Path(job.output.sha256))
+    print(f"{out}: {size / 1e9:.2f} GB, sha256 {digest}, {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    from common import run_stage
+    run_stage(main, globals().get("snakemake"), __file__)

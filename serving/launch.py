@@ -1,0 +1,92 @@
+"""Map serve.json to vLLM's own OpenAI server and exec it.
+
+Paths come from the image layout unless the environment overrides them, so the same code runs in
+the image, in host tests and in the compile-cache bake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Holds serving_plugins-0.1.dist-info, whose entry point registers serving.int4_fallback as a
+# vLLM general plugin; it has to be on sys.path of every vLLM process (the engine core is a
+# subprocess), hence PYTHONPATH rather than an import here.
+DIST_DIR = PACKAGE_DIR / "_dist"
+
+KNOWN_KEYS = {
+    "served_model_name", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
+    "kv_cache_dtype", "language_model_only", "gdn_prefill_backend", "cudagraph_capture_sizes",
+    "speculative", "default_thinking", "extra_args",
+}
+SPEC_METHODS = {"none", "mtp", "ngram", "suffix"}
+
+
+def _flag(name: str, on: bool) -> str:
+    return f"--{name}" if on else f"--no-{name}"
+
+
+def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080) -> list[str]:
+    """vLLM api_server arguments for a serve.json `settings` dict."""
+    unknown = set(settings) - KNOWN_KEYS
+    if unknown:
+        raise ValueError(f"unknown serve.json keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+    s = settings
+    args = [
+        "--model", str(model_dir),
+        "--served-model-name", s["served_model_name"],
+        "--host", host, "--port", str(port),
+        "--dtype", s.get("dtype", "bfloat16"),
+        "--max-model-len", str(s["max_model_len"]),
+        "--max-num-seqs", str(s["max_num_seqs"]),
+        "--kv-cache-dtype", s.get("kv_cache_dtype", "auto"),
+        _flag("enforce-eager", bool(s.get("enforce_eager", False))),
+        _flag("enable-prefix-caching", bool(s.get("enable_prefix_caching", True))),
+        _flag("language-model-only", bool(s.get("language_model_only", False))),
+        # Thinking off unless a request asks (chat_template_kwargs or top-level "thinking").
+        "--default-chat-template-kwargs",
+        json.dumps({"enable_thinking": bool(s.get("default_thinking", False))}),
+        "--middleware", "serving.middleware.ThinkingMiddleware",
+    ]
+    for key in ("max_num_batched_tokens", "gpu_memory_utilization", "gdn_prefill_backend"):
+        if s.get(key) is not None:
+            args += [f"--{key.replace('_', '-')}", str(s[key])]
+    if s.get("enable_chunked_prefill") is not None:
+        args.append(_flag("enable-chunked-prefill", bool(s["enable_chunked_prefill"])))
+    if s.get("cudagraph_capture_sizes"):
+        args += ["--cudagraph-capture-sizes", *map(str, s["cudagraph_capture_sizes"])]
+    spec = dict(s.get("speculative") or {"method": "none"})
+    if spec.get("method", "none") not in SPEC_METHODS:
+        raise ValueError(f"speculative.method must be one of {sorted(SPEC_METHODS)}, got {spec.get('method')!r}")
+    if spec.get("method", "none") != "none":
+        # Other keys (e.g. prompt_lookup_max for ngram) pass through to vLLM's SpeculativeConfig.
+        args += ["--speculative-config", json.dumps(spec)]
+    args += [str(a) for a in s.get("extra_args", [])]
+    return args
+
+
+def child_env(environ: dict) -> dict:
+    """Environment for the vLLM process: plugin dist-info and this package importable."""
+    env = dict(environ)
+    paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.setdefault(key, "1")  # the model is always local; never reach for a hub
+    return env
+
+
+def main() -> None:
+    config = os.environ.get("SERVE_CONFIG", "/opt/ml/serve.json")
+    model_dir = os.environ.get("MODEL_DIR", "/opt/ml/model")
+    with open(config) as f:
+        settings = json.load(f)
+    args = vllm_args(settings, model_dir, host=os.environ.get("HOST", "0.0.0.0"),
+                     port=int(os.environ.get("PORT", "8080")))
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    print("serving:", " ".join(cmd), flush=True)
+    # exec, not a child: vLLM gets the signals (docker stop) and its exit code is ours.
+    os.execve(sys.executable, cmd, child_env(dict(os.environ)))

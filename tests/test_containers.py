@@ -1,0 +1,268 @@
+import http.server
+import io
+import json
+import subprocess
+import tarfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+import build_image
+import containers
+from common import StageError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- detect_builder
+
+@pytest.mark.parametrize("docker, buildah, preference, expected", [
+    (True, True, "auto", "docker"),
+    (False, True, "auto", "buildah"),
+    (True, True, "buildah", "buildah"),
+    (True, False, "docker", "docker"),
+])
+def test_detect_builder_picks(monkeypatch, docker, buildah, preference, expected):
+    monkeypatch.setattr(containers, "docker_answers", lambda: docker)
+    monkeypatch.setattr(containers, "buildah_works", lambda: buildah)
+    assert containers.detect_builder(preference) == expected
+
+
+@pytest.mark.parametrize("docker, buildah, preference, message", [
+    (False, True, "docker", "start-docker.sh"),
+    (True, False, "buildah", "buildah"),
+    (False, False, "auto", "no image builder"),
+    (True, True, "podman", "auto, docker or buildah"),
+])
+def test_detect_builder_fails_clearly(monkeypatch, docker, buildah, preference, message):
+    monkeypatch.setattr(containers, "docker_answers", lambda: docker)
+    monkeypatch.setattr(containers, "buildah_works", lambda: buildah)
+    with pytest.raises(StageError, match=message):
+        containers.detect_builder(preference)
+
+
+def test_buildah_defaults_yield_to_the_environment(monkeypatch):
+    monkeypatch.setenv("STORAGE_DRIVER", "overlay")
+    env = containers.builder_env("buildah")
+    assert env["STORAGE_DRIVER"] == "overlay" and env["BUILDAH_ISOLATION"] == "chroot"
+    assert containers.builder_env("docker")["DOCKER_BUILDKIT"] == "0"
+
+
+# ---------------------------------------------------------------- wait_for_ping
+
+def serve(handler_get):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            handler_get(self)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def reply(handler, status):
+    handler.send_response(status)
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
+@pytest.fixture
+def servers():
+    started = []
+    yield lambda get: started.append(serve(get)) or started[-1][1]
+    for server, _ in started:
+        server.shutdown()
+        server.server_close()
+
+
+def test_wait_for_ping_returns_once_the_server_answers(servers):
+    ready_at = time.monotonic() + 1.0
+    url = servers(lambda h: reply(h, 200 if time.monotonic() >= ready_at and h.path == "/ping" else 503))
+    waited = containers.wait_for_ping(url, timeout_s=10, interval_s=0.2)
+    assert 0.9 <= waited < 5
+
+
+def test_wait_for_ping_times_out_on_a_server_that_never_answers(servers):
+    url = servers(lambda h: time.sleep(30))  # accepts the connection, never replies
+    start = time.monotonic()
+    with pytest.raises(StageError, match=r"never answered /ping within 2 s.*\n.*boot log line"):
+        containers.wait_for_ping(url, timeout_s=2, logs=lambda: "boot log line")
+    assert time.monotonic() - start < 4
+
+
+def test_wait_for_ping_times_out_on_errors(servers):
+    url = servers(lambda h: reply(h, 503))
+    with pytest.raises(StageError, match="HTTP 503"):
+        containers.wait_for_ping(url, timeout_s=1.5, interval_s=0.2)
+
+
+def test_wait_for_ping_stops_when_the_container_dies():
+    start = time.monotonic()
+    with pytest.raises(StageError, match="exited.*\n.*Insufficient space"):
+        containers.wait_for_ping(f"http://127.0.0.1:{containers.free_port()}", timeout_s=60,
+                                 alive=lambda: False, logs=lambda: "Insufficient space in /dev/shm")
+    assert time.monotonic() - start < 5
+
+
+# ---------------------------------------------------------------- build context
+
+def test_stage_context_layout(tmp_path):
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+    serving = tmp_path / "serving"
+    (serving / "__pycache__").mkdir(parents=True)
+    (serving / "__main__.py").write_text("print('hi')\n")
+    (serving / "__pycache__" / "x.pyc").write_bytes(b"")
+    cache_tar = tmp_path / "cache.tar"
+    with tarfile.open(cache_tar, "w") as archive:
+        data = b"compiled"
+        info = tarfile.TarInfo("vllm/torch_compile_cache/abc/artifact")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    serve_json = tmp_path / "serve.json"
+    serve_json.write_text("{}")
+    context = build_image.stage_context(tmp_path / "out" / "context", model, cache_tar, serving, serve_json,
+                                        ROOT / "Dockerfile")
+    assert (context / "model" / "model.safetensors").stat().st_ino == (model / "model.safetensors").stat().st_ino
+    assert (context / "cache" / "vllm/torch_compile_cache/abc/artifact").read_bytes() == b"compiled"
+    assert (context / "serving" / "__main__.py").exists() and not (context / "serving" / "__pycache__").exists()
+    assert (context / "serve.json").exists() and (context / "Dockerfile").exists()
+
+
+def test_serving_as_a_list_of_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("serving/sub").mkdir(parents=True)
+    for name in ("serving/__main__.py", "serving/sub/route.py"):
+        Path(name).write_text("")
+    build_image.copy_serving(["serving/__main__.py", "serving/sub/route.py"], tmp_path / "ctx" / "serving")
+    found = sorted(str(p.relative_to(tmp_path / "ctx")) for p in (tmp_path / "ctx").rglob("*.py"))
+    assert found == ["serving/__main__.py", "serving/sub/route.py"]
+
+
+def test_missing_local_base_asks_for_a_rebuild(tmp_path, monkeypatch):
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"ref": "docker.io/library/gone:1", "id": "sha256:00", "builder": "docker"}))
+    monkeypatch.setattr(build_image, "image_exists", lambda ref, builder: False)
+    with pytest.raises(StageError, match="-R base_image"):
+        build_image.resolve_base(str(base), None, "docker")
+    assert build_image.resolve_base(None, "vllm/vllm-openai:v0.1", "docker") == {"ref": "vllm/vllm-openai:v0.1",
+                                                                                 "id": None}
+
+
+# ---------------------------------------------------------------- with a Docker daemon
+
+needs_docker = pytest.mark.skipif(not containers.docker_answers(), reason="no Docker daemon (setup/start-docker.sh)")
+TINY = "docker.io/library/pipeline-test-tiny:1"
+
+
+def docker(*args):
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def tiny_image():
+    """A few-MB image: the host's /usr/bin/sleep and the libc it links, imported from a tar."""
+    if not containers.image_exists(TINY):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as archive:
+            for path in ("/usr/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
+                archive.add(Path(path).resolve(), arcname=path.lstrip("/"))
+        subprocess.run(["docker", "import", "--change", "ENV PYTHONPATH=/base/site", "-", TINY],
+                       input=buffer.getvalue(), capture_output=True, check=True)
+    return TINY
+
+
+def containers_named(name):
+    return docker("ps", "-aq", "--filter", f"name=^/{name}$")
+
+
+@pytest.mark.e2e
+@needs_docker
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_run_container_always_removes_it(tiny_image, error):
+    with pytest.raises(error):
+        with containers.run_container(tiny_image, args=["/usr/bin/sleep", "300"], name_prefix="test-rm") as box:
+            name = box.name
+            assert box.alive() and containers_named(name)
+            raise error("boom")
+    assert containers_named(name) == ""
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_wait_ready_reports_an_exited_container(tiny_image):
+    with containers.run_container(tiny_image, args=["/usr/bin/sleep", "--bogus"], name_prefix="test-exit") as box:
+        with pytest.raises(StageError, match="exited.*\n.*(unrecognized|invalid) option"):
+            box.wait_ready(timeout_s=30)
+    assert containers_named(box.name) == ""
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_save_image_of_a_missing_image_leaves_nothing(tmp_path):
+    with pytest.raises(StageError, match="docker save"):
+        containers.save_image("docker.io/library/no-such-image:0", tmp_path / "image.tar.gz")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_dockerfile_layout_and_env(tmp_path, tiny_image):
+    ckpt, serving = tmp_path / "ckpt", tmp_path / "serving"
+    ckpt.mkdir()
+    serving.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (serving / "__main__.py").write_text("")
+    (tmp_path / "serve.json").write_text("{}")
+    with tarfile.open(tmp_path / "cache.tar", "w"):
+        pass  # an empty compile cache must still build
+    job = NS(input=NS(model=str(ckpt), cache=str(tmp_path / "cache.tar"), serving=str(serving),
+                      serve=str(tmp_path / "serve.json"), dockerfile=str(ROOT / "Dockerfile"),
+                      base=None),
+             params=NS(tag="docker.io/library/pipeline-test-built:1", builder="docker", base_ref=tiny_image),
+             output=NS(image=str(tmp_path / "out" / "image.json")))
+    try:
+        build_image.main(job)
+        out = json.loads(Path(job.output.image).read_text())
+        assert out["ref"] == job.params.tag and out["base"]["id"] == containers.image_id(tiny_image)
+        config = json.loads(docker("image", "inspect", "-f", "{{json .Config}}", job.params.tag))
+        env = dict(item.split("=", 1) for item in config["Env"])
+        assert env["PYTHONPATH"] == "/opt/ml/code:/base/site"  # the base's entries kept
+        assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CACHE_ROOT"] == "/opt/ml/cache/vllm"
+        assert config["Entrypoint"] == ["python3", "-m", "serving"] and "8080/tcp" in config["ExposedPorts"]
+        assert not (tmp_path / "out" / "context").exists()
+    finally:
+        subprocess.run(["docker", "rmi", "-f", job.params.tag], capture_output=True)
+
+
+def built_base_images():
+    for path in sorted(ROOT.glob("results/**/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue
+        if isinstance(data, dict) and "site_packages" in data and containers.image_exists(data.get("ref", "")):
+            return data
+    return None
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_base_image_imports_vllm():
+    base = built_base_images()
+    if base is None:
+        pytest.skip("no base image built yet (snakemake base_image)")
+    result = subprocess.run(["docker", "run", "--rm", base["ref"], "python3", "-c",
+                             "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "+cpu" in result.stdout

@@ -1,0 +1,322 @@
+"""quality_gate: gate logic (plain python3) and lm-eval wiring against a fake chat server (e2e, eval venv)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from common import StageError, validate_json
+from quality_gate import (build_task_requests, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
+                          scores_copy_path, sse_to_completion)
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS_DIR = ROOT / "data" / "tiny" / "tasks"
+EVAL_PYTHON = ROOT / ".venvs" / "eval" / "bin" / "python"
+ANSWER = "The answer is (A)."
+
+TINY_TASKS = [
+    {"name": "tiny_mc", "task": "tiny_mc", "num_fewshot": 0, "thinking": False, "max_tokens": 32,
+     "metric": "exact_match", "filter": "custom-extract", "threshold": 0.0},
+    {"name": "tiny_ifeval", "task": "tiny_ifeval", "num_fewshot": 0, "thinking": False, "max_tokens": 64,
+     "metric": "inst_level_strict_acc", "filter": "none", "threshold": 0.0},
+    {"name": "tiny_mc_think", "task": "tiny_mc_think", "num_fewshot": 0, "thinking": True, "stream": True,
+     "max_tokens": 64, "metric": "exact_match", "filter": "flexible-extract", "threshold": 0.0},
+]
+
+
+def _task(name="mmlu_pro", threshold=0.621, **kw):
+    return {"name": name, "task": name, "metric": "exact_match", "filter": "custom-extract",
+            "threshold": threshold, **kw}
+
+
+# ---- gate logic -------------------------------------------------------------------------------------
+
+def test_below_threshold_fails_and_table_says_so():
+    tasks = [_task("mmlu_pro", 0.621), _task("ifeval", 0.814)]
+    passed, rows = evaluate_gate({"mmlu_pro": {"score": 0.70, "stderr": 0.01},
+                                  "ifeval": {"score": 0.80, "stderr": 0.001}}, tasks)
+    assert passed is False
+    assert [r["passed"] for r in rows] == [True, False]
+    assert rows[1]["margin"] == pytest.approx(-0.014)
+    table = format_table(rows)
+    lines = table.splitlines()
+    assert lines[0].split()[:7] == ["task", "metric", "score", "stderr", "threshold", "margin", "result"]
+    mmlu = next(line for line in lines if line.startswith("mmlu_pro"))
+    ifeval = next(line for line in lines if line.startswith("ifeval"))
+    assert "0.7000" in mmlu and "0.6210" in mmlu and "+0.0790" in mmlu and mmlu.rstrip().endswith("PASS")
+    assert "0.8000" in ifeval and "-0.0140" in ifeval and "FAIL" in ifeval and "WARN" not in ifeval
+
+
+def test_all_at_or_above_threshold_passes():
+    passed, rows = evaluate_gate({"a": {"score": 0.621, "stderr": None}}, [_task("a", 0.621)])
+    assert passed and rows[0]["passed"] and rows[0]["margin"] == 0
+    assert "-" in format_table(rows).splitlines()[2].split()  # no stderr printed as "-"
+
+
+def test_margin_within_two_stderr_warns_both_ways():
+    tasks = [_task("close_pass", 0.63), _task("close_fail", 0.63), _task("clear", 0.63)]
+    _, rows = evaluate_gate({"close_pass": {"score": 0.66, "stderr": 0.02},   # +0.03 < 0.04
+                             "close_fail": {"score": 0.61, "stderr": 0.02},   # -0.02
+                             "clear": {"score": 0.70, "stderr": 0.02}}, tasks)  # +0.07 > 0.04
+    assert [r["within_2_stderr"] for r in rows] == [True, True, False]
+    assert [r["passed"] for r in rows] == [True, False, True]
+    lines = format_table(rows).splitlines()
+    assert "PASS (WARN" in lines[2] and "FAIL (WARN" in lines[3] and "WARN" not in lines[4]
+
+
+def test_missing_score_fails():
+    passed, rows = evaluate_gate({}, [_task("gpqa", 0.63)])
+    assert not passed and rows[0]["score"] is None and "no score" in format_table(rows)
+
+
+def test_requests_carry_thinking_tokens_and_stream_per_task():
+    reqs = build_task_requests(TINY_TASKS, base_url="http://127.0.0.1:9/", model_name="m",
+                               num_concurrent=8, limit=0.1)
+    by_name = {r["name"]: r for r in reqs}
+    assert by_name["tiny_mc"]["evaluate_kwargs"]["gen_kwargs"] == {
+        "max_gen_toks": 32, "temperature": 0.0, "do_sample": False,
+        "chat_template_kwargs": {"enable_thinking": False}}
+    assert by_name["tiny_mc_think"]["evaluate_kwargs"]["gen_kwargs"]["chat_template_kwargs"] == {
+        "enable_thinking": True}
+    assert [r["stream"] for r in reqs] == [False, False, True]
+    args = by_name["tiny_ifeval"]["model_args"]
+    assert args["base_url"] == "http://127.0.0.1:9/v1/chat/completions"
+    assert args["tokenized_requests"] is False and args["tokenizer_backend"] is None
+    assert args["num_concurrent"] == 8 and args["model"] == "m"
+    assert by_name["tiny_ifeval"]["metric_key"] == "inst_level_strict_acc,none"
+    assert by_name["tiny_mc"]["stderr_key"] == "exact_match_stderr,custom-extract"
+    assert by_name["tiny_mc"]["evaluate_kwargs"]["limit"] == 0.1
+
+
+def test_limit_and_task_validation():
+    assert lm_eval_limit(None) is None and lm_eval_limit(1) is None and lm_eval_limit(1.0) is None
+    assert lm_eval_limit(0.1) == 0.1 and lm_eval_limit(50) == 50
+    with pytest.raises(StageError, match="threshold"):
+        normalize_tasks([{"name": "x", "task": "x", "metric": "m"}])
+    with pytest.raises(StageError, match="unique"):
+        normalize_tasks([_task("x"), _task("x")])
+
+
+def test_sse_stream_is_joined_like_a_plain_response():
+    lines = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}', b"",
+             b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}',
+             b'data: {"choices":[{"index":0,"delta":{"content":"The answer"}}]}',
+             b'data: {"choices":[{"index":0,"delta":{"content":" is (B)."},"finish_reason":"stop"}]}',
+             b"data: [DONE]"]
+    assert sse_to_completion(lines) == {"choices": [{"index": 0, "message": {"content": "The answer is (B)."}}]}
+
+
+def test_scores_copy_sits_beside_the_log():
+    assert scores_copy_path("logs/quality_gate/tiny-awq-mtp1.log") == Path(
+        "logs/quality_gate/tiny-awq-mtp1.scores.json")
+
+
+def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
+    _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)])
+    report = {"image": "docker.io/library/x:y", "model_name": "m", "lm_eval_version": "0.4.11", "limit": 0.1,
+              "num_concurrent": 8, "passed": True, "seconds": 1.0, "server_ready_s": 2.0,
+              "tasks": [{**rows[0], "n_docs": 3, "seconds": 0.5, "stderr_source": "lm-eval", "num_fewshot": 5,
+                         "thinking": False, "max_tokens": 10, "stream": False}]}
+    schema = ROOT / "schemas" / "quality.schema.yaml"
+    validate_json(report, schema)
+    with pytest.raises(StageError, match="score"):
+        validate_json({**report, "tasks": [{**report["tasks"][0], "score": 1.5}]}, schema)
+
+
+def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
+    # the committed data must be reproducible from generate.py
+    code = (f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; "
+            "print(len(generate.mc_docs(1, 32, '+-')))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "32"
+    before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
+    subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)
+    after = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
+    assert before == after and len(before) == 4
+
+
+# ---- e2e: real lm-eval against a fake OpenAI-compatible chat server -----------------------------------
+
+class _FakeChat(BaseHTTPRequestHandler):
+    bodies: list = []
+    lock = threading.Lock()
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._send(200, {"status": "ok"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            self.bodies.append({"path": self.path, **body})
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for piece in (ANSWER[:7], ANSWER[7:]):
+                chunk = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        self._send(200, {"id": "x", "object": "chat.completion", "model": body.get("model"),
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": ANSWER}}]})
+
+    def _send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_server():
+    _FakeChat.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeChat)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _FakeChat.bodies
+    server.shutdown()
+    server.server_close()
+
+
+def _gold(name):
+    return [json.loads(line)["answer"] for line in (TASKS_DIR / name).read_text().splitlines()]
+
+
+def _ifeval_expected():
+    """IFEval's instruction-level strict accuracy of ANSWER on every tiny_ifeval doc, computed directly."""
+    code = ("import json, sys\nfrom lm_eval.tasks.ifeval.utils import process_results\n"
+            f"docs = [json.loads(l) for l in open({str(TASKS_DIR / 'tiny_ifeval.test.jsonl')!r})]\n"
+            f"flat = [x for d in docs for x in process_results(d, [{ANSWER!r}])['inst_level_strict_acc']]\n"
+            "print(json.dumps([sum(flat), len(flat)]))")
+    out = subprocess.run([str(EVAL_PYTHON), "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not EVAL_PYTHON.exists(), reason="needs .venvs/eval")
+def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
+    base_url, bodies = fake_server
+    driver = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+        "from quality_gate import run_lm_eval\n"
+        f"scores = run_lm_eval({base_url!r}, json.loads(sys.argv[1]), model_name='fake-model', num_concurrent=4,\n"
+        f"                     limit=None, tasks_dir={str(TASKS_DIR)!r}, samples_dir={str(tmp_path)!r})\n"
+        "print('SCORES ' + json.dumps(scores))\n")
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(TINY_TASKS)], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    scores = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("SCORES "))[7:])
+
+    mc_gold = _gold("tiny_mc.test.jsonl")
+    think_gold = _gold("tiny_mc_think.test.jsonl")
+    assert 0 < mc_gold.count("A") < len(mc_gold)  # otherwise the check below proves little
+    assert scores["tiny_mc"]["score"] == pytest.approx(float(Fraction(mc_gold.count("A"), len(mc_gold))))
+    assert scores["tiny_mc_think"]["score"] == pytest.approx(think_gold.count("(A)") / len(think_gold))
+    followed, total = _ifeval_expected()
+    assert scores["tiny_ifeval"]["score"] == pytest.approx(followed / total)
+    assert scores["tiny_ifeval"]["stderr"] is not None and scores["tiny_mc"]["stderr"] > 0
+    assert scores["tiny_mc"]["n_docs"] == len(mc_gold)
+
+    def sent(prompt_part):
+        return [b for b in bodies if prompt_part in json.dumps(b["messages"])]
+
+    mc = sent("Options:\\nA. ")
+    think = sent("What is the correct answer to this question:")
+    ifeval = [b for b in bodies if b not in mc and b not in think]
+    assert (len(mc), len(think), len(ifeval)) == (len(mc_gold), len(think_gold), 24)
+    assert all(b["path"] == "/v1/chat/completions" and b["model"] == "fake-model" for b in bodies)
+    assert all(b["chat_template_kwargs"] == {"enable_thinking": False} for b in mc + ifeval)
+    assert all(b["chat_template_kwargs"] == {"enable_thinking": True} for b in think)
+    assert all(b.get("stream") is True for b in think) and not any(b.get("stream") for b in mc + ifeval)
+    assert {b["max_tokens"] for b in mc} == {32} and {b["max_tokens"] for b in think} == {64}
+    assert all(b["temperature"] == 0 for b in bodies)
+    assert (tmp_path / "tiny_mc.jsonl").read_text().count("\n") == len(mc_gold)
+
+
+_MAIN_DRIVER = '''
+import contextlib, json, sys, types
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, {scripts!r})
+from common import StageError
+import quality_gate
+
+# an offline host must name the dataset it lacks, before any server is started
+manager = quality_gate.task_manager(None)
+reqs = quality_gate.build_task_requests(
+    [{{"name": "ifeval", "task": "ifeval", "metric": "inst_level_strict_acc", "threshold": 0.8}},
+     {{"name": "typo", "task": "no_such_task", "metric": "x", "threshold": 0.8}}],
+    base_url="http://unused", model_name="m", num_concurrent=1, limit=None)
+try:
+    quality_gate.check_datasets(reqs, manager)
+    print("OFFLINE-CHECK no error")
+except StageError as error:
+    print("OFFLINE-CHECK " + json.dumps(str(error)))
+
+# main() with the container plumbing replaced by the fake server already listening
+@contextlib.contextmanager
+def run_container(image, **kwargs):
+    print("RUN-CONTAINER " + json.dumps([image, kwargs]))
+    yield SimpleNamespace(base_url={base_url!r}, alive=lambda: True, logs=lambda: "(fake)")
+sys.modules["containers"] = types.SimpleNamespace(
+    run_container=run_container, free_port=lambda: 1, wait_for_ping=lambda url, timeout, **kw: 0.5)
+tmp = Path({tmp!r})
+(tmp / "image.json").write_text(json.dumps({{"ref": "docker.io/library/fake:1"}}))
+job = SimpleNamespace(
+    input=SimpleNamespace(image=str(tmp / "image.json"), venv="unused"),
+    output=SimpleNamespace(scores=str(tmp / "results" / "quality.json")),
+    params=SimpleNamespace(model_name="fake-model", tasks=json.loads(sys.argv[1]), limit=None, num_concurrent=4,
+                           ping_timeout_s=5, gpus=False, shm_size="1g", tasks_dir={tasks_dir!r}),
+    log=[str(tmp / "logs" / "v1.log")], threads=1)
+try:
+    quality_gate.main(job)
+    print("MAIN passed")
+except StageError as error:
+    print("MAIN " + json.dumps(str(error)))
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not EVAL_PYTHON.exists(), reason="needs .venvs/eval")
+def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake_server, tmp_path):
+    base_url, _ = fake_server
+    tasks = [dict(TINY_TASKS[0], threshold=0.5), TINY_TASKS[1]]  # the fixed answer scores 5/32 on tiny_mc
+    driver = _MAIN_DRIVER.format(scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path),
+                                 tasks_dir=str(TASKS_DIR))
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines()
+             if line.split(" ", 1)[0] in ("OFFLINE-CHECK", "RUN-CONTAINER", "MAIN")}
+    offline = json.loads(lines["OFFLINE-CHECK"])
+    assert "google/IFEval" in offline and "no_such_task" in offline
+
+    image, kwargs = json.loads(lines["RUN-CONTAINER"])
+    assert image == "docker.io/library/fake:1" and kwargs["gpus"] is False and kwargs["shm_size"] == "1g"
+    message = json.loads(lines["MAIN"])
+    assert "quality gate failed" in message and "tiny_mc" in message and "tiny_ifeval" not in message
+    out = run.stdout.splitlines()  # the table goes to stdout, i.e. the rule's log
+    header = next(i for i, line in enumerate(out) if line.split()[:4] == ["task", "metric", "score", "stderr"])
+    assert out[header + 2].startswith("tiny_mc ") and "FAIL" in out[header + 2]
+    assert out[header + 3].startswith("tiny_ifeval ") and "PASS" in out[header + 3]
+    report = json.loads((tmp_path / "results" / "quality.json").read_text())
+    assert report == json.loads((tmp_path / "logs" / "v1.scores.json").read_text())
+    assert report["passed"] is False and [t["passed"] for t in report["tasks"]] == [False, True]
+    assert report["tasks"][0]["score"] == pytest.approx(_gold("tiny_mc.test.jsonl").count("A") / 32)
+    validate_json(report, ROOT / "schemas" / "quality.schema.yaml")
+    assert (tmp_path / "logs" / "v1.samples" / "tiny_ifeval.jsonl").exists()

@@ -1,0 +1,327 @@
+"""serving/: serve.json -> vLLM flags, the thinking rewrite, the int4 fallback, and real servers."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serving.launch import DIST_DIR, child_env, vllm_args  # noqa: E402
+from serving.middleware import ThinkingMiddleware, rewrite_body  # noqa: E402
+
+SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
+TINY = Path(os.environ.get("TINY_MODEL", ROOT / "weights/tiny-qwen3.5/checkpoint"))
+TINY_W4A16 = Path(os.environ.get("TINY_W4A16", ROOT / "results/tiny-awq/quantize/model"))
+
+BASE = {
+    "served_model_name": "Qwen/Qwen3.5-4B", "dtype": "bfloat16", "max_model_len": 1024,
+    "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
+    "kv_cache_dtype": "auto", "language_model_only": True,
+    "speculative": {"method": "none", "num_speculative_tokens": 0},
+    "default_thinking": False, "extra_args": [],
+}
+
+
+def value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+# ---------- vllm_args ----------
+
+def test_args_basic():
+    args = vllm_args(BASE, "/opt/ml/model")
+    assert value(args, "--model") == "/opt/ml/model"
+    assert value(args, "--served-model-name") == "Qwen/Qwen3.5-4B"
+    assert (value(args, "--host"), value(args, "--port")) == ("0.0.0.0", "8080")
+    assert value(args, "--max-model-len") == "1024" and value(args, "--max-num-seqs") == "4"
+    assert "--enforce-eager" in args and "--enable-prefix-caching" in args
+    assert "--language-model-only" in args
+    assert "--speculative-config" not in args
+    assert value(args, "--middleware") == "serving.middleware.ThinkingMiddleware"
+    assert "--max-num-batched-tokens" not in args and "--gdn-prefill-backend" not in args
+
+
+def test_args_thinking_off_by_default():
+    args = vllm_args({k: v for k, v in BASE.items() if k != "default_thinking"}, "m")
+    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": False}
+    args = vllm_args({**BASE, "default_thinking": True}, "m")
+    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": True}
+
+
+def test_args_mtp_without_prefix_caching():
+    args = vllm_args({**BASE, "enable_prefix_caching": False,
+                      "speculative": {"method": "mtp", "num_speculative_tokens": 3}}, "m")
+    assert json.loads(value(args, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+
+
+def test_args_optional_and_extra():
+    args = vllm_args({**BASE, "enforce_eager": False, "gpu_memory_utilization": 0.9,
+                      "max_num_batched_tokens": 8192, "enable_chunked_prefill": False,
+                      "kv_cache_dtype": "fp8", "gdn_prefill_backend": "triton",
+                      "cudagraph_capture_sizes": [1, 2, 4],
+                      "extra_args": ["--seed", "0", "--disable-log-stats"]},
+                     "m", port=9000)
+    assert "--no-enforce-eager" in args and value(args, "--port") == "9000"
+    assert value(args, "--gpu-memory-utilization") == "0.9"
+    assert value(args, "--max-num-batched-tokens") == "8192"
+    assert "--no-enable-chunked-prefill" in args
+    assert value(args, "--kv-cache-dtype") == "fp8" and value(args, "--gdn-prefill-backend") == "triton"
+    i = args.index("--cudagraph-capture-sizes")
+    assert args[i + 1:i + 4] == ["1", "2", "4"]
+    assert args[-3:] == ["--seed", "0", "--disable-log-stats"]  # last, so they win
+
+
+def test_args_reject_typos():
+    with pytest.raises(ValueError, match="unknown serve.json keys"):
+        vllm_args({**BASE, "max_model_length": 5}, "m")
+    with pytest.raises(ValueError, match="speculative.method"):
+        vllm_args({**BASE, "speculative": {"method": "eagle9"}}, "m")
+
+
+def test_child_env_puts_plugin_and_package_on_path():
+    env = child_env({"PYTHONPATH": "/opt/venv/site-packages"})
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    assert parts == [str(DIST_DIR), str(ROOT), "/opt/venv/site-packages"]
+    assert (DIST_DIR / "serving_plugins-0.1.dist-info/entry_points.txt").read_text().count(
+        "serving.int4_fallback:register") == 1
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+# ---------- middleware ----------
+
+def test_rewrite_body():
+    chat = {"messages": [{"role": "user", "content": "hi"}], "thinking": True}
+    out = json.loads(rewrite_body("/v1/chat/completions", json.dumps(chat).encode()))
+    assert out == {"messages": chat["messages"], "chat_template_kwargs": {"enable_thinking": True}}
+    out = json.loads(rewrite_body("/invocations", json.dumps({**chat, "thinking": False}).encode()))
+    assert out["chat_template_kwargs"] == {"enable_thinking": False} and "thinking" not in out
+    # completion-style /invocations: no template, the key just goes
+    out = json.loads(rewrite_body("/invocations", b'{"prompt": "x", "thinking": true}'))
+    assert out == {"prompt": "x"}
+    # explicit chat_template_kwargs wins, other kwargs survive
+    body = {**chat, "chat_template_kwargs": {"enable_thinking": False, "a": 1}}
+    out = json.loads(rewrite_body("/v1/chat/completions", json.dumps(body).encode()))
+    assert out["chat_template_kwargs"] == {"enable_thinking": False, "a": 1}
+    assert rewrite_body("/v1/completions", json.dumps(chat).encode()) is None
+    assert rewrite_body("/v1/chat/completions", b'{"messages": []}') is None
+    assert rewrite_body("/invocations", b"not json") is None
+
+
+def run_middleware(path, chunks, method="POST"):
+    seen = {}
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen.update(scope=scope, body=body)
+
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]
+
+    async def receive():
+        return messages.pop(0)
+
+    raw = b"".join(chunks)
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    asyncio.run(ThinkingMiddleware(app)(scope, receive, None))
+    return seen["scope"], seen["body"]
+
+
+def test_middleware_rewrites_chunked_body_and_length():
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "thinking": true}'
+    scope, body = run_middleware("/v1/chat/completions", [raw[:10], raw[10:]])
+    assert json.loads(body)["chat_template_kwargs"] == {"enable_thinking": True}
+    headers = dict(scope["headers"])
+    assert headers[b"content-length"] == str(len(body)).encode()
+    assert headers[b"content-type"] == b"application/json"
+
+
+def test_middleware_passes_others_through():
+    raw = b'{"prompt": "hi", "thinking": true}'
+    scope, body = run_middleware("/v1/completions", [raw])
+    assert body == raw
+    scope, body = run_middleware("/invocations", [b'{"prompt": "hi"}'])
+    assert body == b'{"prompt": "hi"}' and dict(scope["headers"])[b"content-length"] == b"16"
+
+
+# ---------- int4 dequant (needs the serve-cpu venv) ----------
+
+DEQUANT_CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from vllm.scalar_type import scalar_types
+from serving.int4_fallback import dequantize
+torch.manual_seed(0)
+out, inp, g = 64, 96, 32
+q = torch.randint(-8, 8, (out, inp), dtype=torch.int8)
+scale = torch.rand(out, inp // g, dtype=torch.bfloat16) + 0.1
+w = dequantize(pack_to_int32(q, 4), scale, None, scalar_types.uint4b8, inp)
+ref = (q.float() * scale.float().repeat_interleave(g, 1)).bfloat16()
+assert w.dtype == torch.bfloat16 and w.shape == (out, inp) and torch.equal(w, ref), (w - ref).abs().max()
+qa = torch.randint(-8, 8, (out, inp), dtype=torch.int8); zp = torch.randint(-8, 8, (out, inp // g), dtype=torch.int8)
+w = dequantize(pack_to_int32(qa, 4), scale, pack_to_int32(zp, 4, packed_dim=0), scalar_types.uint4, inp)
+ref = ((qa.float() - zp.float().repeat_interleave(g, 1)) * scale.float().repeat_interleave(g, 1)).bfloat16()
+assert torch.equal(w, ref)
+print("ok")
+"""
+
+
+@pytest.mark.e2e
+def test_dequantize_matches_compressed_tensors_packing():
+    r = subprocess.run([str(SERVE_PY), "-c", DEQUANT_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# ---------- real servers (one at a time) ----------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(port, path, body=None, timeout=300):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+        return r.status, (json.loads(raw) if raw.startswith("{") else raw)
+
+
+VARIANTS = {
+    "bf16-eager": (TINY, {}),
+    "w4a16-eager": (TINY_W4A16, {}),
+    "mtp1-eager": (TINY, {"enable_prefix_caching": False,
+                          "speculative": {"method": "mtp", "num_speculative_tokens": 1}}),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def server(request, tmp_path_factory):
+    model, overrides = VARIANTS[request.param]
+    if not (model / "config.json").exists():
+        pytest.skip(f"no checkpoint at {model}")
+    tmp = tmp_path_factory.mktemp(request.param)
+    (tmp / "serve.json").write_text(json.dumps({**BASE, **overrides}))
+    port = free_port()
+    env = {**os.environ, "SERVE_CONFIG": str(tmp / "serve.json"), "MODEL_DIR": str(model),
+           "PORT": str(port), "HOST": "127.0.0.1", "PYTHONPATH": str(ROOT),
+           "VLLM_CACHE_ROOT": str(tmp / "cache")}
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited {proc.returncode}:\n{(tmp / 'server.log').read_text()[-4000:]}")
+            if time.time() - t0 > 900:
+                pytest.fail(f"no /ping in 900 s:\n{(tmp / 'server.log').read_text()[-4000:]}")
+            try:
+                if http(port, "/ping", timeout=5)[0] == 200:
+                    break
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(2)
+        print(f"{request.param}: /ping 200 after {time.time() - t0:.0f} s")
+        yield port, request.param, tmp / "server.log"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own session: vLLM and its engine core
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+MSG = [{"role": "user", "content": "Say hello."}]
+NAME = BASE["served_model_name"]
+
+
+def rendered(port, path, body):
+    status, r = http(port, path, {**body, "return_prompt_text": True})
+    assert status == 200
+    return r["prompt_text"], r
+
+
+@pytest.mark.e2e
+def test_completions(server):
+    port, *_ = server
+    status, r = http(port, "/v1/completions", {"model": NAME, "prompt": "The capital of France is",
+                                               "max_tokens": 8, "temperature": 0.0})
+    assert status == 200 and r["choices"][0]["index"] == 0
+    assert isinstance(r["choices"][0]["text"], str) and 1 <= r["usage"]["completion_tokens"] <= 8
+    # greedy is deterministic
+    assert http(port, "/v1/completions", {"model": NAME, "prompt": "The capital of France is",
+                                          "max_tokens": 8, "temperature": 0.0})[1]["choices"][0]["text"] \
+        == r["choices"][0]["text"]
+
+
+@pytest.mark.e2e
+def test_chat_thinking_off_by_default_on_when_asked(server):
+    port, *_ = server
+    body = {"model": NAME, "messages": MSG, "max_tokens": 8, "temperature": 0.0}
+    off, r = rendered(port, "/v1/chat/completions", body)
+    assert off.endswith("<think>\n\n</think>\n\n"), off[-80:]
+    assert isinstance(r["choices"][0]["message"]["content"], str)
+    for on_body in ({**body, "thinking": True}, {**body, "chat_template_kwargs": {"enable_thinking": True}}):
+        on, _ = rendered(port, "/v1/chat/completions", on_body)
+        assert "</think>" not in on and on.rstrip().endswith("<think>"), on[-80:]
+
+
+@pytest.mark.e2e
+def test_chat_streaming(server):
+    port, *_ = server
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({"model": NAME, "messages": MSG, "max_tokens": 8, "temperature": 0.0,
+                         "stream": True}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = [ln.decode().strip() for ln in r if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert len(chunks) >= 2 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert any(ch["delta"].get("content") for c in chunks for ch in c["choices"])
+
+
+@pytest.mark.e2e
+def test_invocations(server):
+    port, *_ = server
+    status, r = http(port, "/invocations", {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0})
+    assert status == 200 and isinstance(r["choices"][0]["text"], str)
+    status, r = http(port, "/invocations", {"prompt": "Hello", "max_tokens": 4, "thinking": True})
+    assert status == 200 and "text" in r["choices"][0]
+    body = {"messages": MSG, "max_tokens": 4, "temperature": 0.0}
+    off, r = rendered(port, "/invocations", body)
+    assert isinstance(r["choices"][0]["message"]["content"], str) and off.endswith("</think>\n\n")
+    on, _ = rendered(port, "/invocations", {**body, "thinking": True})
+    assert "</think>" not in on
+
+
+@pytest.mark.e2e
+def test_metrics_and_plugin(server):
+    port, variant, log = server
+    status, text = http(port, "/metrics")
+    assert status == 200 and "vllm:" in text
+    if variant.startswith("w4a16"):
+        assert "int4 fallback: no cpu_gemm_wna16" in log.read_text()

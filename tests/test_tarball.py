@@ -1,0 +1,44 @@
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+import tarball
+from common import StageError
+
+
+def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
+    image = tmp_path / "image.json"
+    image.write_text(json.dumps({"ref": "docker.io/library/x:1", "id": "sha256:ab", "builder": "docker"}))
+    monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: True)
+    monkeypatch.setattr(tarball, "image_id", lambda ref, builder: "sha256:ab")
+    monkeypatch.setattr(tarball, "save_image", lambda ref, out, builder, level: Path(out).write_bytes(payload))
+    out = tmp_path / "out"
+    out.mkdir()
+    return NS(input=NS(image=str(image)), params=NS(max_size_gb=max_size_gb, compress_level=1),
+              output=NS(tarball=str(out / "image.tar.gz"), sha256=str(out / "image.tar.gz.sha256"))), out
+
+
+def test_refuses_an_oversized_tarball_and_leaves_nothing(tmp_path, monkeypatch):
+    job, out = fake_job(tmp_path, monkeypatch, b"x" * 5000, max_size_gb=1e-6)  # limit: 1000 bytes
+    with pytest.raises(StageError, match="over the limit of 1e-06 GB"):
+        tarball.main(job)
+    assert list(out.iterdir()) == []
+
+
+def test_writes_a_checkable_sha256(tmp_path, monkeypatch):
+    job, out = fake_job(tmp_path, monkeypatch, b"x" * 500, max_size_gb=1e-6)
+    tarball.main(job)
+    assert sorted(p.name for p in out.iterdir()) == ["image.tar.gz", "image.tar.gz.sha256"]
+    check = subprocess.run(["sha256sum", "-c", "image.tar.gz.sha256"], cwd=out, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_refuses_an_image_that_is_gone(tmp_path, monkeypatch):
+    job, out = fake_job(tmp_path, monkeypatch, b"x", max_size_gb=1)
+    monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: False)
+    with pytest.raises(StageError, match="-R build_image"):
+        tarball.main(job)
+    assert list(out.iterdir()) == []
