@@ -35,9 +35,14 @@ if config["variant"] not in config["variants"]:
 
 MODEL_DIR = f"weights/{config['model']['name']}"
 LOCAL_BASE = config["image"]["base"] == "local"
-SERVING_FILES = sorted(
-    str(path) for path in Path("serving").rglob("*") if path.is_file() and "__pycache__" not in path.parts
-)
+
+
+def project_files(folder):
+    """Files under a project folder as inputs; bytecode caches come and go and must not trigger reruns."""
+    return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+SERVING_FILES = project_files("serving")
 # Repairs each venv needs after `pip install` (see scripts/make_venv.py).
 VENV_REPAIRS = {"serve-cpu": ["drop_cuda_media", "guard_torchvision"]}
 

@@ -6,7 +6,7 @@ rule quality_gate:
         venv=venv("eval"),
         image=rules.build_image.output.image,
         schema="schemas/quality.schema.yaml",
-        tasks=sorted(str(p) for p in Path(TASKS_DIR).rglob("*") if p.is_file()) if TASKS_DIR else [],
+        tasks=project_files(TASKS_DIR) if TASKS_DIR else [],
     output:
         scores="results/{variant}/quality_gate/quality.json",
     params:

@@ -4,8 +4,6 @@ vLLM's torch.compile artifacts, inductor's and Triton's kernel caches all land u
 serving entrypoint points them there), which is mounted from the host here and copied into the image later.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

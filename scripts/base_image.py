@@ -5,8 +5,6 @@ with the serve-cpu venv's site-packages copied in and put on PYTHONPATH. The rea
 pinned vLLM image instead and skips this rule.
 """
 
-from __future__ import annotations
-
 import fnmatch
 import os
 import shutil

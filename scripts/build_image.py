@@ -4,8 +4,6 @@ The build context is staged next to the output (hard links, not copies, for the 
 Dockerfile sees a fixed layout: model/ cache/ serving/ serve.json Dockerfile.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

@@ -6,8 +6,6 @@ unpacks the `snakemake` object into a plain JSON job and, when the rule names a 
 same script with that venv's Python, which reads the job back and calls the stage's `main(job)`.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

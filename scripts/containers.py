@@ -5,8 +5,6 @@ Stdlib only: imported by the main interpreter. Two builders are supported: a Doc
 Running an image needs the Docker daemon.
 """
 
-from __future__ import annotations
-
 import os
 import secrets
 import shutil

@@ -6,8 +6,6 @@ The checkpoint is assembled in a sibling `.partial` directory and renamed into p
 complete, so a failed or interrupted run never leaves a checkpoint a rerun would trust.
 """
 
-from __future__ import annotations
-
 import os
 import re
 import shutil

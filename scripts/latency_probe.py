@@ -1,7 +1,5 @@
 """Time the competition's prompt/output categories against the built image, one request at a time."""
 
-from __future__ import annotations
-
 import json
 import statistics
 import time

@@ -1,8 +1,6 @@
 """Build one stage's virtualenv from envs/<name>.txt, apply the repairs that env is known to need,
 and record `pip freeze` as the rule's output (so a change to the requirements file reruns dependents)."""
 
-from __future__ import annotations
-
 import shutil
 import subprocess
 import sys

@@ -6,8 +6,6 @@ every task has its own generation settings: max tokens, temperature 0 and `chat_
 {"enable_thinking": ...}`, which lm-eval copies verbatim from gen_kwargs into the request body.
 """
 
-from __future__ import annotations
-
 import copy
 import json
 import math
@@ -152,6 +150,8 @@ def _dataset_error(name: str, error: BaseException) -> str:
 def task_manager(tasks_dir: str | None):
     from lm_eval.tasks import TaskManager
 
+    # lm-eval imports the tasks' utils.py; a __pycache__ there would change the rule's set of input files
+    sys.dont_write_bytecode = True
     return TaskManager(include_path=str(Path(tasks_dir).resolve()) if tasks_dir else None)
 
 
@@ -170,6 +170,29 @@ def check_datasets(requests: list[dict], manager) -> None:
             problems.append(_dataset_error(request["name"], error))
     if problems:
         raise StageError("\n".join(problems))
+
+
+def check_server(base_url: str, tasks: list[dict], model_name: str) -> int | None:
+    """Fail before any request when the server cannot honour the tasks; return its max_model_len.
+
+    vLLM answers every request with 400 when max_tokens exceeds max_model_len, and with 404 for an
+    unknown model name; lm-eval would retry each request and die deep in asyncio instead.
+    """
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=30) as reply:
+        models = json.loads(reply.read()).get("data", [])
+    ids = [m.get("id") for m in models]
+    if model_name not in ids:
+        raise StageError(f"the server serves {ids}, not the model name {model_name!r} the quality tasks send")
+    max_len = next((m.get("max_model_len") for m in models if m.get("id") == model_name), None)
+    if isinstance(max_len, int):
+        too_long = [f"{t['name']} (max_tokens {t['max_tokens']})" for t in normalize_tasks(tasks)
+                    if t["max_tokens"] >= max_len]
+        if too_long:
+            raise StageError(f"the server's max_model_len is {max_len}, too short for {', '.join(too_long)}: "
+                             "raise the variant's serve.max_model_len above max_tokens plus the prompt")
+    return max_len
 
 
 def _stderr_from_samples(samples: list[dict], metric: str) -> float | None:
@@ -308,6 +331,7 @@ def main(job) -> None:
                        name_prefix="quality-gate") as container:
         ping_s = wait_for_ping(container.base_url, p.ping_timeout_s, alive=container.alive, logs=container.logs)
         print(f"[quality_gate] {image} answered /ping after {ping_s:.0f} s", flush=True)
+        check_server(container.base_url, tasks, p.model_name)
         try:
             scores = run_lm_eval(container.base_url, tasks, model_name=p.model_name,
                                  num_concurrent=p.num_concurrent, limit=p.limit, tasks_dir=p.tasks_dir,

@@ -1,8 +1,6 @@
 """quantize: AWQ int4 (W4A16, group 32) of the source checkpoint with llmcompressor, written as a
 compressed-tensors checkpoint that vLLM serves, plus a manifest and a report."""
 
-from __future__ import annotations
-
 import json
 import os
 import random
@@ -211,7 +209,7 @@ def main(job) -> None:
 
     started = time.monotonic()
     calib = dict(job.params.calibration)
-    calib_file = getattr(job.input, "calibration", None)
+    calib_file = getattr(job.input, "calibration", None) or calib.get("path")
     source = calib.get("source") or ("text_file" if calib_file else "hf_dataset")
     seed = int(calib.get("seed", 0))
     max_seq_length = int(calib.get("max_seq_length", 2048))

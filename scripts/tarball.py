@@ -1,7 +1,5 @@
 """Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256."""
 
-from __future__ import annotations
-
 import json
 import time
 from pathlib import Path

@@ -6,8 +6,6 @@ files as the real checkpoint, only small. Heavy imports stay inside functions: t
 also imported by the main interpreter (tests of the chat template, the config builder).
 """
 
-from __future__ import annotations
-
 import json
 import os
 from pathlib import Path

