@@ -4,17 +4,13 @@
 ARG BASE
 FROM ${BASE}
 
-# Everything is read from the image: no hub, no downloads at start-up.
+# Everything is read from the image: no hub, no downloads at start-up. The cache locations under
+# /opt/ml/cache are set by serving/launch.py (the bake uses the same code), not here.
 ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_DATASETS_OFFLINE=1 \
     VLLM_NO_USAGE_STATS=1 \
-    DO_NOT_TRACK=1 \
-    VLLM_CACHE_ROOT=/opt/ml/cache/vllm \
-    TORCHINDUCTOR_CACHE_DIR=/opt/ml/cache/inductor \
-    TRITON_CACHE_DIR=/opt/ml/cache/triton \
-    FLASHINFER_WORKSPACE_BASE=/opt/ml/cache/flashinfer
-# FlashInfer appends .cache/flashinfer to FLASHINFER_WORKSPACE_BASE.
+    DO_NOT_TRACK=1
 # Keep the base's PYTHONPATH (the tiny base puts its site-packages there; vLLM's image has none).
 ENV PYTHONPATH=/opt/ml/code${PYTHONPATH:+:${PYTHONPATH}}
 

@@ -24,6 +24,13 @@ KNOWN_KEYS = {
     "speculative", "default_thinking", "extra_args",
 }
 SPEC_METHODS = {"none", "mtp", "ngram", "suffix"}
+# Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels.
+CACHE_DIRS = {
+    "VLLM_CACHE_ROOT": "vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",  # FlashInfer appends .cache/flashinfer itself
+}
 
 
 def _flag(name: str, on: bool) -> str:
@@ -76,6 +83,12 @@ def child_env(environ: dict) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         env.setdefault(key, "1")  # the model is always local; never reach for a hub
+    # One place decides where start-up caches live, so the bake (which mounts an empty cache dir into the
+    # base image) and the finished image (which ships the baked copy) read and write the same paths.
+    cache_root = Path(env.get("CACHE_DIR", "/opt/ml/cache"))
+    if cache_root.is_dir():
+        for key, sub in CACHE_DIRS.items():
+            env.setdefault(key, str(cache_root / sub))
     return env
 
 

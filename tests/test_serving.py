@@ -334,5 +334,8 @@ def test_metrics_and_plugin(server):
     port, variant, log = server
     status, text = http(port, "/metrics")
     assert status == 200 and "vllm:" in text
+    if variant.startswith("mtp"):  # the draft model really proposed tokens
+        drafted = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens_total")]
+        assert drafted and float(drafted[0].split()[-1]) > 0, drafted
     if variant.startswith("w4a16"):
         assert "int4 fallback: no cpu_gemm_wna16" in log.read_text()
