@@ -10,6 +10,7 @@ configfile: "config.yaml"
 
 
 include: "rules/common.smk"
+include: "rules/venv.smk"
 include: "rules/download.smk"
 include: "rules/quantize.smk"
 include: "rules/bake_compile_cache.smk"

@@ -18,5 +18,7 @@ rule bake_compile_cache:
         "logs/bake_compile_cache/{variant}.log",
     benchmark:
         "benchmarks/bake_compile_cache/{variant}.tsv"
+    conda:
+        "../envs/driver.yaml"
     script:
         "../scripts/bake_compile_cache.py"

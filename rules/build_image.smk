@@ -14,6 +14,8 @@ rule base_image:
         "logs/base_image/base_image.log",
     benchmark:
         "benchmarks/base_image/base_image.tsv"
+    conda:
+        "../envs/driver.yaml"
     script:
         "../scripts/base_image.py"
 
@@ -36,5 +38,7 @@ rule build_image:
         "logs/build_image/{variant}.log",
     benchmark:
         "benchmarks/build_image/{variant}.tsv"
+    conda:
+        "../envs/driver.yaml"
     script:
         "../scripts/build_image.py"

@@ -1,4 +1,5 @@
 import copy
+import os
 from pathlib import Path
 
 import jsonschema
@@ -84,16 +85,3 @@ def run_settings():
     """How a built image is started, for every stage that runs it."""
     image = config["image"]
     return {"gpus": image["gpus"], "shm_size": image["shm_size"], "ping_timeout_s": image["ping_timeout_s"]}
-
-
-rule venv:
-    input:
-        requirements="envs/{env}.txt",
-    output:
-        freeze=".venvs/{env}/pip-freeze.txt",
-    params:
-        repairs=lambda wildcards: VENV_REPAIRS.get(wildcards.env, []),
-    log:
-        "logs/venv/{env}.log",
-    script:
-        "../scripts/make_venv.py"

@@ -16,5 +16,7 @@ rule download:
         tiny=config["model"]["tiny"] if SYNTHETIC else None,
     log:
         "logs/download/download.log",
+    conda:
+        "../envs/compress.yaml"
     script:
         "../scripts/download.py"

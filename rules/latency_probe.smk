@@ -10,5 +10,7 @@ rule latency_probe:
         probe=config["probe"],
     log:
         "logs/latency_probe/{variant}.log",
+    conda:
+        "../envs/driver.yaml"
     script:
         "../scripts/latency_probe.py"

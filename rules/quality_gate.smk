@@ -14,11 +14,13 @@ rule quality_gate:
         tasks=config["quality"]["tasks"],
         limit=config["quality"]["limit"],
         num_concurrent=config["quality"]["num_concurrent"],
-        tasks_dir=TASKS_DIR,
+        tasks_dir=lambda wildcards, input: os.path.commonpath(input.tasks) if input.tasks else None,
         gpus=config["image"]["gpus"],
         shm_size=config["image"]["shm_size"],
         ping_timeout_s=config["image"]["ping_timeout_s"],
     log:
         "logs/quality_gate/{variant}.log",
+    conda:
+        "../envs/eval.yaml"
     script:
         "../scripts/quality_gate.py"

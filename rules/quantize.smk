@@ -18,5 +18,7 @@ rule quantize:
         "logs/quantize/{variant}.log",
     benchmark:
         "benchmarks/quantize/{variant}.tsv"
+    conda:
+        "../envs/compress.yaml"
     script:
         "../scripts/quantize.py"

@@ -14,5 +14,7 @@ rule tarball:
         "logs/tarball/tarball.log",
     benchmark:
         "benchmarks/tarball/tarball.tsv"
+    conda:
+        "../envs/driver.yaml"
     script:
         "../scripts/tarball.py"

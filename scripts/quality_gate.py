@@ -360,15 +360,14 @@ def main(job) -> None:
                   for row, t in zip(rows, tasks)],
     }
     validate_json(report, SCHEMA)
-    write_json(job.output.scores, report)
-    if log_dir:  # Snakemake deletes a failed job's outputs; the log dir keeps the scores for the user
-        log_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(job.output.scores, scores_copy_path(job.log[0]))
+    if log_dir:  # the user's copy, kept whether or not the gate passes
+        write_json(scores_copy_path(job.log[0]), report)
     if not passed:
         failed = [f"{r['name']} {r['score'] if r['score'] is not None else 'no score'} < {r['threshold']}"
                   for r in rows if not r["passed"]]
         raise StageError(f"quality gate failed: {'; '.join(failed)} (scores kept in "
-                         f"{scores_copy_path(job.log[0]) if job.log else job.output.scores})")
+                         f"{scores_copy_path(job.log[0]) if job.log else 'the log'})")
+    write_json(job.output.scores, report)  # only a passing gate leaves the output tarball depends on
 
 
 if __name__ == "__main__":

@@ -1,0 +1,14 @@
+rule venv:
+    """A stage's virtualenv from envs/<env>.txt; its pip freeze is what dependent rules depend on."""
+    input:
+        requirements="envs/{env}.txt",
+    output:
+        freeze=".venvs/{env}/pip-freeze.txt",
+    params:
+        repairs=lambda wildcards: VENV_REPAIRS.get(wildcards.env, []),
+    log:
+        "logs/venv/{env}.log",
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/make_venv.py"

@@ -1,0 +1,82 @@
+"""The whole tiny DAG, run as the README's first command runs it, and what it leaves behind."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common import validate_json
+from conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+VARIANT = TINY["variant"]
+RESULTS = ROOT / "results" / VARIANT
+
+
+def test_tiny_run_ends_in_a_checked_image_tarball(tiny_run):
+    tarball = ROOT / "image.tar.gz"
+    digest, name = (ROOT / "image.tar.gz.sha256").read_text().split()
+    assert name == "image.tar.gz"
+    assert hashlib.sha256(tarball.read_bytes()).hexdigest() == digest
+    assert tarball.stat().st_size < TINY["image"].get("max_size_gb", 20) * 1e9
+
+
+def test_every_stage_left_its_schema_valid_record(tiny_run):
+    latency = json.loads((RESULTS / "latency_probe" / "latency.json").read_text())
+    validate_json(latency, ROOT / "schemas" / "latency.schema.yaml")
+    assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]
+    assert all(c["runs"] == TINY["probe"]["runs"] for c in latency["categories"])
+    quality = json.loads((RESULTS / "quality_gate" / "quality.json").read_text())
+    validate_json(quality, ROOT / "schemas" / "quality.schema.yaml")
+    assert quality["passed"] is True
+    assert {t["name"] for t in quality["tasks"]} == {t["name"] for t in TINY["quality"]["tasks"]}
+    serve = json.loads((RESULTS / "bake_compile_cache" / "serve.json").read_text())
+    assert serve["speculative"] == {"method": "mtp", "num_speculative_tokens":
+                                    TINY["variants"][VARIANT]["speculative"]["k"]}
+
+
+def test_manifests_match_the_files(tiny_run):
+    from common import sha256_file
+
+    for folder, manifest in [(ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
+                              ROOT / "weights" / TINY["model"]["name"] / "manifest.json"),
+                             (RESULTS / "quantize" / "model", RESULTS / "quantize" / "manifest.json")]:
+        recorded = json.loads(manifest.read_text())
+        files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+        assert set(recorded) == files
+        for relpath, digest in recorded.items():
+            assert sha256_file(folder / relpath) == digest, relpath
+
+
+def test_gate_with_teeth_fails_and_stops_its_container(tiny_run, tmp_path):
+    """The same gate against the same image, with thresholds no model meets: non-zero exit, a table naming
+    every task, no output a rerun would trust, and no container left running."""
+    tasks = [dict(task, threshold=1.0) for task in TINY["quality"]["tasks"]]
+    job = {
+        "rule": "quality_gate",
+        "input": {"image": str(RESULTS / "build_image" / "image.json")},
+        "output": {"scores": str(tmp_path / "quality.json")},
+        "params": {"model_name": "Qwen/Qwen3.5-4B", "tasks": tasks, "limit": 4, "num_concurrent": 4,
+                   "tasks_dir": str(ROOT / TINY["quality"]["tasks_dir"]), "gpus": False, "shm_size": "1g",
+                   "ping_timeout_s": 900},
+        "log": [str(tmp_path / "gate.log")], "threads": 1, "wildcards": {"variant": VARIANT},
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    result = subprocess.run([str(ROOT / ".venvs" / "eval" / "bin" / "python"), str(ROOT / "scripts" / "quality_gate.py"),
+                             "--job", str(tmp_path / "job.json")], capture_output=True, text=True,
+                            env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "quality gate failed" in output
+    for task in tasks:
+        assert task["name"] in output
+    assert not (tmp_path / "quality.json").exists()
+    assert json.loads((tmp_path / "gate.scores.json").read_text())["passed"] is False
+    running = subprocess.run(["docker", "ps", "-q", "--filter", "name=quality-gate"], capture_output=True, text=True)
+    assert running.stdout.strip() == ""
