@@ -13,7 +13,7 @@ rule quantize:
         report="results/{variant}/quantize/report.json",
     params:
         calibration=config["calibration"],
-    threads: workflow.cores
+    threads: 4  # scaled down to --cores
     log:
         "logs/quantize/{variant}.log",
     benchmark:

@@ -34,3 +34,40 @@ def tiny_run():
     """The whole tiny DAG to image.tar.gz (what the README's first command does); reused when up to date."""
     result = snakemake("--cores", "2", "image.tar.gz", *TINY)
     return result
+
+
+def _tiny_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+
+
+@pytest.fixture(scope="session")
+def docker_daemon():
+    """A Docker daemon, started the way setup/install.sh starts it when none answers."""
+    subprocess.run(["bash", str(ROOT / "setup" / "start-docker.sh")], check=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_venvs) -> Path:
+    """The tiny profile's synthetic checkpoint, made by the pipeline's `download` rule."""
+    name = _tiny_config()["model"]["name"]
+    snakemake("--cores", "2", f"weights/{name}/manifest.json", *TINY)
+    return ROOT / "weights" / name / "checkpoint"
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized(tiny_venvs) -> Path:
+    """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule."""
+    variant = _tiny_config()["variant"]
+    snakemake("--cores", "2", f"results/{variant}/quantize/manifest.json", *TINY)
+    return ROOT / "results" / variant / "quantize" / "model"
+
+
+@pytest.fixture(scope="session")
+def tiny_base_image(tiny_venvs, docker_daemon) -> dict:
+    """The tiny profile's local base image (Debian + the CPU serving venv), made by `base_image`."""
+    import json
+
+    snakemake("--cores", "2", "results/base_image/image.json", *TINY)
+    return json.loads((ROOT / "results" / "base_image" / "image.json").read_text())

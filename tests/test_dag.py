@@ -39,7 +39,7 @@ def test_dag_renders_to_svg(tmp_path):
     if shutil.which("dot") is None:
         pytest.fail("graphviz `dot` is missing: run setup/install.sh")
     for profile in ([], TINY):
-        dag = snakemake("--dag", "image.tar.gz", *profile).stdout
+        dag = snakemake("image.tar.gz", *profile, "--dag").stdout  # --dag takes an optional format
         svg = subprocess.run(["dot", "-Tsvg"], input=dag, capture_output=True, text=True, check=True).stdout
         assert "<svg" in svg
         for stage in STAGES:

@@ -1,7 +1,7 @@
 """download stage: hub pinning/failure handling, the synthetic tiny checkpoint and its chat template.
 
 Quick tests run under plain python3 (no torch). Building the tiny checkpoint runs the stage in the
-compress venv through a subprocess (skipped when that venv is missing); loading it in transformers
+compress venv through a subprocess (built by the pipeline's venv rule); loading it in transformers
 and vLLM is e2e.
 """
 
@@ -156,9 +156,6 @@ def test_tiny_config_shape():
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
 
-needs_compress = pytest.mark.skipif(not COMPRESS.exists(), reason="compress venv not built")
-
-
 def run_stage_in_venv(tmp_path, name):
     j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096}, corpus=CORPUS)
     spec = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}
@@ -171,9 +168,7 @@ def run_stage_in_venv(tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    if not COMPRESS.exists():
-        pytest.skip("compress venv not built")
+def built(tmp_path_factory, tiny_venvs):
     tmp = tmp_path_factory.mktemp("tiny")
     return run_stage_in_venv(tmp, "a"), run_stage_in_venv(tmp, "b")
 
@@ -182,7 +177,7 @@ def headers(checkpoint):
     return {path.name: tiny_model.safetensors_header(path) for path in sorted(checkpoint.glob("*.safetensors"))}
 
 
-@needs_compress
+@pytest.mark.e2e
 def test_same_seed_gives_byte_identical_checkpoints(built):
     (first, manifest_a), (second, manifest_b) = built
     a, b = json.loads(manifest_a.read_text()), json.loads(manifest_b.read_text())
@@ -191,7 +186,7 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
 
-@needs_compress
+@pytest.mark.e2e
 def test_manifest_covers_all_files(built):
     (checkpoint, manifest_path), _ = built
     manifest = json.loads(manifest_path.read_text())
@@ -202,7 +197,7 @@ def test_manifest_covers_all_files(built):
             tiny_model.INDEX_FILE, tiny_model.MTP_FILE} <= files
 
 
-@needs_compress
+@pytest.mark.e2e
 def test_config_and_tokens(built):
     (checkpoint, _), _ = built
     config = json.loads((checkpoint / "config.json").read_text())
@@ -222,7 +217,7 @@ def test_config_and_tokens(built):
     assert json.loads((checkpoint / "processor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
 
 
-@needs_compress
+@pytest.mark.e2e
 def test_mtp_tensors_have_vllm_names_and_are_indexed(built):
     (checkpoint, _), _ = built
     tensors = headers(checkpoint)
@@ -236,7 +231,7 @@ def test_mtp_tensors_have_vllm_names_and_are_indexed(built):
     assert mtp["mtp.layers.0.self_attn.q_proj.weight"]["shape"] == [2 * 4 * 128, h]  # query + output gate
 
 
-@needs_compress
+@pytest.mark.e2e
 def test_weights_are_bf16_and_quantizable_dims_are_multiples_of_32(built):
     (checkpoint, _), _ = built
     tensors = {name: t for f in headers(checkpoint).values() for name, t in f.items()}
@@ -270,7 +265,6 @@ print("NEW", out.shape[1] - ids.input_ids.shape[1])
 
 
 @pytest.mark.e2e
-@needs_compress
 def test_transformers_reloads_and_generates(built):
     (checkpoint, _), _ = built
     result = subprocess.run([str(COMPRESS), "-c", RELOAD, str(checkpoint)], capture_output=True, text=True, timeout=600)
@@ -290,7 +284,6 @@ print("PROCESSOR", type(cached_get_processor(sys.argv[1])).__name__)
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not SERVE.exists(), reason="serve-cpu venv not built")
 def test_vllm_parses_the_checkpoint(built):
     (checkpoint, _), _ = built
     result = subprocess.run([str(SERVE), "-c", VLLM_PARSE, str(checkpoint)], capture_output=True, text=True, timeout=600)

@@ -217,7 +217,7 @@ def _ifeval_expected():
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not EVAL_PYTHON.exists(), reason="needs .venvs/eval")
+@pytest.mark.usefixtures("tiny_venvs")
 def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
     base_url, bodies = fake_server
     driver = (
@@ -303,7 +303,7 @@ except StageError as error:
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not EVAL_PYTHON.exists(), reason="needs .venvs/eval")
+@pytest.mark.usefixtures("tiny_venvs")
 def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake_server, tmp_path):
     base_url, _ = fake_server
     tasks = [dict(TINY_TASKS[0], threshold=0.5), TINY_TASKS[1]]  # the fixed answer scores 5/32 on tiny_mc
@@ -326,8 +326,8 @@ def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake
     header = next(i for i, line in enumerate(out) if line.split()[:4] == ["task", "metric", "score", "stderr"])
     assert out[header + 2].startswith("tiny_mc ") and "FAIL" in out[header + 2]
     assert out[header + 3].startswith("tiny_ifeval ") and "PASS" in out[header + 3]
-    report = json.loads((tmp_path / "results" / "quality.json").read_text())
-    assert report == json.loads((tmp_path / "logs" / "v1.scores.json").read_text())
+    assert not (tmp_path / "results" / "quality.json").exists()  # a failed gate leaves no output to trust
+    report = json.loads((tmp_path / "logs" / "v1.scores.json").read_text())
     assert report["passed"] is False and [t["passed"] for t in report["tasks"]] == [False, True]
     assert report["tasks"][0]["score"] == pytest.approx(_gold("tiny_mc.test.jsonl").count("A") / 32)
     validate_json(report, ROOT / "schemas" / "quality.schema.yaml")

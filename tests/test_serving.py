@@ -21,8 +21,6 @@ from serving.launch import DIST_DIR, child_env, vllm_args  # noqa: E402
 from serving.middleware import ThinkingMiddleware, rewrite_body  # noqa: E402
 
 SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
-TINY = Path(os.environ.get("TINY_MODEL", ROOT / "weights/tiny-qwen3.5/checkpoint"))
-TINY_W4A16 = Path(os.environ.get("TINY_W4A16", ROOT / "results/tiny-awq/quantize/model"))
 
 BASE = {
     "served_model_name": "Qwen/Qwen3.5-4B", "dtype": "bfloat16", "max_model_len": 1024,
@@ -215,18 +213,17 @@ def http(port, path, body=None, timeout=300):
 
 
 VARIANTS = {
-    "bf16-eager": (TINY, {}),
-    "w4a16-eager": (TINY_W4A16, {}),
-    "mtp1-eager": (TINY, {"enable_prefix_caching": False,
+    "bf16-eager": ("tiny_checkpoint", {}),
+    "w4a16-eager": ("tiny_quantized", {}),
+    "mtp1-eager": ("tiny_checkpoint", {"enable_prefix_caching": False,
                           "speculative": {"method": "mtp", "num_speculative_tokens": 1}}),
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def server(request, tmp_path_factory):
-    model, overrides = VARIANTS[request.param]
-    if not (model / "config.json").exists():
-        pytest.skip(f"no checkpoint at {model}")
+    fixture, overrides = VARIANTS[request.param]
+    model = request.getfixturevalue(fixture)  # built by the pipeline's own rules
     tmp = tmp_path_factory.mktemp(request.param)
     (tmp / "serve.json").write_text(json.dumps({**BASE, **overrides}))
     port = free_port()
