@@ -19,7 +19,8 @@ from containers import builder_env, detect_builder, image_id, image_size, run
 SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # triton is the GPU compiler (~1 GB, unused by vLLM's CPU backend); torch's C++ headers serve no one
-DEFAULT_EXCLUDE = ("triton", "triton-*.dist-info", "torch/include")
+# Triton has no CPU backend here. torch/include stays: inductor compiles C++ against it at start-up.
+DEFAULT_EXCLUDE = ("triton", "triton-*.dist-info")
 DEFAULT_SMOKE = "import torch, vllm; print(vllm.__version__, torch.__version__)"
 
 

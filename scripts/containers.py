@@ -6,6 +6,7 @@ Running an image needs the Docker daemon.
 """
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -122,8 +123,14 @@ class RunningContainer:
                                 capture_output=True, text=True)
         return result.stdout.strip() == "true"
 
+    def failure_summary(self, tail: int = 25) -> str:
+        """The log's distinct error lines (the root cause is often far above the tail), then its tail."""
+        full = self.logs(tail=100000).splitlines()
+        errors = list(dict.fromkeys(line for line in full if re.search(r"\w+(Error|Exception): ", line)))[-8:]
+        return "\n".join(["error lines:", *errors, "", "last lines:", *full[-tail:]] if errors else full[-tail:])
+
     def wait_ready(self, timeout_s: float) -> float:
-        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.logs)
+        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.failure_summary)
 
 
 def _raise_interrupt(signum, frame):

@@ -251,3 +251,13 @@ def test_base_image_imports_vllm(tiny_base_image):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "+cpu" in result.stdout
+
+
+def test_failure_summary_surfaces_the_root_cause_above_the_tail(monkeypatch):
+    box = containers.RunningContainer("never-started", 1)
+    log = ["starting"] * 100 + ["torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler"]
+    log += ["  File x, line 1"] * 100
+    monkeypatch.setattr(box, "logs", lambda tail=40: "\n".join(log))
+    summary = box.failure_summary(tail=5).splitlines()
+    assert summary[1].startswith("torch._inductor.exc.InductorError: InvalidCxxCompiler")
+    assert summary[-5:] == ["  File x, line 1"] * 5
