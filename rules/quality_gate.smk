@@ -5,6 +5,8 @@ rule quality_gate:
     input:
         venv=venv("eval"),
         image=rules.build_image.output.image,
+        # Not read: it orders the gate after the probe, so the probe has the machine to itself.
+        after_probe=rules.latency_probe.output.latency,
         schema="schemas/quality.schema.yaml",
         tasks=project_files(TASKS_DIR) if TASKS_DIR else [],
     output:
