@@ -96,13 +96,22 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+# Snakemake marks a finished directory output with this file; it is bookkeeping, not part of a checkpoint.
+SNAKEMAKE_MARKER = ".snakemake_timestamp"
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """Every file of a checkpoint folder, in a stable order, without Snakemake's marker."""
+    return [path for path in sorted(Path(directory).rglob("*")) if path.is_file() and path.name != SNAKEMAKE_MARKER]
+
+
 def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     """sha256 of every file under `directory`, keyed by relative path, written as sorted JSON."""
     directory = Path(directory)
     manifest = {
         str(path.relative_to(directory)): sha256_file(path)
-        for path in sorted(directory.rglob("*"))
-        if path.is_file() and str(path.relative_to(directory)) not in exclude
+        for path in checkpoint_files(directory)
+        if str(path.relative_to(directory)) not in exclude
     }
     write_json(manifest_path, manifest)
     return manifest

@@ -356,7 +356,7 @@ def next_token_stats(model, ids: list[int], window: int = 512):
 def compare_stats(source, quantized) -> dict:
     (src_top1, src_nll), (q_top1, q_nll) = source, quantized
     src_ppl, q_ppl = math.exp(src_nll.mean().item()), math.exp(q_nll.mean().item())
-    return {"tokens": int(src_top1.numel()) + 1, "top1_agreement": round((src_top1 == q_top1).float().mean().item(), 6),
+    return {"tokens": int(src_top1.numel()), "top1_agreement": round((src_top1 == q_top1).float().mean().item(), 6),
             "source_ppl": round(src_ppl, 4), "quantized_ppl": round(q_ppl, 4), "ppl_ratio": round(q_ppl / src_ppl, 6)}
 
 
@@ -366,11 +366,12 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(model_dir: str | Path, architecture: str, what: str):
+def load_model(model_dir: str | Path, architecture: str, what: str, device: str | None = None):
     import transformers
 
     try:
-        return getattr(transformers, architecture).from_pretrained(str(model_dir), dtype="auto", device_map=_device())
+        return getattr(transformers, architecture).from_pretrained(str(model_dir), dtype="auto",
+                                                                   device_map=device or _device())
     except Exception as error:  # any load failure means the checkpoint cannot be served as written
         raise StageError(f"the {what} checkpoint {model_dir} does not load with transformers: {error}") from error
 
@@ -386,14 +387,15 @@ def _ensure_mtp(model_dir: Path, out_dir: Path) -> None:
 
 
 def build_checkpoint(model_dir: str | Path, recipe: dict, architecture: str, out_dir: str | Path, *, dataset,
-                     tokenizer, max_seq_length: int, heldout: list[int], seed: int = 0) -> dict:
+                     tokenizer, max_seq_length: int, heldout: list[int], seed: int = 0) -> tuple:
     """Quantize with the recipe (or copy, when it has no modifiers) into `out_dir`, carry the source's other
     files over, and return the held-out statistics of the source model."""
     import torch
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    model = load_model(model_dir, architecture, "source")
-    stats = next_token_stats(model, heldout)
+    # on the CPU, where llmcompressor's sequential pipeline expects it; only the held-out pass borrows a GPU
+    model = load_model(model_dir, architecture, "source", device="cpu")
+    stats = next_token_stats(model.to(_device()), heldout)
     if not recipe["quantize"]:
         for path in model_dir.iterdir():
             if path.is_file() and not path.name.startswith("."):
@@ -519,7 +521,7 @@ def main(job) -> None:
         "wall_seconds": round(time.monotonic() - started, 1),
         "versions": _versions(),
     }
-    validate_json(report, SCHEMA)
+    validate_json(report, getattr(job.input, "schema", None) or SCHEMA)
     write_json(job.output.report, report)
     print(f"{report['status']}: {report['quantized_modules']} modules into {out_dir} ({output_bytes} bytes, "
           f"{report['size_ratio']:.2f} of the source) in {report['wall_seconds']:.0f} s", flush=True)

@@ -82,7 +82,7 @@ def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
 @pytest.mark.e2e
 def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
     recipe = ROOT / "results" / "test-recipe-copy.yaml"
-    shutil.copy(ROOT / "recipes" / "awq-w4a16-g32.yaml", recipe)
+    shutil.copy(ROOT / "recipes" / "awq-w4a16-g32-broad.yaml", recipe)
     try:
         jobs = planned_jobs(variant_override(tmp_path, recipe=str(recipe.relative_to(ROOT))))
     finally:

@@ -42,13 +42,13 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
 
 
 def test_manifests_match_the_files(tiny_run):
-    from common import sha256_file
+    from common import checkpoint_files, sha256_file
 
     for folder, manifest in [(ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
                               ROOT / "weights" / TINY["model"]["name"] / "manifest.json"),
                              (RESULTS / "quantize" / "model", RESULTS / "quantize" / "manifest.json")]:
         recorded = json.loads(manifest.read_text())
-        files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+        files = {str(p.relative_to(folder)) for p in checkpoint_files(folder)}
         assert set(recorded) == files
         for relpath, digest in recorded.items():
             assert sha256_file(folder / relpath) == digest, relpath

@@ -1,15 +1,26 @@
+import hashlib
 import json
+import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from common import StageError
-from quantize import _as_chat, load_calibration_texts
+from common import StageError, validate_json
+from quantize import (_as_chat, check_heldout, check_output, checkpoint_modules, expected_weight_bytes,
+                      load_calibration_texts, plan_targets, read_recipe, safetensors_header)
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_CHECKPOINT = ROOT / "weights" / "tiny-qwen3.5" / "checkpoint"
+RECIPES = ROOT / "recipes"
+REPORT_SCHEMA = ROOT / "schemas" / "quantize_report.schema.yaml"
+ARCH = "Qwen3_5ForConditionalGeneration"
+TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+REAL = yaml.safe_load((ROOT / "config.yaml").read_text())
 
+
+# ---- calibration ----
 
 @pytest.fixture
 def corpus(tmp_path):
@@ -63,54 +74,394 @@ def test_chat_wrapping_splits_a_paragraph_into_two_turns():
     assert (user["content"], assistant["content"]) == ("one two", "three four")
 
 
-def _tensor_dtypes(directory: Path) -> dict[str, str]:
-    out = {}
-    for shard in directory.glob("*.safetensors"):
-        with open(shard, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        out.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
-    return out
+# ---- a Qwen3.5 checkpoint as safetensors headers, written without torch ----
+
+def qwen35_tensors(hidden=256, inter=512, layers=4, lin_k_heads=2, lin_v_heads=4, lin_dim=128, heads=4, kv_heads=2,
+                   head_dim=128, vocab=2688, mtp=True) -> dict[str, list[int]]:
+    """Tensor name -> shape of a Qwen3.5 checkpoint (defaults: the tiny profile's dims)."""
+    t = {"lm_head.weight": [vocab, hidden], "model.language_model.embed_tokens.weight": [vocab, hidden],
+         "model.language_model.norm.weight": [hidden], "model.visual.blocks.0.attn.qkv.weight": [192, 64],
+         "model.visual.blocks.0.mlp.linear_fc1.weight": [128, 64], "model.visual.merger.linear_fc1.weight": [256, 256],
+         "model.visual.patch_embed.proj.weight": [64, 3, 2, 16, 16]}
+
+    def block(prefix, full):
+        t[f"{prefix}.input_layernorm.weight"] = [hidden]
+        t[f"{prefix}.post_attention_layernorm.weight"] = [hidden]
+        for name, shape in {"gate_proj": [inter, hidden], "up_proj": [inter, hidden], "down_proj": [hidden, inter]}.items():
+            t[f"{prefix}.mlp.{name}.weight"] = shape
+        if full:
+            for name, shape in {"q_proj": [2 * heads * head_dim, hidden], "k_proj": [kv_heads * head_dim, hidden],
+                                "v_proj": [kv_heads * head_dim, hidden], "o_proj": [hidden, heads * head_dim],
+                                "q_norm": [head_dim], "k_norm": [head_dim]}.items():
+                t[f"{prefix}.self_attn.{name}.weight"] = shape
+        else:
+            qkv = 2 * lin_k_heads * lin_dim + lin_v_heads * lin_dim
+            for name, shape in {"in_proj_qkv": [qkv, hidden], "in_proj_z": [lin_v_heads * lin_dim, hidden],
+                                "in_proj_a": [lin_v_heads, hidden], "in_proj_b": [lin_v_heads, hidden],
+                                "out_proj": [hidden, lin_v_heads * lin_dim], "conv1d": [qkv, 1, 4],
+                                "norm": [lin_dim]}.items():
+                t[f"{prefix}.linear_attn.{name}.weight"] = shape
+
+    for i in range(layers):
+        block(f"model.language_model.layers.{i}", full=i % 4 == 3)
+    if mtp:
+        block("mtp.layers.0", full=True)
+        t["mtp.fc.weight"] = [hidden, 2 * hidden]
+        t["mtp.norm.weight"] = [hidden]
+    return t
+
+
+# Qwen3.5-4B's published dims: the shipped recipes must fit the real model, not only the tiny one.
+REAL_DIMS = dict(hidden=2560, inter=9216, layers=32, lin_k_heads=16, lin_v_heads=32, lin_dim=128, heads=16,
+                 kv_heads=4, head_dim=256, vocab=248320)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}[dtype]
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+
+
+def modules(**dims) -> dict[str, list[int]]:
+    return checkpoint_modules({n: {"shape": s, "dtype": "BF16", "bytes": 0} for n, s in qwen35_tensors(**dims).items()})
+
+
+def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,), **weights) -> Path:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, **weights}
+    recipe = {"pipeline": {"architectures": list(architectures)},
+              "default_stage": {"default_modifiers": {"QuantizationModifier": {
+                  "ignore": list(ignore), "config_groups": {"group_0": {"targets": list(targets), "weights": weights}}}}}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+# ---- the shipped recipes ----
+
+EXPECTED = {"awq-w4a16-g32-mlp": (12, 4), "awq-w4a16-g32-broad": (25, 4), "gptq-w4a16-g32-sym": (25, 4),
+            "w8a16": (25, 8), "bf16": (0, None)}
+
+
+def test_every_recipe_file_is_covered():
+    assert {p.stem for p in RECIPES.glob("*.yaml")} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_shipped_recipe_targets_what_its_name_says(name):
+    count, bits = EXPECTED[name]
+    recipe = read_recipe(RECIPES / f"{name}.yaml")
+    targeted, matches = plan_targets(recipe, ARCH, modules())
+    assert len(targeted) == count and all(matches.values())
+    assert recipe["quantize"] is (count > 0)
+    assert {w["num_bits"] for w in targeted.values()} <= {bits}
+    for module in targeted:  # never: narrow linear-attention gates, conv, norms, vision, embeddings, lm_head, MTP
+        assert not any(word in module for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed",
+                                                   "lm_head", "mtp.")), module
+    kinds = {m.split(".")[-1] for m in targeted}
+    if name.endswith("-mlp"):
+        assert kinds == {"gate_proj", "up_proj", "down_proj"}
+    elif count:
+        assert kinds == {"gate_proj", "up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                         "in_proj_qkv", "in_proj_z", "out_proj"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_shipped_recipes_fit_the_real_model(name):
+    targeted, _ = plan_targets(read_recipe(RECIPES / f"{name}.yaml"), ARCH, modules(**REAL_DIMS))
+    per_layer = {"awq-w4a16-g32-mlp": 3 * 32}.get(name, 0 if name == "bf16" else 3 * 32 + 24 * 3 + 8 * 4)
+    assert len(targeted) == per_layer
+
+
+def test_every_variant_names_a_shipped_recipe():
+    for config in (TINY, REAL):
+        for name, variant in config["variants"].items():
+            assert (ROOT / variant["recipe"]).is_file(), (name, variant["recipe"])
+    assert TINY["variants"][TINY["variant"]]["recipe"] == REAL["variants"][REAL["variant"]]["recipe"]
+
+
+# ---- guards before anything runs: each one tripped ----
+
+def test_guard_unknown_architecture(tmp_path):
+    recipe = read_recipe(recipe_file(tmp_path, ["re:.*mlp\\.down_proj$"], architectures=["LlamaForCausalLM"]))
+    with pytest.raises(StageError, match="architecture Qwen3_5ForConditionalGeneration is not one recipe .* knows"):
+        plan_targets(recipe, ARCH, modules())
+
+
+@pytest.mark.parametrize("targets, ignore, pattern", [
+    (["re:.*mlp\\.down_proj$", "re:.*shared_expert\\.gate_proj$"], ["re:^mtp\\."], "re:.*shared_expert\\.gate_proj$"),
+    (["re:.*mlp\\.down_proj$"], ["re:^mtp\\.", "re:.*vision_tower.*"], "re:.*vision_tower.*"),
+])
+def test_guard_pattern_that_matches_nothing_is_named(tmp_path, targets, ignore, pattern):
+    recipe = read_recipe(recipe_file(tmp_path, targets, ignore=ignore))
+    with pytest.raises(StageError) as error:
+        plan_targets(recipe, ARCH, modules())
+    assert f"pattern {pattern!r} matches no module" in str(error.value)
+
+
+def test_guard_class_name_target_is_refused_with_a_hint(tmp_path):
+    with pytest.raises(StageError, match="'Linear' matches no module.*class name"):
+        plan_targets(read_recipe(recipe_file(tmp_path, ["Linear"])), ARCH, modules())
+
+
+def test_guard_group_size_must_divide_every_input_dim(tmp_path):
+    recipe = read_recipe(recipe_file(tmp_path, ["re:.*mlp\\.(gate|up|down)_proj$"], group_size=384))
+    with pytest.raises(StageError) as error:
+        plan_targets(recipe, ARCH, modules())
+    assert "group size does not divide the input dim" in str(error.value)
+    assert "mlp.gate_proj (in 256)" in str(error.value)  # gate/up take 256, down_proj's 512 neither
+
+
+def test_guard_layers_too_narrow_for_the_gpu_int4_kernel(tmp_path):
+    recipe = read_recipe(recipe_file(tmp_path, ["re:.*linear_attn\\.in_proj_(a|b|qkv)$"]))
+    with pytest.raises(StageError) as error:
+        plan_targets(recipe, ARCH, modules(**REAL_DIMS))
+    message = str(error.value)
+    assert "too narrow for the GPU int4 kernel" in message and "in_proj_a [32x2560]" in message
+    assert "in_proj_qkv" not in message  # 8192x2560 fits
+
+
+def test_guard_targets_must_be_linear_and_not_mtp(tmp_path):
+    with pytest.raises(StageError, match="not Linear layers: .*conv1d"):
+        plan_targets(read_recipe(recipe_file(tmp_path, ["re:.*linear_attn\\.conv1d$"])), ARCH, modules())
+    with pytest.raises(StageError, match="targets match MTP modules .*add re:\\^mtp"):
+        plan_targets(read_recipe(recipe_file(tmp_path, ["re:.*mlp\\.down_proj$"], ignore=["lm_head"])), ARCH, modules())
+
+
+def test_recipe_must_name_architectures_and_spell_out_its_scheme(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("default_stage: {default_modifiers: {QuantizationModifier: {scheme: W4A16, targets: [Linear]}}}\n")
+    with pytest.raises(StageError, match="pipeline.architectures"):
+        read_recipe(path)
+    path.write_text(f"pipeline: {{architectures: [{ARCH}]}}\n" + path.read_text())
+    with pytest.raises(StageError, match="spell the scheme out as config_groups"):
+        read_recipe(path)
+
+
+# ---- guards after: each one tripped on a hand-made checkpoint ----
+
+PACKED = "model.language_model.layers.0.mlp.down_proj"
+
+
+@pytest.fixture
+def written(tmp_path):
+    """A source checkpoint (one Linear, 16-bit MTP, tokenizer files) and a correctly quantized copy of it."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir(), out.mkdir()
+    write_safetensors(source / "model.safetensors", {f"{PACKED}.weight": ("BF16", [256, 512]),
+                                                     "model.language_model.norm.weight": ("BF16", [256])})
+    write_safetensors(source / "model-mtp.safetensors", {"mtp.fc.weight": ("BF16", [256, 512])})
+    write_safetensors(out / "model.safetensors", {f"{PACKED}.weight_packed": ("I32", [256, 64]),
+                                                  f"{PACKED}.weight_scale": ("BF16", [256, 16]),
+                                                  f"{PACKED}.weight_shape": ("I64", [2]),
+                                                  "model.language_model.norm.weight": ("BF16", [256])})
+    write_safetensors(out / "model_mtp.safetensors", {"mtp.fc.weight": ("BF16", [256, 512])})
+    for name, text in {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ x }}",
+                       "processor_config.json": "{}", "config.json": "{}"}.items():
+        (source / name).write_text(text)
+        (out / name).write_text(text if name != "config.json" else '{"quantization_config": {}}')
+    (source / ".snakemake_timestamp").write_text("")
+    targeted = {PACKED: {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}}
+    expected = expected_weight_bytes(safetensors_header(source), targeted)
+    return source, out, targeted, expected
+
+
+def test_expected_size_of_a_packed_layer(written):
+    source, out, targeted, expected = written
+    # int4 packed in int32 (256*512/8*4) + a bf16 scale per group of 32 (256*16*2) + weight_shape, rest unchanged
+    assert expected == 256 * 64 * 4 + 256 * 16 * 2 + 16 + 256 * 2 + 256 * 512 * 2
+
+
+def test_a_good_checkpoint_passes_the_after_guards(written):
+    source, out, targeted, expected = written
+    checks = check_output(source, out, targeted, expected)
+    assert checks["quantized_module_names"] == [PACKED] and checks["mtp_tensors"] == 1
+    assert checks["carried_over"] == ["chat_template.jinja", "processor_config.json", "tokenizer.json",
+                                      "tokenizer_config.json"]  # no dotfiles, no weights, no config.json
+
+
+def test_after_guard_quantized_count_must_equal_the_targets(written):
+    source, out, targeted, expected = written
+    with pytest.raises(StageError, match="1 quantized modules where the recipe targets 2 .*missing: extra"):
+        check_output(source, out, {**targeted, "extra": targeted[PACKED]}, expected)
+
+
+def test_after_guard_mtp_present_and_16_bit(written):
+    source, out, targeted, expected = written
+    (out / "model_mtp.safetensors").unlink()
+    with pytest.raises(StageError, match="MTP tensors not carried over intact \\(missing: mtp.fc.weight"):
+        check_output(source, out, targeted, expected)
+    write_safetensors(out / "model_mtp.safetensors", {"mtp.fc.weight": ("F32", [256, 512])})
+    with pytest.raises(StageError, match="not 16-bit: mtp.fc.weight"):
+        check_output(source, out, targeted, expected)
+
+
+@pytest.mark.parametrize("name", ["processor_config.json", "tokenizer.json", "chat_template.jinja"])
+def test_after_guard_files_carried_over_as_they_are(written, name):
+    source, out, targeted, expected = written
+    (out / name).write_text('{"changed": true}')
+    with pytest.raises(StageError, match=f"not carried over from the source as they are: {name}"):
+        check_output(source, out, targeted, expected)
+    (out / name).unlink()
+    with pytest.raises(StageError, match=name):
+        check_output(source, out, targeted, expected)
+
+
+def test_after_guard_size_must_shrink_as_expected(written):
+    source, out, targeted, expected = written
+    with pytest.raises(StageError, match="bytes where the recipe predicts"):
+        check_output(source, out, targeted, int(expected * 0.9))
+
+
+def test_after_guard_heldout_bounds():
+    stats = {"tokens": 900, "top1_agreement": 0.93, "ppl_ratio": 1.04}
+    check_heldout(stats, 0.9, 1.1)
+    with pytest.raises(StageError, match="agreement with the source 0.9300 < 0.95"):
+        check_heldout(stats, 0.95, 1.1)
+    with pytest.raises(StageError, match="perplexity ratio to the source 1.0400 > 1.02"):
+        check_heldout(stats, 0.9, 1.02)
+
+
+def test_report_schema_rejects_a_report_that_contradicts_itself():
+    minimal = {"status": "quantized", "quantized": True, "recipe": {"path": "r", "sha256": "0" * 64, "architectures": [ARCH],
+               "modifiers": [], "groups": []}, "architecture": ARCH, "calibration": None, "quantized_modules": 0,
+               "quantized_module_names": [], "quantization_config": None, "checks": {}, "source_bytes": 1,
+               "output_bytes": 1, "size_ratio": 1, "output_files": {}, "wall_seconds": 0, "versions": {}}
+    with pytest.raises(StageError) as error:
+        validate_json(minimal, REPORT_SCHEMA)
+    for key in ("quantized_modules", "quantization_config", "calibration", "checks"):
+        assert key in str(error.value)
+
+
+# ---- every recipe on the tiny checkpoint, through the stage script ----
+
+def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **bounds) -> subprocess.CompletedProcess:
+    bounds = {"heldout_tokens": 4096, **{k: v for k, v in TINY["quantize"].items()}, **bounds}
+    job = {"rule": "quantize", "log": [], "threads": 2, "wildcards": {},
+           "input": {"model": str(checkpoint), "recipe": str(recipe if isinstance(recipe, Path) else RECIPES / f"{recipe}.yaml"),
+                     "calibration": str(ROOT / "data" / "tiny" / "corpus.txt"),
+                     "heldout": str(ROOT / REAL["quantize"]["heldout"]), "schema": str(REPORT_SCHEMA)},
+           "output": {"model": str(out / "model"), "manifest": str(out / "manifest.json"),
+                      "report": str(out / "report.json")},
+           "params": {"calibration": {"source": "text_file", "num_samples": 8, "max_seq_length": 128, "seed": 0,
+                                      "chat": True},
+                      "quantize": bounds}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.json").write_text(json.dumps(job))
+    return subprocess.run([str(python), "scripts/quantize.py", "--job", str(out / "job.json")], cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_venvs, tiny_checkpoint):
+    """Each recipe run once on the tiny checkpoint (shared by the tests below)."""
+    done = {}
+
+    def run(recipe):
+        if recipe not in done:
+            out = tmp_path_factory.mktemp(recipe)
+            started = time.monotonic()
+            result = run_stage(tiny_venvs["compress"], tiny_checkpoint, recipe, out)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+            done[recipe] = (out, time.monotonic() - started)
+        return done[recipe][0]
+    return run
+
+
+# Tensor bytes over the source's on the tiny model (its embeddings, lm_head and vision stay 16-bit).
+SHRINK = {"awq-w4a16-g32-mlp": 0.9, "awq-w4a16-g32-broad": 0.65, "gptq-w4a16-g32-sym": 0.65, "w8a16": 0.8}
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.e2e
-def test_quantize_tiny_checkpoint(tmp_path, tiny_venvs):
-    if not (TINY_CHECKPOINT / "config.json").exists():
-        from conftest import TINY, snakemake
-        snakemake("--cores", "2", *TINY, str(TINY_CHECKPOINT.relative_to(ROOT)))
-    out = tmp_path / "model"
-    job = {"rule": "quantize", "log": [], "threads": 2, "wildcards": {},
-           "input": {"model": str(TINY_CHECKPOINT), "recipe": str(ROOT / "recipes" / "awq-w4a16-g32.yaml"),
-                     "calibration": str(ROOT / "data" / "tiny" / "corpus.txt")},
-           "output": {"model": str(out), "manifest": str(tmp_path / "manifest.json"),
-                      "report": str(tmp_path / "report.json")},
-           "params": {"calibration": {"source": "text_file", "num_samples": 16, "max_seq_length": 128,
-                                      "seed": 0, "chat": True}}}
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    result = subprocess.run([str(tiny_venvs["compress"]), "scripts/quantize.py", "--job", str(tmp_path / "job.json")],
-                            cwd=ROOT, env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+@pytest.mark.parametrize("recipe", sorted(EXPECTED))
+def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
+    out = runs(recipe)
+    count, bits = EXPECTED[recipe]
+    report = json.loads((out / "report.json").read_text())
+    validate_json(report, REPORT_SCHEMA)
+    model = out / "model"
+    header = safetensors_header(model)
+    packed = sorted(n[: -len(".weight_scale")] for n in header if n.endswith(".weight_scale"))
+    assert report["quantized_modules"] == len(packed) == report["checks"]["expected_quantized_modules"] == count
+    assert report["status"] == ("quantized" if count else "not quantized")
+    mtp = {n: i["dtype"] for n, i in header.items() if n.startswith("mtp.")}
+    assert mtp and set(mtp.values()) <= {"BF16", "F16"} and report["checks"]["mtp_tensors"] == len(mtp)
+    for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (model / name).read_bytes() == (tiny_checkpoint / name).read_bytes(), name
+    assert not any(p.name.startswith(".") for p in model.iterdir())  # no Snakemake marker copied in
+    heldout = report["checks"]["heldout"]
+    assert heldout["top1_agreement"] >= TINY["quantize"]["min_top1_agreement"]
+    assert heldout["ppl_ratio"] <= TINY["quantize"]["max_ppl_ratio"]
+    weights = sum(i["bytes"] for i in header.values())
+    source = sum(i["bytes"] for i in safetensors_header(tiny_checkpoint).values())
+    if count:
+        qconfig = json.loads((model / "config.json").read_text())["quantization_config"]
+        assert qconfig["config_groups"]["group_0"]["weights"]["num_bits"] == bits
+        assert weights == report["checks"]["expected_weight_bytes"] < source * SHRINK[recipe]
+    else:
+        assert heldout["top1_agreement"] == 1.0 and heldout["ppl_ratio"] == 1.0
+        assert report["quantization_config"] is None and weights == source
+        assert all((model / n).read_bytes() == (tiny_checkpoint / n).read_bytes() for n in ("model.safetensors", "config.json"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest == _digests(model)
 
-    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
-    weights = qconfig["config_groups"]["group_0"]["weights"]
-    assert (weights["num_bits"], weights["group_size"], weights["strategy"], weights["symmetric"]) == (4, 32, "group", True)
 
-    dtypes = _tensor_dtypes(out)
-    mtp = {k: v for k, v in dtypes.items() if k.startswith("mtp.")}
-    assert mtp and set(mtp.values()) <= {"BF16", "F16"}
-    packed = {k for k in dtypes if k.endswith(".weight_packed")}
-    assert any("linear_attn.in_proj_qkv" in k for k in packed) and any("mlp.down_proj" in k for k in packed)
-    for name in ("in_proj_a", "in_proj_b", "lm_head", "visual", "mtp."):
-        assert not any(name in k for k in packed), name
-    assert any(k.endswith("linear_attn.in_proj_a.weight") for k in dtypes)
+@pytest.mark.e2e
+def test_same_inputs_give_byte_identical_checkpoint(runs, tiny_venvs, tiny_checkpoint, tmp_path):
+    first = runs("gptq-w4a16-g32-sym")
+    result = run_stage(tiny_venvs["compress"], tiny_checkpoint, "gptq-w4a16-g32-sym", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    again = _digests(tmp_path / "model")
+    assert any(n.endswith(".safetensors") for n in again)
+    assert again == _digests(first / "model")
+    assert (tmp_path / "manifest.json").read_bytes() == (first / "manifest.json").read_bytes()
 
-    for name in ("processor_config.json", "tokenizer_config.json", "generation_config.json"):
-        assert (out / name).is_file(), name
-    assert (out / "tokenizer.json").is_file() or (out / "vocab.json").is_file()
+
+@pytest.mark.e2e
+def test_stage_fails_outside_the_heldout_bounds_and_leaves_nothing(tiny_venvs, tiny_checkpoint, tmp_path):
+    result = run_stage(tiny_venvs["compress"], tiny_checkpoint, "w8a16", tmp_path, min_top1_agreement=1.0)
+    assert result.returncode != 0
+    assert "ERROR [quantize]: on the held-out text" in result.stderr and "agreement with the source" in result.stderr
+    assert not (tmp_path / "model").exists() and not (tmp_path / "report.json").exists()
     assert not list(tmp_path.glob(".model.partial*"))
 
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["calibration"]["samples_used"] == 16
-    assert report["quantized_modules"] == len(packed)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert set(manifest) == {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+
+@pytest.mark.e2e
+def test_stage_refuses_a_bad_recipe_before_loading_anything(tiny_venvs, tiny_checkpoint, tmp_path):
+    recipe = tmp_path / "narrow.yaml"
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load((RECIPES / "w8a16.yaml").read_text()), "default_stage": {
+        "default_modifiers": {"QuantizationModifier": {"ignore": ["re:^mtp\\."], "config_groups": {"group_0": {
+            "targets": ["re:.*in_proj_a$"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                        "strategy": "group", "group_size": 32}}}}}}}))
+    started = time.monotonic()
+    result = run_stage(tiny_venvs["compress"], tiny_checkpoint, recipe, tmp_path / "out")
+    assert result.returncode != 0 and "too narrow for the GPU int4 kernel" in result.stderr
+    assert time.monotonic() - started < 30 and "calibration:" not in result.stdout
+    assert not (tmp_path / "out" / "model").exists()
+
+
+@pytest.mark.e2e
+def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(runs("w8a16") / "model", broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    code = ("import sys; from common import StageError; from quantize import load_model\n"
+            f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
+            "except StageError as e: print(e); sys.exit(3)\n")
+    result = subprocess.run([str(tiny_venvs["compress"]), "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert result.returncode == 3 and "does not load with transformers" in result.stdout, result.stderr[-2000:]
