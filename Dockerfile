@@ -22,3 +22,28 @@ COPY serve.json /opt/ml/serve.json
 
 EXPOSE 8080
 ENTRYPOINT ["python3", "-m", "serving"]
+
+# Provenance, passed by scripts/build_image.py as --build-arg (LABEL_ARGS there names each); last, so new
+# labels rebuild no layer. org.opencontainers.image.created is added only with image.label_build_date.
+ARG TITLE
+ARG VERSION
+ARG REVISION
+ARG BASE_NAME
+ARG VARIANT
+ARG CONFIG_SHA256
+ARG RECIPE_SHA256
+ARG WEIGHTS_REVISION
+ARG WEIGHTS_MANIFEST_SHA256
+ARG QUANTIZED_MANIFEST_SHA256
+ARG VLLM_VERSION
+LABEL org.opencontainers.image.title="${TITLE}" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.base.name="${BASE_NAME}" \
+      io.qwen35-serve.variant="${VARIANT}" \
+      io.qwen35-serve.config.sha256="${CONFIG_SHA256}" \
+      io.qwen35-serve.recipe.sha256="${RECIPE_SHA256}" \
+      io.qwen35-serve.weights.revision="${WEIGHTS_REVISION}" \
+      io.qwen35-serve.weights.manifest.sha256="${WEIGHTS_MANIFEST_SHA256}" \
+      io.qwen35-serve.quantized.manifest.sha256="${QUANTIZED_MANIFEST_SHA256}" \
+      io.qwen35-serve.vllm.version="${VLLM_VERSION}"

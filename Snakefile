@@ -18,9 +18,11 @@ include: "rules/build_image.smk"
 include: "rules/latency_probe.smk"
 include: "rules/quality_gate.smk"
 include: "rules/tarball.smk"
+include: "rules/verify_image.smk"
 
 
 rule all:
     input:
         rules.tarball.output,
+        rules.verify_image.output,
     default_target: True

@@ -28,12 +28,18 @@ rule build_image:
         serve=rules.bake_compile_cache.output.serve,
         serving=SERVING_FILES,
         dockerfile="Dockerfile",
+        # Hashed into labels only (provenance).
+        recipe=lambda wildcards: variant_config(wildcards)["recipe"],
+        weights_manifest=rules.download.output.manifest,
+        quantized_manifest=rules.quantize.output.manifest,
+        serve_freeze=optional(LOCAL_BASE, venv("serve")),  # the local base's vLLM version; not a venv to run in
     output:
         image="results/{variant}/build_image/image.json",
     params:
         tag=lambda wildcards: image_ref(wildcards.variant),
         builder=config["image"]["builder"],
         base_ref=config["image"]["base"],
+        provenance=provenance,
     log:
         "logs/build_image/{variant}.log",
     benchmark:

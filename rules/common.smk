@@ -1,4 +1,6 @@
 import copy
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -85,3 +87,21 @@ def run_settings():
     """How a built image is started, for every stage that runs it."""
     image = config["image"]
     return {"gpus": image["gpus"], "shm_size": image["shm_size"], "ping_timeout_s": image["ping_timeout_s"]}
+
+
+def variant_sha256(variant):
+    """sha256 of the variant's resolved settings (schema defaults filled in) as canonical JSON: the config label."""
+    text = json.dumps(config["variants"][variant], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def provenance(wildcards):
+    """Config-derived label values (scripts/build_image.py hashes the input files itself)."""
+    model = config["model"]
+    return {
+        "title": config["image"]["name"],
+        "variant": wildcards.variant,
+        "config_sha256": variant_sha256(wildcards.variant),
+        "weights_revision": model["revision"] if model["source"] == "hub" else "synthetic",
+        "build_date": config["image"]["label_build_date"],
+    }

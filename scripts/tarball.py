@@ -1,4 +1,8 @@
-"""Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256."""
+"""Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256.
+
+The archive is verified (scripts/verify_image.py, no daemon) before its .sha256 is written: one that fails
+is deleted, so image.tar.gz never stands as a finished output unverified.
+"""
 
 import json
 import time
@@ -6,6 +10,7 @@ from pathlib import Path
 
 from common import StageError, sha256_file
 from containers import image_exists, image_id, save_image
+from verify_image import verify_archive
 
 
 def enforce_size_limit(path: Path, max_size_gb: float) -> int:
@@ -18,8 +23,8 @@ def enforce_size_limit(path: Path, max_size_gb: float) -> int:
     return size
 
 
-def write_sha256(path: Path, sha_path: Path) -> str:
-    digest = sha256_file(path)
+def write_sha256(path: Path, sha_path: Path, digest: str | None = None) -> str:
+    digest = digest or sha256_file(path)
     partial = sha_path.with_name(sha_path.name + ".partial")
     partial.write_text(f"{digest}  {path.name}\n")  # `sha256sum -c` format, run from the file's folder
     partial.replace(sha_path)
@@ -28,6 +33,9 @@ def write_sha256(path: Path, sha_path: Path) -> str:
 
 def main(job) -> None:
     image = json.loads(Path(job.input.image).read_text())
+    if not image.get("labels"):
+        raise StageError(f"{job.input.image} records no labels (built before labels existed); "
+                         "rerun with `-R build_image`")
     out = Path(job.output.tarball)
     started = time.monotonic()
     if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:
@@ -35,7 +43,15 @@ def main(job) -> None:
                          "rerun with `-R build_image`")
     save_image(image["ref"], out, image["builder"], int(getattr(job.params, "compress_level", 1)))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
-    digest = write_sha256(out, Path(job.output.sha256))
+    # buildah's docker-archive may convert the config (OCI -> Docker), so only Docker's id is its digest
+    expected_id = image["id"] if image["builder"] == "docker" else None
+    try:
+        record = verify_archive(out, image["ref"], image["labels"], expected_id)
+    except StageError:
+        out.unlink(missing_ok=True)
+        raise
+    print(f"{out}: verified in {record['seconds']} s", flush=True)
+    digest = write_sha256(out, Path(job.output.sha256), record["archive_sha256"])
     print(f"{out}: {size / 1e9:.2f} GB, sha256 {digest}, {time.monotonic() - started:.0f} s")
 
 

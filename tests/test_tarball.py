@@ -1,3 +1,4 @@
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -11,10 +12,14 @@ from common import StageError
 
 def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
     image = tmp_path / "image.json"
-    image.write_text(json.dumps({"ref": "docker.io/library/x:1", "id": "sha256:ab", "builder": "docker"}))
+    image.write_text(json.dumps({"ref": "docker.io/library/x:1", "id": "sha256:ab", "builder": "docker",
+                                 "labels": {"io.qwen35-serve.variant": "1"}}))
     monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: True)
     monkeypatch.setattr(tarball, "image_id", lambda ref, builder: "sha256:ab")
     monkeypatch.setattr(tarball, "save_image", lambda ref, out, builder, level: Path(out).write_bytes(payload))
+    # the payload is no docker-archive: verify_image's own tests cover the check; here only its outcome counts
+    monkeypatch.setattr(tarball, "verify_archive", lambda path, ref, labels, image_id: {
+        "seconds": 0.0, "archive_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()})
     out = tmp_path / "out"
     out.mkdir()
     return NS(input=NS(image=str(image)), params=NS(max_size_gb=max_size_gb, compress_level=1),
@@ -40,5 +45,30 @@ def test_refuses_an_image_that_is_gone(tmp_path, monkeypatch):
     job, out = fake_job(tmp_path, monkeypatch, b"x", max_size_gb=1)
     monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: False)
     with pytest.raises(StageError, match="-R build_image"):
+        tarball.main(job)
+    assert list(out.iterdir()) == []
+
+
+def test_an_archive_that_fails_verification_is_deleted_without_a_sha256(tmp_path, monkeypatch):
+    job, out = fake_job(tmp_path, monkeypatch, b"x" * 500, max_size_gb=1)
+    seen = {}
+
+    def refuse(path, ref, labels, image_id):
+        seen.update(ref=ref, labels=labels, image_id=image_id)
+        raise StageError(f"{path} failed verification:\n  - label io.qwen35-serve.variant is missing")
+
+    monkeypatch.setattr(tarball, "verify_archive", refuse)
+    with pytest.raises(StageError, match="failed verification"):
+        tarball.main(job)
+    assert list(out.iterdir()) == []
+    assert seen == {"ref": "docker.io/library/x:1", "labels": {"io.qwen35-serve.variant": "1"}, "image_id": "sha256:ab"}
+
+
+def test_an_image_json_without_labels_asks_for_a_rebuild(tmp_path, monkeypatch):
+    job, out = fake_job(tmp_path, monkeypatch, b"x", max_size_gb=1)
+    image = json.loads(Path(job.input.image).read_text())
+    del image["labels"]
+    Path(job.input.image).write_text(json.dumps(image))
+    with pytest.raises(StageError, match="records no labels.*-R build_image"):
         tarball.main(job)
     assert list(out.iterdir()) == []

@@ -1,0 +1,17 @@
+rule verify_image:
+    """Re-check the deliverable as it lies on disk, with no daemon, and keep the record (labels, env, layer
+    digests). tarball already ran the same check before writing the .sha256; see scripts/verify_image.py."""
+    input:
+        tarball=rules.tarball.output.tarball,
+        sha256=rules.tarball.output.sha256,
+        image=rules.tarball.input.image,
+    output:
+        report=f"results/{config['variant']}/verify_image/verify.json",
+    log:
+        "logs/verify_image/verify_image.log",
+    benchmark:
+        "benchmarks/verify_image/verify_image.tsv"
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/verify_image.py"
