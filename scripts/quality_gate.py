@@ -11,11 +11,9 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from common import StageError, validate_json, write_json
 

@@ -4,13 +4,12 @@ The archive is verified (scripts/verify_image.py, no daemon) before its .sha256 
 is deleted, so image.tar.gz never stands as a finished output unverified.
 """
 
-import json
 import time
 from pathlib import Path
 
 from common import StageError, sha256_file
 from containers import image_exists, image_id, save_image
-from verify_image import verify_archive
+from verify_image import load_image_record, verify_archive
 
 
 def enforce_size_limit(path: Path, max_size_gb: float) -> int:
@@ -32,10 +31,7 @@ def write_sha256(path: Path, sha_path: Path, digest: str | None = None) -> str:
 
 
 def main(job) -> None:
-    image = json.loads(Path(job.input.image).read_text())
-    if not image.get("labels"):
-        raise StageError(f"{job.input.image} records no labels (built before labels existed); "
-                         "rerun with `-R build_image`")
+    image = load_image_record(job.input.image)
     out = Path(job.output.tarball)
     started = time.monotonic()
     if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:

@@ -229,11 +229,16 @@ def verify_archive(path: str | Path, expected_ref: str, expected_labels: dict[st
     return record
 
 
-def main(job) -> None:
-    image = json.loads(Path(job.input.image).read_text())
+def load_image_record(path: str) -> dict:
+    """build_image's record of the image, which every archive check compares against."""
+    image = json.loads(Path(path).read_text())
     if not image.get("labels"):
-        raise StageError(f"{job.input.image} records no labels (built before labels existed); "
-                         "rerun with `-R build_image`")
+        raise StageError(f"{path} records no labels (built before labels existed); rerun with `-R build_image`")
+    return image
+
+
+def main(job) -> None:
+    image = load_image_record(job.input.image)
     record = verify_archive(job.input.tarball, image["ref"], image["labels"],
                             image["id"] if image["builder"] == "docker" else None)
     recorded = Path(job.input.sha256).read_text().split()[0]

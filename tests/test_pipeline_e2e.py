@@ -3,8 +3,6 @@
 import hashlib
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
