@@ -225,10 +225,16 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image):
     (tmp_path / "serve.json").write_text("{}")
     with tarfile.open(tmp_path / "cache.tar", "w"):
         pass  # an empty compile cache must still build
+    for name in ("recipe.yaml", "weights.json", "quantized.json"):
+        (tmp_path / name).write_text(name)
+    provenance = {"title": "pipeline-test-built", "variant": "v1", "config_sha256": "0" * 64,
+                  "weights_revision": "synthetic", "build_date": False}
     job = NS(input=NS(model=str(ckpt), cache=str(tmp_path / "cache.tar"), serving=str(serving),
                       serve=str(tmp_path / "serve.json"), dockerfile=str(ROOT / "Dockerfile"),
-                      base=None),
-             params=NS(tag="docker.io/library/pipeline-test-built:1", builder="docker", base_ref=tiny_image),
+                      base=None, recipe=str(tmp_path / "recipe.yaml"), weights_manifest=str(tmp_path / "weights.json"),
+                      quantized_manifest=str(tmp_path / "quantized.json")),
+             params=NS(tag="docker.io/library/pipeline-test-built:1", builder="docker", base_ref=tiny_image,
+                       provenance=provenance),
              output=NS(image=str(tmp_path / "out" / "image.json")))
     try:
         build_image.main(job)
@@ -240,6 +246,8 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image):
         assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
         assert config["Entrypoint"] == ["python3", "-m", "serving"] and "8080/tcp" in config["ExposedPorts"]
         assert not (tmp_path / "out" / "context").exists()
+        assert config["Labels"]["io.qwen35-serve.variant"] == "v1"
+        assert config["Labels"] == out["labels"]
     finally:
         subprocess.run(["docker", "rmi", "-f", job.params.tag], capture_output=True)
 
