@@ -7,7 +7,7 @@ rule bake_compile_cache:
     output:
         cache="results/{variant}/bake_compile_cache/compile_cache.tar",
         serve="results/{variant}/bake_compile_cache/serve.json",
-        coldstart="results/{variant}/bake_compile_cache/coldstart.json",
+        coldstart=report("results/{variant}/bake_compile_cache/coldstart.json", category="Cold start", labels={"variant": "{variant}"}),
     params:
         serve=serve_settings,
         base_ref=config["image"]["base"],

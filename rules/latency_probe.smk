@@ -3,7 +3,7 @@ rule latency_probe:
         image=rules.build_image.output.image,
         schema="schemas/latency.schema.yaml",
     output:
-        latency="results/{variant}/latency_probe/latency.json",
+        latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}"}),
     params:
         run=run_settings(),
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],

@@ -10,7 +10,7 @@ rule quality_gate:
         schema="schemas/quality.schema.yaml",
         tasks=project_files(TASKS_DIR) if TASKS_DIR else [],
     output:
-        scores="results/{variant}/quality_gate/quality.json",
+        scores=report("results/{variant}/quality_gate/quality.json", category="Quality gate", labels={"variant": "{variant}"}),
     params:
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         tasks=config["quality"]["tasks"],

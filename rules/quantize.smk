@@ -14,7 +14,7 @@ rule quantize:
     output:
         model=directory("results/{variant}/quantize/model"),
         manifest="results/{variant}/quantize/manifest.json",
-        report="results/{variant}/quantize/report.json",
+        report=report("results/{variant}/quantize/report.json", category="Quantization", labels={"variant": "{variant}"}),
     params:
         calibration=config["calibration"],
         quantize={k: v for k, v in config["quantize"].items() if k != "heldout"},
