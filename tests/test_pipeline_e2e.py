@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from common import validate_json
-from conftest import ROOT
+from conftest import ROOT, TINY as TINY_ARGS, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -78,3 +78,12 @@ def test_gate_with_teeth_fails_and_stops_its_container(tiny_run, tmp_path):
     assert json.loads((tmp_path / "gate.scores.json").read_text())["passed"] is False
     running = subprocess.run(["docker", "ps", "-q", "--filter", "name=quality-gate"], capture_output=True, text=True)
     assert running.stdout.strip() == ""
+
+
+def test_report_gathers_the_measurements(tiny_run, tmp_path):
+    html = tmp_path / "report.html"
+    snakemake("--report", str(html), *TINY_ARGS)
+    text = html.read_text()
+    for category, record in [("Latency", "latency.json"), ("Quality gate", "quality.json"),
+                             ("Cold start", "coldstart.json"), ("Quantization", "report.json")]:
+        assert category in text and record in text, category
