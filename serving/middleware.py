@@ -24,9 +24,11 @@ def rewrite_body(path: str, raw: bytes) -> bytes | None:
         return None  # vLLM answers malformed JSON itself
     if not isinstance(body, dict) or "thinking" not in body:
         return None
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        return None  # vLLM rejects a malformed chat_template_kwargs with a 4xx itself
     thinking = bool(body.pop("thinking"))
     if path == "/v1/chat/completions" or "messages" in body:
-        kwargs = body.get("chat_template_kwargs") or {}
         kwargs.setdefault("enable_thinking", thinking)  # an explicit chat_template_kwargs wins
         body["chat_template_kwargs"] = kwargs
     return json.dumps(body).encode()

@@ -336,3 +336,93 @@ def test_metrics_and_plugin(server):
         assert drafted and float(drafted[0].split()[-1]) > 0, drafted
     if variant.startswith("w4a16"):
         assert "int4 fallback: no cpu_gemm_wna16" in log.read_text()
+
+
+def test_rewrite_leaves_a_malformed_chat_template_kwargs_to_vllm():
+    assert rewrite_body("/v1/chat/completions", json.dumps({"messages": [], "thinking": True,
+                                                            "chat_template_kwargs": "on"}).encode()) is None
+
+
+# ---------- abuse: every bad request gets a 4xx (or a clean stream end) and the server keeps serving ----------
+
+def raw_post(port, path, data: bytes, timeout=120):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+ABUSE = {
+    "malformed json": ("/v1/chat/completions", b'{"model": "x", "messages": [', {400, 422}),
+    "malformed json, invocations": ("/invocations", b'{"prompt": "hi", "max_tokens": ', {400, 422}),
+    "malformed json, completions": ("/v1/completions", b"not json at all", {400, 422}),
+    "no messages": ("/v1/chat/completions", {"model": NAME, "max_tokens": 4}, {400, 422}),
+    "no prompt": ("/v1/completions", {"model": NAME, "max_tokens": 4}, {400, 422}),
+    "max_tokens 0": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, {400, 422}),
+    "max_tokens negative": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": -5}, {400, 422}),
+    "max_tokens huge": ("/v1/chat/completions", {"model": NAME, "messages": MSG, "max_tokens": 10**9}, {400, 422}),
+    "negative temperature": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 4,
+                                                 "temperature": -1.0}, {400, 422}),
+    "prompt over max_model_len": ("/v1/completions", {"model": NAME, "prompt": "word " * 4 * BASE["max_model_len"],
+                                                      "max_tokens": 4}, {400, 422}),
+    "thinking kwargs not a dict": ("/v1/chat/completions", {"model": NAME, "messages": MSG, "max_tokens": 4,
+                                                            "thinking": True, "chat_template_kwargs": "on"},
+                                   {400, 422}),
+    # vLLM ignores fields it does not know (and logs them): served, not a crash
+    "unknown fields": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "frobnicate": 1}, {200}),
+}
+
+
+def still_serves(port):
+    assert http(port, "/ping", timeout=30)[0] == 200
+    status, r = http(port, "/v1/completions", {"model": NAME, "prompt": "One two three", "max_tokens": 4,
+                                               "temperature": 0.0})
+    assert status == 200 and r["choices"][0]["text"]
+
+
+@pytest.mark.e2e
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
+    port, *_ = server
+    answers = {}
+    for case, (path, body, _) in ABUSE.items():
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        answers[case] = raw_post(port, path, data)
+    wrong = {case: code for case, code in answers.items() if code not in ABUSE[case][2]}
+    assert not wrong, wrong
+    still_serves(port)
+
+
+@pytest.mark.e2e
+def test_client_that_leaves_mid_stream_does_not_hurt_the_server(server):
+    port, *_ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        body = json.dumps({"model": NAME, "messages": MSG, "max_tokens": 200, "stream": True,
+                           "chat_template_kwargs": {"enable_thinking": True}}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert b"200" in sock.recv(4096).split(b"\r\n", 1)[0]  # the stream has started; now hang up
+    still_serves(port)
+
+
+@pytest.mark.e2e
+def test_eight_concurrent_streaming_thinking_chats_all_complete(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    port, *_ = server
+
+    def stream_chat(i):
+        body = {"model": NAME, "messages": [{"role": "user", "content": f"Count to {i + 3}."}], "max_tokens": 24,
+                "stream": True, "thinking": True, "temperature": 0.0}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            lines = [line.decode().strip() for line in r if line.strip()]
+        return lines[-1], sum(1 for line in lines if line.startswith("data: {"))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(stream_chat, range(8)))
+    assert all(last == "data: [DONE]" for last, _ in results), results
+    assert all(chunks > 1 for _, chunks in results), results
