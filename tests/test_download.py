@@ -264,12 +264,17 @@ print("NEW", out.shape[1] - ids.input_ids.shape[1])
 """
 
 
+def run_on_checkpoint(python, code: str, checkpoint) -> str:
+    """Run a snippet in a stage venv with the checkpoint as argv[1]; its stdout, or the failure's stderr."""
+    result = subprocess.run([str(python), "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.e2e
 def test_transformers_reloads_and_generates(built):
     (checkpoint, _), _ = built
-    result = subprocess.run([str(COMPRESS), "-c", RELOAD, str(checkpoint)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "NEW 5" in result.stdout
+    assert "NEW 5" in run_on_checkpoint(COMPRESS, RELOAD, checkpoint)
 
 
 VLLM_PARSE = """
@@ -286,6 +291,4 @@ print("PROCESSOR", type(cached_get_processor(sys.argv[1])).__name__)
 @pytest.mark.e2e
 def test_vllm_parses_the_checkpoint(built):
     (checkpoint, _), _ = built
-    result = subprocess.run([str(SERVE), "-c", VLLM_PARSE, str(checkpoint)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "PROCESSOR Qwen3VLProcessor" in result.stdout
+    assert "PROCESSOR Qwen3VLProcessor" in run_on_checkpoint(SERVE, VLLM_PARSE, checkpoint)
