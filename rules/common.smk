@@ -30,6 +30,26 @@ def check_config(config, schema_path=CONFIG_SCHEMA):
 check_config(config)
 validate(config, CONFIG_SCHEMA, set_default=True)
 config = copy.deepcopy(config)  # defaults were set from shared schema objects
+
+
+def combination_problems(variants):
+    """Settings each valid alone that vLLM cannot serve together: refused now, not after a long build."""
+    problems = []
+    for name, variant in variants.items():
+        serve, speculative = variant["serve"], variant["speculative"]
+        key = f"config key 'variants.{name}"
+        if speculative["method"] != "none" and speculative["k"] < 1:
+            problems.append(f"{key}.speculative.k': method {speculative['method']} needs k >= 1")
+        if speculative["method"] == "none" and speculative["k"] != 0:
+            problems.append(f"{key}.speculative.k': k={speculative['k']} without a speculative method")
+        if speculative["method"] != "none" and serve["enable_prefix_caching"]:
+            problems.append(f"{key}.serve.enable_prefix_caching': speculative decoding with prefix caching kills "
+                            "vLLM's engine on Qwen3.5 (and needs Triton on CPU); set it to false")
+    return problems
+
+
+if combination_problems(config["variants"]):
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(combination_problems(config["variants"])))
 if config["variant"] not in config["variants"]:
     raise WorkflowError(
         f"invalid configuration: config key 'variant': {config['variant']!r} is not one of the variants "

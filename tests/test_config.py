@@ -30,6 +30,12 @@ def dry_run_with(tmp_path: Path, config: dict):
     (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_sqs=4), "variants.tiny-awq-mtp1.serve.max_num_sqs",
      "unknown key"),
     (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(enable_prefix_caching=True),
+     "variants.tiny-awq-mtp1.serve.enable_prefix_caching", "speculative decoding with prefix caching"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=0), "variants.tiny-awq-mtp1.speculative.k",
+     "method mtp needs k >= 1"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
+     "variants.tiny-awq-mtp1.speculative.k", "without a speculative method"),
 ])
 def test_bad_config_is_rejected_naming_the_key(tmp_path, mutate, key, words):
     config = tiny_config()
