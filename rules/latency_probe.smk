@@ -2,6 +2,7 @@ rule latency_probe:
     input:
         image=rules.build_image.output.image,
         schema="schemas/latency.schema.yaml",
+        varied_text=config["probe"]["varied_text"],
     output:
         latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}"}),
     params:

@@ -45,7 +45,7 @@ def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, lo
     from latency_probe import build_prompt, post_json, timed_completion
 
     for category in categories:
-        prompt = build_prompt(base_url, model, sentence, category["prompt_tokens"])
+        prompt = build_prompt(base_url, model, [sentence], category["prompt_tokens"])
         result = timed_completion(base_url, model, prompt, category["output_tokens"], ignore_eos=True)
         log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
     for thinking in (False, True):

@@ -16,14 +16,23 @@ def post_json(base_url: str, path: str, body: dict, timeout: float = 600) -> dic
         return json.load(response)
 
 
-def build_prompt(base_url: str, model: str, sentence: str, n_tokens: int) -> str:
-    """`sentence` repeated until the served tokenizer counts exactly n_tokens (cut on a token boundary)."""
-    per_sentence = len(post_json(base_url, "/tokenize", {"model": model, "prompt": sentence,
-                                                         "add_special_tokens": False})["tokens"])
-    text = sentence * (n_tokens // max(per_sentence, 1) + 2)
-    tokens = post_json(base_url, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})["tokens"]
-    prompt = post_json(base_url, "/detokenize", {"model": model, "tokens": tokens[:n_tokens]})["prompt"]
-    return prompt
+def build_prompt(base_url: str, model: str, pieces: list[str], n_tokens: int) -> str:
+    """Exactly n_tokens of the served tokenizer's tokens, from `pieces` in turn (cycled when too few).
+
+    Each piece is tokenized on its own, so no request ever exceeds the server's max_model_len."""
+    tokens: list[int] = []
+    cache: dict[str, list[int]] = {}
+    while len(tokens) < n_tokens:
+        for piece in pieces:
+            if piece not in cache:
+                cache[piece] = post_json(base_url, "/tokenize", {"model": model, "prompt": piece,
+                                                                 "add_special_tokens": False})["tokens"]
+            if not cache[piece]:
+                raise StageError(f"prompt text {piece[:40]!r} has no tokens")
+            tokens += cache[piece]
+            if len(tokens) >= n_tokens:
+                break
+    return post_json(base_url, "/detokenize", {"model": model, "tokens": tokens[:n_tokens]})["prompt"]
 
 
 def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
@@ -77,18 +86,61 @@ def summarize(category: dict, runs: list[dict]) -> dict:
     }
 
 
-def probe(base_url: str, model: str, probe_settings: dict, log=print) -> dict:
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_counters(base_url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from /metrics, summed over label sets (absent without speculation)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def mean_acceptance_length(before: dict, after: dict) -> float | None:
+    """Tokens a verify step yields on average: 1 + accepted drafts per draft round (None if nothing drafted)."""
+    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+    return 1 + accepted / drafts if drafts > 0 else None
+
+
+def varied_paragraphs(path: str) -> list[str]:
+    """Natural text of varied paragraphs, so a speculator that copies from the prompt gains nothing special."""
+    paragraphs = [line.strip() + " " for line in Path(path).read_text().splitlines() if line.strip()]
+    if not paragraphs:
+        raise StageError(f"{path} has no text for the varied prompt set")
+    return paragraphs
+
+
+def probe_set(base_url: str, model: str, probe_settings: dict, pieces: list[str], log=print) -> dict:
+    """Every category, with prompts made of `pieces` (see build_prompt)."""
     categories = []
     for category in probe_settings["categories"]:
-        prompt = build_prompt(base_url, model, probe_settings["sentence"], category["prompt_tokens"])
+        prompt = build_prompt(base_url, model, pieces, category["prompt_tokens"])
         run = lambda: timed_completion(base_url, model, prompt, category["output_tokens"], probe_settings["ignore_eos"])
         for _ in range(probe_settings["warmup"]):
             run()
+        before = spec_counters(base_url)
         runs = [run() for _ in range(probe_settings["runs"])]
-        categories.append(summarize(category, runs))
-        log(f"{category['name']}: median {categories[-1]['median_ms']:.0f} ms over {len(runs)} runs")
+        categories.append(dict(summarize(category, runs),
+                               mean_acceptance_length=mean_acceptance_length(before, spec_counters(base_url))))
+        log(f"{category['name']}: median {categories[-1]['median_ms']:.0f} ms over {len(runs)} runs, "
+            f"mean acceptance length {categories[-1]['mean_acceptance_length']}")
     speedups = [c["speedup"] for c in categories if c["speedup"] is not None]
     return {"categories": categories, "mean_speedup": statistics.mean(speedups) if speedups else None}
+
+
+def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log=print) -> dict:
+    """The competition's prompts (one sentence repeated) and varied text: a large gap means prompt copying."""
+    log("prompt set: repeated sentence (competition style)")
+    result = probe_set(base_url, model, probe_settings, [probe_settings["sentence"]], log)
+    log(f"prompt set: varied text ({varied_path})")
+    result["varied"] = probe_set(base_url, model, probe_settings, varied_paragraphs(varied_path), log)
+    return result
 
 
 def main(job) -> None:
@@ -98,7 +150,7 @@ def main(job) -> None:
     run = job.params.run
     with run_container(image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe") as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
-        result = probe(container.base_url, job.params.model_name, job.params.probe)
+        result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
     result.update(image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s,
                   warmup=job.params.probe["warmup"], ignore_eos=job.params.probe["ignore_eos"])
     validate_json(result, job.input.schema)
