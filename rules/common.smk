@@ -48,8 +48,9 @@ def combination_problems(variants):
     return problems
 
 
-if combination_problems(config["variants"]):
-    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(combination_problems(config["variants"])))
+COMBINATION_PROBLEMS = combination_problems(config["variants"])
+if COMBINATION_PROBLEMS:
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(COMBINATION_PROBLEMS))
 if config["variant"] not in config["variants"]:
     raise WorkflowError(
         f"invalid configuration: config key 'variant': {config['variant']!r} is not one of the variants "
