@@ -307,6 +307,36 @@ def test_thinking_budget_streams_the_continuation(monkeypatch):
     assert app.calls[-1][1]["stream"] is True and app.calls[0][1]["max_tokens"] == 44
 
 
+def test_gpu_name_normalised_to_architecture():
+    from serving.gpu_name import json_key, normalised_system
+
+    def system(name):
+        device, version = {"name": name}, {"triton": "t", "cuda": "13.0"}
+        return {"device": device, "version": version, "hash": json_key({"device": device, "version": version})}
+
+    sxm, pcie = system("NVIDIA H100 80GB HBM3"), system("NVIDIA H100 PCIe")
+    assert sxm["hash"] != pcie["hash"]  # what makes a baked cache miss on another board
+    a, b = normalised_system(sxm, (9, 0)), normalised_system(pcie, (9, 0))
+    assert a == b and a["device"]["name"] == "sm_90" and a["version"] == sxm["version"]
+    assert normalised_system(sxm, (8, 6))["hash"] != a["hash"]  # another architecture still misses
+    cpu = {"device": {"name": None}, "version": {"triton": "t"}, "hash": "h"}
+    assert normalised_system(cpu, None) == cpu and normalised_system(cpu, (9, 0)) == cpu
+
+
+def test_every_plugin_entry_point_resolves():
+    import ast
+    import configparser
+
+    entry = configparser.ConfigParser()
+    entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
+    targets = dict(entry["vllm.general_plugins"])
+    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name"} <= set(targets)
+    for target in targets.values():
+        module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, target
+
+
 # ---------- int4 dequant (needs the serve-cpu venv) ----------
 
 DEQUANT_CHECK = r"""
