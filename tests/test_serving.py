@@ -27,7 +27,7 @@ BASE = {
     "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
     "kv_cache_dtype": "auto", "language_model_only": True,
     "speculative": {"method": "none", "num_speculative_tokens": 0},
-    "default_thinking": False, "extra_args": [],
+    "default_thinking": False, "thinking_reserve_tokens": 8, "extra_args": [],
 }
 
 
@@ -330,7 +330,7 @@ def test_every_plugin_entry_point_resolves():
     entry = configparser.ConfigParser()
     entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
     targets = dict(entry["vllm.general_plugins"])
-    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name"} <= set(targets)
+    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name", "serving_aot_load_fix"} <= set(targets)
     for target in targets.values():
         module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
@@ -488,6 +488,33 @@ def test_chat_streaming(server):
     chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
     assert len(chunks) >= 2 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert any(ch["delta"].get("content") for c in chunks for ch in c["choices"])
+
+
+def stream_text(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = [ln.decode().strip() for ln in r if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    return text, [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+
+
+@pytest.mark.e2e
+def test_thinking_budget_closes_a_capped_thought(server):
+    port, *_ = server
+    body = {"model": NAME, "messages": MSG, "max_tokens": 24, "temperature": 0.0, "thinking": True}
+    status, r = http(port, "/v1/chat/completions", body)
+    content = r["choices"][0]["message"]["content"]
+    # The random tiny model never closes a thought by itself: the budget did, 8 tokens before the cap.
+    assert status == 200 and "</think>" in content, content
+    assert r["usage"]["completion_tokens"] <= 24 and r["choices"][0]["finish_reason"] in {"length", "stop"}
+    text, finishes = stream_text(port, body)
+    assert text == content and len(finishes) == 1  # greedy: the stream tells the same story, one end
+    off, _ = stream_text(port, {**body, "thinking": False})
+    assert off.count("</think>") == 0  # thinking off: the template closed the block, nothing is added
 
 
 @pytest.mark.e2e
