@@ -30,6 +30,7 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(latency, ROOT / "schemas" / "latency.schema.yaml")
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]
     assert all(c["runs"] == TINY["probe"]["runs"] for c in latency["categories"])
+    assert latency["compile_cache"]["hit"] and latency["compile_cache"]["evidence"]  # the image used its baked cache
     assert [c["name"] for c in latency["varied"]["categories"]] == ["short", "medium", "long"]
     # the default variant speculates with MTP: vLLM's counters must have seen draft rounds
     assert all(c["mean_acceptance_length"] >= 1 for c in latency["categories"] + latency["varied"]["categories"])
