@@ -23,7 +23,7 @@ KNOWN_KEYS = {
     "kv_cache_dtype", "language_model_only", "gdn_prefill_backend", "cudagraph_capture_sizes",
     "speculative", "default_thinking", "thinking_reserve_tokens", "extra_args",
 }
-SPEC_METHODS = {"none", "mtp", "ngram", "suffix"}
+SPEC_METHODS = {"none", "mtp", "ngram", "suffix", "draft_model"}
 # Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels.
 CACHE_DIRS = {
     "VLLM_CACHE_ROOT": "vllm",

@@ -36,6 +36,13 @@ def dry_run_with(tmp_path: Path, config: dict):
      "method mtp needs k >= 1"),
     (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
      "variants.tiny-awq-mtp1.speculative.k", "without a speculative method"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
+     "variants.tiny-awq-mtp1.speculative.model", "goes with method draft_model"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
+     "variants.tiny-awq-mtp1.speculative.model", "only with it"),
+    (lambda c: (c["image"].update(gpu_arch="sm_86"), c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8")),
+     "variants.tiny-awq-mtp1.serve.kv_cache_dtype", "needs FP8 support (sm_89 or newer)"),
+    (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
 ])
 def test_bad_config_is_rejected_naming_the_key(tmp_path, mutate, key, words):
     config = tiny_config()
