@@ -42,7 +42,7 @@ case "$1" in
     cp -r /tmp/site-vllm/jsonschema-*.dist-info /tmp/site-vllm/referencing-*.dist-info \
       /tmp/site-vllm/rpds_py-*.dist-info /tmp/site-vllm/jsonschema_specifications-*.dist-info /tmp/site-extra/ 2>/dev/null || true
     echo "[unpack] $(( $(date +%s) - t0 )) s; $(ls /tmp/site-vllm | wc -l) entries in site-vllm, $(ls /tmp/site-llmcompressor 2>/dev/null | wc -l) in site-llmcompressor"
-    env -u PYTHONPATH PYTHONUNBUFFERED=1 python3 -u gpu_proof/driver.py --state "$STATE" "$@"
+    env -u PYTHONPATH PYTHONUNBUFFERED=1 python3 -u gpu_proof/driver.py --state "$STATE" "${@:2}"
     echo "driver exit $?"
     touch "$STATE/driver.done" ;;
   wait)

@@ -1,0 +1,153 @@
+"""The GPU proof (issue #7): the committed H100 records validate and agree with each other, and the driver
+that wrote them runs its serve/bake/probe flow against a fake server (no GPU needed)."""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "gpu-proof" / "h100"
+SCHEMA = yaml.safe_load((ROOT / "schemas" / "gpu-proof.schema.yaml").read_text())
+EXPECTED_VARIANTS = {"bf16", "awq-w4a16-g32-mlp", "awq-w4a16-g32-broad", "bf16-mtp1", "bf16-mtp2", "bf16-mtp4"}
+
+
+def records() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
+
+
+def by_kind(kind: str) -> dict[str, dict]:
+    return {name: data for name, data in records().items() if data["kind"] == kind}
+
+
+def test_the_records_exist_and_validate():
+    found = records()
+    assert {"session", "environment", "checkpoint", "bandwidth"} <= set(found), sorted(found)
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    problems = [f"{name}: {error.json_path}: {error.message}" for name, data in found.items()
+                for error in validator.iter_errors(data)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_variant_is_measured_or_said_not_done():
+    variants = {data["variant"]: data for data in by_kind("variant").values()}
+    not_done = " ".join(item["what"] for item in records()["session"]["not_done"])
+    for name in EXPECTED_VARIANTS:
+        assert (name in variants and variants[name]["status"] == "ok") or name in not_done, name
+
+
+def test_variants_have_the_three_categories_on_one_gpu():
+    config = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    categories = config["properties"]["probe"]["properties"]["categories"]["default"]
+    expected = [(c["name"], c["prompt_tokens"], c["output_tokens"]) for c in categories]
+    gpus = {data["machine"]: data["gpu"]["name"] for data in by_kind("environment").values()}
+    for data in by_kind("checkpoint").values():
+        assert data["device"] == gpus[data["machine"]]
+    for name, data in by_kind("variant").items():
+        assert data["machine"] in gpus, name  # every variant ran on a machine whose environment is recorded
+    for name, data in by_kind("variant").items():
+        if data["status"] != "ok":
+            continue
+        sets = [data["probe"]["categories"]] + ([data["probe"]["varied"]["categories"]] if data["probe"]["varied"] else [])
+        for categories_measured in sets:
+            got = [(c["name"], c["prompt_tokens"], c["output_tokens_requested"]) for c in categories_measured]
+            assert got == expected, name
+            for category in categories_measured:
+                assert category["output_tokens_mean"] == category["output_tokens_requested"], (name, category["name"])
+                assert len(category["latencies_ms"]) == category["runs"] == data["probe"]["runs"]
+                assert 0 < category["ttft_median_ms"] < category["median_ms"], (name, category["name"])
+        mtp = data["speculative"]["k"] > 0
+        for category in data["probe"]["categories"]:
+            assert (category["mean_acceptance_length"] is not None) == mtp, (name, category["name"])
+
+
+def test_decode_time_never_beats_the_bandwidth_bound():
+    bandwidth = {data["machine"]: data["copy_gbps"] for data in by_kind("bandwidth").values()}
+    for name, data in by_kind("variant").items():
+        if data["status"] != "ok":
+            continue
+        decode = data["decode"]
+        assert decode["bandwidth_gbps"] == bandwidth[data["machine"]]  # the bandwidth of the machine it ran on
+        k = data["speculative"]["k"]
+        weights = data["weights"]
+        assert decode["weights_bytes_per_step"] == weights["decoder"] + weights["lm_head"] + k * (
+            weights["mtp"] + weights["lm_head"])
+        for row in decode["categories"]:
+            assert row["bound_with_kv_state_ms"] >= row["weights_bound_ms"] > 0
+            assert row["fraction_of_bound"] <= 1.05, (name, row)  # a measurement faster than the bound is wrong
+
+
+def test_quantized_variants_are_smaller_and_report_their_modules():
+    quantized = by_kind("quantize")
+    bf16 = records().get("variant-bf16")
+    for name, data in quantized.items():
+        if data["status"] != "ok":
+            continue
+        report = data["report"]
+        assert report["quantized"] and report["quantized_modules"] == report["checks"]["expected_quantized_modules"]
+        assert report["checks"]["mtp_tensors"] > 0
+        assert data["peak_gpu_memory_allocated_gib"] > 0
+        served = records().get(f"variant-{data['variant']}")
+        if served and bf16 and served["status"] == "ok":
+            assert served["weights"]["decoder"] < bf16["weights"]["decoder"] / 2
+
+
+def test_the_baked_cache_starts_faster_than_an_empty_one():
+    for name, data in by_kind("variant").items():
+        cold = data["cold_start"]
+        if "baked_cache_s" in cold and "empty_cache_s" in cold:
+            assert cold["baked_cache_s"] < cold["empty_cache_s"], name
+
+
+# ---- the driver's flow, against gpu_proof/fake_server.py ----
+
+def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    import driver
+
+    d = driver.Driver(tmp_path, warmup=1, runs=2)
+    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    header = {"model.language_model.layers.0.mlp.up_proj.weight": [0, 1000], "lm_head.weight": [1000, 1500],
+              "model.language_model.embed_tokens.weight": [1500, 2000], "mtp.fc.weight": [2000, 2100]}
+    blob = json.dumps({n: {"dtype": "BF16", "shape": [1], "data_offsets": o} for n, o in header.items()}).encode()
+    d.model_dir.mkdir(parents=True)
+    (d.model_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(2100))
+    d.record("checkpoint", {"text_config": {"full_attention_layers": 8, "linear_attention_layers": 24,
+                                            "num_key_value_heads": 4, "head_dim": 256, "linear_num_value_heads": 32,
+                                            "linear_key_head_dim": 128, "linear_value_head_dim": 128}})
+    d.record("bandwidth", {"copy_gbps": 3000.0})
+    d.run_steps(["serve-bf16", "serve-bf16-mtp2"])
+    bf16 = json.loads((tmp_path / "results" / "variant-bf16.json").read_text())
+    mtp = json.loads((tmp_path / "results" / "variant-bf16-mtp2.json").read_text())
+    assert bf16["status"] == mtp["status"] == "ok"
+    assert bf16["cold_start"]["first_start_cache"] == "empty" and "baked_cache_s" in bf16["cold_start"]
+    assert bf16["cold_start"]["cache_by_dir"]["vllm"]["files"] == 1
+    assert mtp["cold_start"]["first_start_cache"] == "seeded"  # bf16's kernel caches, not its vllm/ dir
+    assert "--gdn-prefill-backend" in bf16["vllm_args"] and "--language-model-only" in bf16["vllm_args"]
+    assert '"num_speculative_tokens": 2' in " ".join(mtp["vllm_args"])
+    assert [c["name"] for c in bf16["probe"]["categories"]] == ["short", "medium", "long"]
+    assert bf16["probe"]["varied"] is not None and mtp["probe"]["varied"] is None
+    assert mtp["decode"]["weights_bytes_per_step"] == 1000 + 500 + 2 * (100 + 500)
+    assert (tmp_path / "done" / "serve-bf16").exists() and (tmp_path / "results.tar.gz").exists()
+
+
+def test_decode_bound_counts_mtp_drafts_and_context():
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    import driver
+
+    text = {"full_attention_layers": 8, "linear_attention_layers": 24, "num_key_value_heads": 4, "head_dim": 256,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+    weights = {"decoder": 8e9, "lm_head": 1e9, "mtp": 2e8, "embed_tokens": 1e9, "vision": 0}
+    category = {"name": "long", "prompt_tokens": 8192, "output_tokens_requested": 256, "itl_median_ms": 10.0,
+                "mean_acceptance_length": 2.0}
+    out = driver.decode_bound(weights, 1, 1000.0, text, [category])
+    row = out["categories"][0]
+    assert out["weights_bytes_per_step"] == 8e9 + 1e9 + 1.2e9
+    assert row["weights_bound_ms"] == pytest.approx(10.2 / 2)  # 10.2 GB at 1000 GB/s, two tokens a step
+    kv = 8320 * 8 * 2 * 4 * 256 * 2
+    state = 2 * 24 * 32 * 128 * 128 * 4
+    assert row["bound_with_kv_state_ms"] == pytest.approx((10.2e9 + kv + state) / 1e12 * 1e3 / 2, rel=1e-3)
