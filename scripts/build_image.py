@@ -160,8 +160,9 @@ def build(context: Path, tag: str, base_ref: str, builder: str, labels: dict[str
     flags = ["--build-arg", f"BASE={base_ref}", *label_flags(labels or {})]
     if builder == "docker":
         cmd = ["docker", "build", "--force-rm", *flags, "-t", tag, str(context)]
-    else:  # OCI config (the default format): no random hostname/container id, unlike --format docker
-        cmd = ["buildah", "bud", "--timestamp", "0", f"--pull={pull}", *flags, "-t", tag,
+    else:  # OCI config (the default format): no random hostname/container id, unlike --format docker.
+        # No io.buildah.version label: the labels are exactly ours (image.json records the buildah version).
+        cmd = ["buildah", "bud", "--timestamp", "0", f"--pull={pull}", "--identity-label=false", *flags, "-t", tag,
                "-f", str(context / "Dockerfile"), str(context)]
     run(cmd, builder=builder, what=f"{builder} build {tag}")
 
@@ -213,6 +214,17 @@ def hand_to_docker(tag: str) -> str:
     return loaded
 
 
+def tool_version(tool: str) -> str:
+    """e.g. "buildah 1.28.2": another builder version may lay out the same image differently."""
+    cmd = ["buildah", "version"] if tool == "buildah" else ["docker", "version", "--format", "{{.Server.Version}}"]
+    try:
+        out = run(cmd, builder=tool)
+    except StageError:
+        return tool
+    found = re.search(r"^Version:\s*(\S+)", out, re.M) if tool == "buildah" else None
+    return f"{tool} {found.group(1) if found else out.strip()}"
+
+
 def ensure_docker_base(base: dict) -> dict:
     """A registry base in Docker's store (bake_compile_cache has normally pulled it already), with its ID."""
     if base["id"] is None:
@@ -238,6 +250,7 @@ def main(job) -> None:
     out = Path(job.output.image)
     context = out.parent / "context"
     built_with = "buildah" if builder == "buildah" or reproducible else "docker"
+    tool = tool_version(built_with)
     try:
         stage_context(context, Path(inputs.model), Path(inputs.cache), inputs.serving, Path(inputs.serve),
                       Path(inputs.dockerfile))
@@ -258,7 +271,7 @@ def main(job) -> None:
     if base["id"] is None:
         base["id"] = image_id(base["ref"], builder)  # pulled during the build
     write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder,
-                     "built_with": built_with, "reproducible": built_with == "buildah", "base": base,
+                     "built_with": tool, "reproducible": built_with == "buildah", "base": base,
                      "size_bytes": image_size(params.tag, builder), "labels": labels})
     print(f"image {params.tag}: {image_id(params.tag, builder)}, {time.monotonic() - started:.0f} s", flush=True)
 
