@@ -8,7 +8,8 @@ rule verify_image:
         image=rules.tarball.input.image,
         schema="schemas/verify.schema.yaml",
     output:
-        report=f"results/{config['variant']}/verify_image/verify.json",
+        report=report(f"results/{config['variant']}/verify_image/verify.json", category="Image",
+                      labels={"variant": config["variant"]}),
     params:
         verify_run=config["image"]["verify_run"],
         run=run_settings(),
