@@ -4,6 +4,7 @@ rule bake_compile_cache:
         base=optional(LOCAL_BASE, "results/base_image/image.json"),
         model=rules.quantize.output.model,
         serving=SERVING_FILES,
+        schema="schemas/coldstart.schema.yaml",
     output:
         cache="results/{variant}/bake_compile_cache/compile_cache.tar",
         serve="results/{variant}/bake_compile_cache/serve.json",
@@ -14,6 +15,7 @@ rule bake_compile_cache:
         run=run_settings(),
         categories=config["probe"]["categories"],
         sentence=config["probe"]["sentence"],
+        require_cache_hit=config["image"]["require_cache_hit"],
     log:
         "logs/bake_compile_cache/{variant}.log",
     benchmark:

@@ -33,9 +33,10 @@ validate(config, CONFIG_SCHEMA, set_default=True)
 config = copy.deepcopy(config)  # defaults were set from shared schema objects
 
 
-def combination_problems(variants):
+def combination_problems(variants, gpu_arch=None):
     """Settings each valid alone that vLLM cannot serve together: refused now, not after a long build."""
     problems = []
+    capability = int(gpu_arch[len("sm_"):]) if gpu_arch else None
     for name, variant in variants.items():
         serve, speculative = variant["serve"], variant["speculative"]
         key = f"config key 'variants.{name}"
@@ -46,6 +47,12 @@ def combination_problems(variants):
         if speculative["method"] != "none" and serve["enable_prefix_caching"]:
             problems.append(f"{key}.serve.enable_prefix_caching': speculative decoding with prefix caching kills "
                             "vLLM's engine on Qwen3.5 (and needs Triton on CPU); set it to false")
+        if (speculative["method"] == "draft_model") != bool(speculative["model"]):
+            problems.append(f"{key}.speculative.model': a draft model directory goes with method draft_model, "
+                            "and only with it")
+        if capability is not None and capability < 89 and serve["kv_cache_dtype"].startswith("fp8"):
+            problems.append(f"{key}.serve.kv_cache_dtype': {serve['kv_cache_dtype']} needs FP8 support "
+                            f"(sm_89 or newer); image.gpu_arch is {gpu_arch}")
     return problems
 
 
@@ -59,7 +66,8 @@ def base_problems(image):
             "'{{index .RepoDigests 0}}'` prints it), or set image.allow_unpinned_base: true to accept a movable tag"]
 
 
-COMBINATION_PROBLEMS = combination_problems(config["variants"]) + base_problems(config["image"])
+COMBINATION_PROBLEMS = (combination_problems(config["variants"], config["image"]["gpu_arch"])
+                        + base_problems(config["image"]))
 if COMBINATION_PROBLEMS:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(COMBINATION_PROBLEMS))
 if config["variant"] not in config["variants"]:
@@ -107,7 +115,8 @@ def serve_settings(wildcards):
     speculative = variant["speculative"]
     return dict(
         variant["serve"],
-        speculative={"method": speculative["method"], "num_speculative_tokens": speculative["k"]},
+        speculative={"method": speculative["method"], "num_speculative_tokens": speculative["k"],
+                     **({"model": speculative["model"]} if speculative["model"] else {})},
     )
 
 

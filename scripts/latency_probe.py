@@ -144,14 +144,18 @@ def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log
 
 
 def main(job) -> None:
+    from bake_compile_cache import cache_evidence
     from containers import run_container
 
     image = json.loads(Path(job.input.image).read_text())
     run = job.params.run
     with run_container(image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe") as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
+        evidence = cache_evidence(container.logs(tail=100000))
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
-    result.update(image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s,
+    compile_cache = {"hit": bool(evidence["hits"]) and not evidence["misses"], "evidence": evidence["hits"],
+                     "load_failures": evidence["misses"]}
+    result.update(image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s, compile_cache=compile_cache,
                   warmup=job.params.probe["warmup"], ignore_eos=job.params.probe["ignore_eos"])
     validate_json(result, job.input.schema)
     write_json(job.output.latency, result)

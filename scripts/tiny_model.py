@@ -163,12 +163,16 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Path):
+def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Path, pad_to: int | None = None):
     """Byte-level BPE on `corpus_path` with Qwen's pre-tokenizer and added tokens; saved to out_dir.
 
     `vocab_size` caps the learned BPE vocabulary (merges stop earlier once no pair occurs twice:
     the bundled corpus gives 2622); Qwen's added tokens come after it, as in the real tokenizer.
     Training is deterministic (no sampling; ties broken by pair order).
+
+    `pad_to` (for a full-size embedding, e.g. 248,320): filler tokens fill the vocabulary up to that
+    many ids, added tokens last as in Qwen's. Encoding never yields them (no merge makes them), but
+    every id a model can sample decodes to text, so streamed output of a random model is never empty.
     """
     from tokenizers import Regex, Tokenizer, AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -183,6 +187,8 @@ def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Pat
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(corpus_path)], trainer)
+    if pad_to:
+        tok = _pad_vocab(tok, pad_to - len(SPECIAL_TOKENS))
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS])
 
     wrapped = PreTrainedTokenizerFast(
@@ -194,6 +200,26 @@ def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(out_dir)
     return wrapped
+
+
+def _pad_vocab(tok, size: int):
+    """The BPE model's vocabulary grown to `size` ids with fillers: a space plus 3-5 letters (byte-level
+    characters that decode as themselves), in a fixed order, skipping strings already learned."""
+    from itertools import product
+    from string import ascii_lowercase
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    if len(vocab) > size:
+        raise ValueError(f"the learned vocabulary ({len(vocab)}) is already larger than {size}")
+    fillers = ("\u0120" + "".join(letters) for n in (3, 4, 5) for letters in product(ascii_lowercase, repeat=n))
+    for text in fillers:
+        if len(vocab) >= size:
+            break
+        vocab.setdefault(text, len(vocab))
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def tiny_config(token_ids: dict[str, int], vocab_size: int, **dims) -> dict:
@@ -264,7 +290,10 @@ def _mtp_tensors(text: dict, seed: int) -> dict:
         "mtp.pre_fc_norm_hidden.weight": (h,),
     }
     assert text["mtp_num_hidden_layers"] == 1, "only one MTP layer is generated"
-    return {name: (torch.zeros(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * std)
+    # on the CPU whatever the default device (the full-size build runs under torch.device("cuda")): the
+    # generator is a CPU one, and the bytes stay the same wherever the model itself is made
+    return {name: (torch.zeros(shape, device="cpu") if len(shape) == 1
+                   else torch.randn(shape, generator=gen, device="cpu") * std)
             .to(torch.bfloat16).contiguous() for name, shape in sorted(shapes.items())}
 
 

@@ -21,9 +21,9 @@ KNOWN_KEYS = {
     "served_model_name", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
     "kv_cache_dtype", "language_model_only", "gdn_prefill_backend", "cudagraph_capture_sizes",
-    "speculative", "default_thinking", "extra_args",
+    "speculative", "default_thinking", "thinking_reserve_tokens", "extra_args",
 }
-SPEC_METHODS = {"none", "mtp", "ngram", "suffix"}
+SPEC_METHODS = {"none", "mtp", "ngram", "suffix", "draft_model"}
 # Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels.
 CACHE_DIRS = {
     "VLLM_CACHE_ROOT": "vllm",
@@ -37,8 +37,24 @@ def _flag(name: str, on: bool) -> str:
     return f"--{name}" if on else f"--no-{name}"
 
 
-def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080) -> list[str]:
-    """vLLM api_server arguments for a serve.json `settings` dict."""
+def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:
+    """CUDA-graph batch sizes: the configured ones, else multiples of K+1 when speculating on a GPU.
+
+    A speculative decode step verifies K+1 tokens per request, so batches are always multiples of K+1;
+    vLLM's default sizes (1, 2, 4, 8, ...) would pad most of them up to the next power of two.
+    """
+    if settings.get("cudagraph_capture_sizes"):
+        return list(settings["cudagraph_capture_sizes"])
+    spec = settings.get("speculative") or {}
+    k = int(spec.get("num_speculative_tokens") or 0)
+    if not cuda or settings.get("enforce_eager") or spec.get("method", "none") == "none" or k < 1:
+        return None
+    return [(k + 1) * n for n in range(1, int(settings["max_num_seqs"]) + 1)]
+
+
+def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080,
+              cuda: bool = False) -> list[str]:
+    """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU)."""
     unknown = set(settings) - KNOWN_KEYS
     if unknown:
         raise ValueError(f"unknown serve.json keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
@@ -64,8 +80,9 @@ def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: in
             args += [f"--{key.replace('_', '-')}", str(s[key])]
     if s.get("enable_chunked_prefill") is not None:
         args.append(_flag("enable-chunked-prefill", bool(s["enable_chunked_prefill"])))
-    if s.get("cudagraph_capture_sizes"):
-        args += ["--cudagraph-capture-sizes", *map(str, s["cudagraph_capture_sizes"])]
+    sizes = capture_sizes(s, cuda)
+    if sizes:
+        args += ["--cudagraph-capture-sizes", *map(str, sizes)]
     spec = dict(s.get("speculative") or {"method": "none"})
     if spec.get("method", "none") not in SPEC_METHODS:
         raise ValueError(f"speculative.method must be one of {sorted(SPEC_METHODS)}, got {spec.get('method')!r}")
@@ -76,9 +93,13 @@ def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: in
     return args
 
 
-def child_env(environ: dict) -> dict:
-    """Environment for the vLLM process: plugin dist-info and this package importable."""
+def child_env(environ: dict, settings: dict | None = None) -> dict:
+    """Environment for the vLLM process: plugin dist-info and this package importable, middleware settings."""
     env = dict(environ)
+    settings = settings or {}
+    # Read by serving.middleware inside vLLM's API server process.
+    env["DEFAULT_THINKING"] = "1" if settings.get("default_thinking") else "0"
+    env["THINKING_RESERVE_TOKENS"] = str(int(settings.get("thinking_reserve_tokens", 0)))
     paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -98,8 +119,8 @@ def main() -> None:
     with open(config) as f:
         settings = json.load(f)
     args = vllm_args(settings, model_dir, host=os.environ.get("HOST", "0.0.0.0"),
-                     port=int(os.environ.get("PORT", "8080")))
+                     port=int(os.environ.get("PORT", "8080")), cuda=Path("/dev/nvidiactl").exists())
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     print("serving:", " ".join(cmd), flush=True)
     # exec, not a child: vLLM gets the signals (docker stop) and its exit code is ours.
-    os.execve(sys.executable, cmd, child_env(dict(os.environ)))
+    os.execve(sys.executable, cmd, child_env(dict(os.environ), settings))

@@ -40,6 +40,13 @@ def dry_run_with(tmp_path: Path, config: dict):
     (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0"), "image.base", "is not pinned by digest"),
     (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0@sha256:abc"), "image.base", "allow_unpinned_base: true"),
     (lambda c: c["image"].update(verify_run="sometimes"), "image.verify_run", "is not one of ['auto', 'always', 'never']"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
+     "variants.tiny-awq-mtp1.speculative.model", "goes with method draft_model"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
+     "variants.tiny-awq-mtp1.speculative.model", "only with it"),
+    (lambda c: (c["image"].update(gpu_arch="sm_86"), c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8")),
+     "variants.tiny-awq-mtp1.serve.kv_cache_dtype", "needs FP8 support (sm_89 or newer)"),
+    (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
 ])
 def test_bad_config_is_rejected_naming_the_key(tmp_path, mutate, key, words):
     config = tiny_config()

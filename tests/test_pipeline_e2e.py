@@ -30,6 +30,7 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(latency, ROOT / "schemas" / "latency.schema.yaml")
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]
     assert all(c["runs"] == TINY["probe"]["runs"] for c in latency["categories"])
+    assert latency["compile_cache"]["hit"] and latency["compile_cache"]["evidence"]  # the image used its baked cache
     assert [c["name"] for c in latency["varied"]["categories"]] == ["short", "medium", "long"]
     # the default variant speculates with MTP: vLLM's counters must have seen draft rounds
     assert all(c["mean_acceptance_length"] >= 1 for c in latency["categories"] + latency["varied"]["categories"])
@@ -37,6 +38,10 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(quality, ROOT / "schemas" / "quality.schema.yaml")
     assert quality["passed"] is True
     assert {t["name"] for t in quality["tasks"]} == {t["name"] for t in TINY["quality"]["tasks"]}
+    coldstart = json.loads((RESULTS / "bake_compile_cache" / "coldstart.json").read_text())
+    validate_json(coldstart, ROOT / "schemas" / "coldstart.schema.yaml")
+    # the second start loaded what the first compiled, and said so
+    assert coldstart["cache_hit"] and coldstart["cache_hit_evidence"] and not coldstart["cache_load_failures"]
     serve = json.loads((RESULTS / "bake_compile_cache" / "serve.json").read_text())
     assert serve["speculative"] == {"method": "mtp", "num_speculative_tokens":
                                     TINY["variants"][VARIANT]["speculative"]["k"]}

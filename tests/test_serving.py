@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.launch import DIST_DIR, child_env, vllm_args  # noqa: E402
-from serving.middleware import ThinkingMiddleware, rewrite_body  # noqa: E402
+from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
 
 SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
 
@@ -27,7 +27,7 @@ BASE = {
     "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
     "kv_cache_dtype": "auto", "language_model_only": True,
     "speculative": {"method": "none", "num_speculative_tokens": 0},
-    "default_thinking": False, "extra_args": [],
+    "default_thinking": False, "thinking_reserve_tokens": 8, "extra_args": [],
 }
 
 
@@ -157,6 +157,184 @@ def test_middleware_passes_others_through():
     assert body == raw
     scope, body = run_middleware("/invocations", [b'{"prompt": "hi"}'])
     assert body == b'{"prompt": "hi"}' and dict(scope["headers"])[b"content-length"] == b"16"
+
+
+def test_capture_sizes_default_to_multiples_of_k_plus_one_on_gpu():
+    mtp2 = {**BASE, "enforce_eager": False, "max_num_seqs": 4,
+            "speculative": {"method": "mtp", "num_speculative_tokens": 2}}
+    assert value(vllm_args(mtp2, "m", cuda=True), "--cudagraph-capture-sizes") == "3"
+    i = vllm_args(mtp2, "m", cuda=True).index("--cudagraph-capture-sizes")
+    assert vllm_args(mtp2, "m", cuda=True)[i + 1:i + 5] == ["3", "6", "9", "12"]
+    assert "--cudagraph-capture-sizes" not in vllm_args(mtp2, "m", cuda=False)  # CPU: no CUDA graphs
+    assert "--cudagraph-capture-sizes" not in vllm_args({**mtp2, "enforce_eager": True}, "m", cuda=True)
+    assert "--cudagraph-capture-sizes" not in vllm_args({**BASE, "enforce_eager": False}, "m", cuda=True)
+    explicit = vllm_args({**mtp2, "cudagraph_capture_sizes": [5]}, "m", cuda=True)
+    assert value(explicit, "--cudagraph-capture-sizes") == "5"
+
+
+def test_child_env_carries_middleware_settings():
+    env = child_env({}, {"default_thinking": True, "thinking_reserve_tokens": 64})
+    assert env["DEFAULT_THINKING"] == "1" and env["THINKING_RESERVE_TOKENS"] == "64"
+    assert child_env({})["THINKING_RESERVE_TOKENS"] == "0"
+
+
+def test_answer_reserve():
+    chat = {"messages": MSG, "max_tokens": 100, "chat_template_kwargs": {"enable_thinking": True}}
+    assert answer_reserve(chat, False, 30) == 30
+    assert answer_reserve(chat, False, 80) == 50  # the thought keeps at least half
+    assert answer_reserve({**chat, "max_tokens": None, "max_completion_tokens": 10}, False, 30) == 5
+    assert answer_reserve(chat, False, 0) == 0
+    assert answer_reserve({**chat, "chat_template_kwargs": {}}, False, 30) == 0  # thinking off
+    assert answer_reserve({**chat, "chat_template_kwargs": {}}, True, 30) == 30  # server default on
+    assert answer_reserve({**chat, "n": 2}, False, 30) == 0
+    assert answer_reserve({"prompt": "x", "max_tokens": 100}, True, 30) == 0
+    assert answer_reserve({**chat, "max_tokens": "9"}, False, 30) == 0  # vLLM answers that with a 4xx
+    assert answer_reserve({k: v for k, v in chat.items() if k != "max_tokens"}, False, 30) == 0
+
+
+class FakeVllm:
+    """vLLM's chat, tokenize and completions routes, enough to drive the thinking budget."""
+
+    def __init__(self, first_text, finish="length"):
+        self.first_text, self.finish, self.calls = first_text, finish, []
+
+    async def __call__(self, scope, receive, send):
+        body = json.loads((await receive())["body"])
+        self.calls.append((scope["path"], body))
+        if scope["path"] == "/tokenize":
+            tokens = [1, 2, 3] if "messages" in body else [len(w) for w in body["prompt"].split()]
+            return await self.reply(send, {"tokens": tokens, "count": len(tokens)})
+        if scope["path"] == "/v1/completions":
+            text = " The answer is (B)."
+            if body.get("stream"):
+                chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": f}]}
+                          for t, f in ((" The answer", None), (" is (B).", "stop"))]
+                chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}})
+                return await self.stream(send, chunks)
+            return await self.reply(send, {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                                           "usage": {"completion_tokens": 5}})
+        if body.get("stream"):
+            chunks = [{"id": "c1", "object": "chat.completion.chunk", "model": "m",
+                       "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+                      for piece in self.first_text.split("|")]
+            chunks[-1]["choices"][0]["finish_reason"] = self.finish
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunks.append({"id": "c1", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 6,
+                                                                     "total_tokens": 13}})
+            return await self.stream(send, chunks)
+        return await self.reply(send, {
+            "id": "c1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.first_text.replace("|", "")},
+                         "finish_reason": self.finish}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}})
+
+    @staticmethod
+    async def reply(send, payload):
+        data = json.dumps(payload).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    @staticmethod
+    async def stream(send, chunks):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def call_with_budget(app, body, reserve=20, default_thinking=False, monkeypatch=None):
+    monkeypatch.setenv("THINKING_RESERVE_TOKENS", str(reserve))
+    monkeypatch.setenv("DEFAULT_THINKING", "1" if default_thinking else "0")
+    raw = json.dumps(body).encode()
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(ThinkingMiddleware(app)(scope, receive, send))
+    return sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_thinking_budget_closes_a_capped_thought_and_answers(monkeypatch):
+    app = FakeVllm("I am still thin|king about")
+    body = {"model": "m", "messages": MSG, "max_tokens": 64, "thinking": True, "temperature": 0.0}
+    start, raw = call_with_budget(app, body, monkeypatch=monkeypatch)
+    out = json.loads(raw)
+    assert out["choices"][0]["message"]["content"] == "I am still thinking about\n</think>\n\n The answer is (B)."
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 11
+    assert dict(start["headers"])[b"content-length"] == str(len(raw)).encode()
+    (_, first), (_, chat_tok), (_, text_tok), (_, cont) = app.calls
+    assert first["max_tokens"] == 44 and first["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat_tok["add_generation_prompt"] and text_tok["prompt"].endswith("</think>\n\n")
+    assert cont["max_tokens"] == 20 and cont["temperature"] == 0.0 and cont["prompt"][:3] == [1, 2, 3]
+
+
+def test_thinking_budget_leaves_finished_and_closed_answers_alone(monkeypatch):
+    app = FakeVllm("short thought</think>\n\nAnswer.", finish="stop")
+    body = {"model": "m", "messages": MSG, "max_tokens": 64, "thinking": True}
+    _, raw = call_with_budget(app, body, monkeypatch=monkeypatch)
+    assert json.loads(raw)["choices"][0]["message"]["content"] == "short thought</think>\n\nAnswer."
+    assert len(app.calls) == 1
+    # a thought closed before the cap: the answer is continued without a second </think>
+    app = FakeVllm("done</think>\n\nThe answer")
+    _, raw = call_with_budget(app, body, monkeypatch=monkeypatch)
+    assert json.loads(raw)["choices"][0]["message"]["content"] == "done</think>\n\nThe answer The answer is (B)."
+    # thinking off: untouched, full max_tokens
+    app = FakeVllm("x")
+    call_with_budget(app, {**body, "thinking": False}, monkeypatch=monkeypatch)
+    assert len(app.calls) == 1 and app.calls[0][1]["max_tokens"] == 64
+
+
+def test_thinking_budget_streams_the_continuation(monkeypatch):
+    app = FakeVllm("I am still|thinking")
+    body = {"model": "m", "messages": MSG, "max_tokens": 64, "stream": True, "thinking": True,
+            "stream_options": {"include_usage": True}}
+    _, raw = call_with_budget(app, body, monkeypatch=monkeypatch)
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
+    assert text == "I am stillthinking\n</think>\n\n The answer is (B)."
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 + 5 and chunks[-1]["choices"] == []
+    assert app.calls[-1][1]["stream"] is True and app.calls[0][1]["max_tokens"] == 44
+
+
+def test_gpu_name_normalised_to_architecture():
+    from serving.gpu_name import json_key, normalised_system
+
+    def system(name):
+        device, version = {"name": name}, {"triton": "t", "cuda": "13.0"}
+        return {"device": device, "version": version, "hash": json_key({"device": device, "version": version})}
+
+    sxm, pcie = system("NVIDIA H100 80GB HBM3"), system("NVIDIA H100 PCIe")
+    assert sxm["hash"] != pcie["hash"]  # what makes a baked cache miss on another board
+    a, b = normalised_system(sxm, (9, 0)), normalised_system(pcie, (9, 0))
+    assert a == b and a["device"]["name"] == "sm_90" and a["version"] == sxm["version"]
+    assert normalised_system(sxm, (8, 6))["hash"] != a["hash"]  # another architecture still misses
+    cpu = {"device": {"name": None}, "version": {"triton": "t"}, "hash": "h"}
+    assert normalised_system(cpu, None) == cpu and normalised_system(cpu, (9, 0)) == cpu
+
+
+def test_every_plugin_entry_point_resolves():
+    import ast
+    import configparser
+
+    entry = configparser.ConfigParser()
+    entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
+    targets = dict(entry["vllm.general_plugins"])
+    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name", "serving_aot_load_fix"} <= set(targets)
+    for target in targets.values():
+        module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, target
 
 
 # ---------- int4 dequant (needs the serve-cpu venv) ----------
@@ -310,6 +488,33 @@ def test_chat_streaming(server):
     chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
     assert len(chunks) >= 2 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert any(ch["delta"].get("content") for c in chunks for ch in c["choices"])
+
+
+def stream_text(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = [ln.decode().strip() for ln in r if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    return text, [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+
+
+@pytest.mark.e2e
+def test_thinking_budget_closes_a_capped_thought(server):
+    port, *_ = server
+    body = {"model": NAME, "messages": MSG, "max_tokens": 24, "temperature": 0.0, "thinking": True}
+    status, r = http(port, "/v1/chat/completions", body)
+    content = r["choices"][0]["message"]["content"]
+    # The random tiny model never closes a thought by itself: the budget did, 8 tokens before the cap.
+    assert status == 200 and "</think>" in content, content
+    assert r["usage"]["completion_tokens"] <= 24 and r["choices"][0]["finish_reason"] in {"length", "stop"}
+    text, finishes = stream_text(port, body)
+    assert text == content and len(finishes) == 1  # greedy: the stream tells the same story, one end
+    off, _ = stream_text(port, {**body, "thinking": False})
+    assert off.count("</think>") == 0  # thinking off: the template closed the block, nothing is added
 
 
 @pytest.mark.e2e

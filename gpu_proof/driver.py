@@ -1,0 +1,510 @@
+"""The GPU proof of the real profile (issue #7), run on an offline H100 host without Docker.
+
+Runs the project's own code, in priority order, one step after another, and writes one JSON per step to
+STATE/results (then re-packs STATE/results.tar.gz, so whatever is done survives a machine taken back):
+
+  environment   GPU, driver, package versions
+  checkpoint    full-size random Qwen3.5-4B-shaped checkpoint, made on the GPU (gpu_proof/build_checkpoint.py)
+  bandwidth     torch device-to-device copy bandwidth (gpu_proof/bandwidth.py)
+  quantize-*    scripts/quantize.py main() with llmcompressor on CUDA (gpu_proof/quantize_variant.py)
+  serve-*       `python3 -m serving` (serving/launch.py -> vLLM's OpenAI server) with config.yaml's real serve
+                settings; cold start to /ping; bake_compile_cache.warm_up + deterministic_tar; a second start
+                from the baked cache; latency_probe.probe / probe_set; decode time per token against the
+                bandwidth bound
+
+A step that succeeded leaves STATE/done/<step>; a relaunch skips those (fix, resend, relaunch).
+
+    python3 gpu_proof/driver.py [--state /tmp/gp] [--only step,step] [--warmup 2] [--runs 5]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from bake_compile_cache import deterministic_tar, warm_up  # noqa: E402
+from containers import wait_for_ping  # noqa: E402
+from latency_probe import probe, probe_set  # noqa: E402
+
+SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
+SITE_LLMC = os.environ.get("SITE_LLMC", "/tmp/site-llmcompressor")
+SITE_EXTRA = os.environ.get("SITE_EXTRA", "/tmp/site-extra")  # jsonschema & co. for quantize's report check
+REAL_VARIANT = "awq-w4a16-g32-mtp2"  # config.yaml's saved variant: its serve settings are the real profile's
+KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm/ (torch.compile) is not
+
+# name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), MTP depth,
+# how the first start finds its cache (empty, or seeded with bf16's baked kernel caches), whether to bake
+# and restart from the baked cache, which prompt sets to probe.
+VARIANTS = {
+    "bf16": {"recipe": None, "k": 0, "first": "empty", "bake": True, "sets": "both"},
+    "awq-w4a16-g32-broad": {"recipe": "recipes/awq-w4a16-g32-broad.yaml", "k": 0, "first": "seeded", "bake": True,
+                            "sets": "both"},
+    "bf16-mtp2": {"recipe": None, "k": 2, "first": "seeded", "bake": False, "sets": "repeated"},
+    "bf16-mtp1": {"recipe": None, "k": 1, "first": "seeded", "bake": False, "sets": "repeated"},
+    "bf16-mtp4": {"recipe": None, "k": 4, "first": "seeded", "bake": False, "sets": "repeated"},
+    "awq-w4a16-g32-mlp": {"recipe": "recipes/awq-w4a16-g32-mlp.yaml", "k": 0, "first": "seeded", "bake": False,
+                          "sets": "both"},
+}
+# bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
+STEPS = ["environment", "checkpoint", "bandwidth", "serve-bf16", "quantize-awq-w4a16-g32-broad",
+         "serve-awq-w4a16-g32-broad", "serve-bf16-mtp2", "serve-bf16-mtp1", "serve-bf16-mtp4",
+         "quantize-awq-w4a16-g32-mlp", "serve-awq-w4a16-g32-mlp", "coldstart-empty-awq-w4a16-g32-broad"]
+
+
+class Driver:
+    def __init__(self, state: Path, warmup: int, runs: int):
+        self.state = state
+        self.results = state / "results"
+        self.logs = self.results / "logs"
+        self.done = state / "done"
+        for d in (self.results, self.logs, self.done, state / "serve", state / "cache", state / "quant"):
+            d.mkdir(parents=True, exist_ok=True)
+        self.model_dir = state / "weights" / "Qwen3.5-4B-random"
+        self.warmup, self.runs = warmup, runs
+        self.config, self.schema = _load_config()
+        self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
+
+    # ---- bookkeeping ----
+    def log(self, message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    def record(self, name: str, data: dict) -> None:
+        path = self.results / f"{name}.json"
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        tmp = self.state / "results.tar.gz.partial"
+        with tarfile.open(tmp, "w:gz") as archive:
+            archive.add(self.results, arcname="results")
+        tmp.replace(self.state / "results.tar.gz")
+
+    def run_steps(self, only: list[str] | None) -> None:
+        for step in STEPS:
+            if only and step not in only:
+                continue
+            if (self.done / step).exists():
+                self.log(f"{step}: done before, skipped")
+                continue
+            self.log(f"=== {step}")
+            started = time.monotonic()
+            try:
+                getattr(self, "step_" + step.split("-", 1)[0])(step)
+                (self.done / step).write_text(f"{time.monotonic() - started:.1f}\n")
+                self.log(f"{step}: ok in {time.monotonic() - started:.0f} s")
+            except Exception as error:  # noqa: BLE001  recorded; later steps go on where they can
+                self.log(f"{step}: FAILED after {time.monotonic() - started:.0f} s: {error}")
+                traceback.print_exc()
+                self.record(f"failed-{step}", {"kind": "failure", "status": "failed", "step": step,
+                                               "error": str(error)[-4000:], "seconds": time.monotonic() - started})
+        self.log("all steps finished")
+
+    # ---- steps ----
+    def step_environment(self, step: str) -> None:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id,clocks.max.memory",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        name, driver, memory, bus, mem_clock = [part.strip() for part in smi.split(",")]
+        versions = {}
+        for label, site, names in (
+            ("host", None, ["torch", "transformers", "triton", "tokenizers", "safetensors", "accelerate", "numpy"]),
+            ("vllm_bundle", SITE_VLLM, ["vllm", "flashinfer-python", "compressed-tensors", "xgrammar", "torch",
+                                        "transformers", "triton"]),
+            ("llmcompressor_bundle", SITE_LLMC, ["llmcompressor", "compressed-tensors", "datasets", "torch",
+                                                 "transformers"]),
+        ):
+            env = dict(os.environ, PYTHONPATH=site or "")
+            code = ("import json, importlib.metadata as m\nout = {}\nfor n in %r:\n    try: out[n] = m.version(n)\n"
+                    "    except m.PackageNotFoundError: out[n] = 'absent'\nprint(json.dumps(out))" % names)
+            versions[label] = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                                        text=True, check=True).stdout)
+        cuda = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True,
+                              text=True).stdout.strip()
+        self.record("environment", {
+            "kind": "environment", "status": "ok", "gpu": {"name": name, "driver": driver, "memory_total": memory,
+                                                           "pci_bus_id": bus, "max_memory_clock": mem_clock},
+            "gpu_count": len(smi.splitlines()), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+            "torch_cuda": cuda, "versions": versions, "docker": shutil.which("docker") is not None,
+            "driver_command": " ".join(["python3", *sys.argv]),
+        })
+
+    def step_checkpoint(self, step: str) -> None:
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+        result = self.state / "checkpoint.json"
+        self._python([str(ROOT / "gpu_proof" / "build_checkpoint.py"), str(self.model_dir), str(result)],
+                     env={}, log_name="checkpoint")
+        data = json.loads(result.read_text())
+        data["command"] = f"python3 gpu_proof/build_checkpoint.py {self.model_dir} {result}"
+        self.record("checkpoint", data)
+
+    def step_bandwidth(self, step: str) -> None:
+        result = self.state / "bandwidth.json"
+        self._python([str(ROOT / "gpu_proof" / "bandwidth.py"), str(result)], env={}, log_name="bandwidth")
+        data = json.loads(result.read_text())
+        data["command"] = f"python3 gpu_proof/bandwidth.py {result}"
+        self.record("bandwidth", data)
+
+    def step_quantize(self, step: str) -> None:
+        variant = step.removeprefix("quantize-")
+        recipe = ROOT / VARIANTS[variant]["recipe"]
+        out = self.state / "quant" / variant
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        result = self.state / f"quantize-{variant}.json"
+        env = {"PYTHONPATH": os.pathsep.join([SITE_LLMC, SITE_EXTRA, str(ROOT / "scripts")]),
+               "TOKENIZERS_PARALLELISM": "false"}
+        try:
+            self._python([str(ROOT / "gpu_proof" / "quantize_variant.py"), str(self.model_dir), str(recipe), str(out),
+                          str(result)], env=env, log_name=step, timeout=1200)
+        finally:
+            if result.exists():
+                data = json.loads(result.read_text())
+                data["command"] = (f"PYTHONPATH={env['PYTHONPATH']} python3 gpu_proof/quantize_variant.py "
+                                   f"{self.model_dir} {VARIANTS[variant]['recipe']} {out} {result}")
+                data["variant"] = variant
+                self.record(step, data)
+
+    def step_serve(self, step: str) -> None:
+        variant = step.removeprefix("serve-")
+        self.serve_variant(variant, VARIANTS[variant])
+
+    def step_coldstart(self, step: str) -> None:
+        variant = step.removeprefix("coldstart-empty-")
+        spec = dict(VARIANTS[variant], first="empty", bake=False)
+        self.serve_variant(variant, spec, name=f"coldstart-empty-{variant}", probe_it=False, kind="coldstart")
+
+    # ---- serving ----
+    def serve_settings(self, k: int) -> dict:
+        serve = dict(self.config["variants"][REAL_VARIANT]["serve"])
+        for key, prop in self.schema["$defs"]["serve"]["properties"].items():
+            if "default" in prop:
+                serve.setdefault(key, prop["default"])
+        serve["speculative"] = {"method": "mtp" if k else "none", "num_speculative_tokens": k}
+        return serve
+
+    def probe_settings(self) -> dict:
+        probe_cfg = dict(self.config.get("probe") or {})
+        for key, prop in self.schema["properties"]["probe"]["properties"].items():
+            if "default" in prop:
+                probe_cfg.setdefault(key, prop["default"])
+        probe_cfg.update(warmup=self.warmup, runs=self.runs)
+        return probe_cfg
+
+    def model_for(self, spec: dict) -> Path:
+        if spec["recipe"] is None:
+            return self.model_dir
+        variant = next(v for v, s in VARIANTS.items() if s["recipe"] == spec["recipe"])
+        model = self.state / "quant" / variant / "model"
+        if not (model / "config.json").is_file():
+            raise RuntimeError(f"{model} is missing: quantize-{variant} did not finish")
+        return model
+
+    def prepare_cache(self, variant: str, how: str) -> tuple[Path, str]:
+        # one path for both starts, as in the image (/opt/ml/cache for the bake and for serving)
+        cache = self.state / "cache" / f"{variant}-live"
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True)
+        seed_tar = self.state / "cache" / "bf16.tar"
+        if how == "seeded" and not seed_tar.exists():
+            how = "empty"  # nothing to seed from yet
+        if how == "seeded":
+            with tarfile.open(seed_tar) as archive:
+                members = [m for m in archive.getmembers() if m.name.split("/", 1)[0] in KERNEL_CACHES]
+                archive.extractall(cache, members=members, filter="fully_trusted")
+        elif how.startswith("baked:"):
+            with tarfile.open(how.split(":", 1)[1]) as archive:
+                archive.extractall(cache, filter="fully_trusted")
+            how = "baked"
+        return cache, how
+
+    def serve_variant(self, variant: str, spec: dict, name: str | None = None, probe_it: bool = True,
+                      kind: str = "variant") -> None:
+        name = name or f"variant-{variant}"
+        model = self.model_for(spec)
+        settings = self.serve_settings(spec["k"])
+        serve_json = self.state / "serve" / f"{variant}.json"
+        serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        from serving.launch import vllm_args  # the exact flags the entrypoint will exec
+
+        record = {
+            "kind": kind, "status": "running", "variant": variant, "recipe": spec["recipe"],
+            "speculative": {"method": "mtp" if spec["k"] else "none", "k": spec["k"]},
+            "model_dir": str(model), "serve_settings": settings,
+            "command": (f"cd <repo> && SERVE_CONFIG={serve_json} MODEL_DIR={model} HOST=127.0.0.1 PORT=<port> "
+                        f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"),
+            "vllm_args": planned_args(vllm_args, settings, model),
+            "weights": checkpoint_bytes(model),
+            "cold_start": {}, "probe": None, "decode": None,
+        }
+        self.record(name, record)
+        first_cache, how = self.prepare_cache(variant, spec["first"])
+        proc, base, log_path = self.start(variant, serve_json, model, first_cache, "first")
+        try:
+            seconds = self.wait_ready(proc, base, log_path)
+            record["cold_start"][f"{how}_cache_s"] = round(seconds, 1)
+            record["vllm_command"] = served_command(log_path)
+            record["cold_start"]["first_start_cache"] = how
+            record["gpu_memory_used_mib"] = gpu_memory_used()
+            self.log(f"{variant}: ready after {seconds:.1f} s ({how} cache)")
+            self.record(name, record)
+            if spec["bake"]:
+                bake_start = time.monotonic()
+                warm_up(base, settings["served_model_name"], self.probe_settings()["categories"],
+                        self.probe_settings()["sentence"], log=self.log)
+                record["cold_start"]["warm_up_s"] = round(time.monotonic() - bake_start, 1)
+            elif probe_it:
+                self.run_probe(record, name, base, settings, spec)
+        finally:
+            self.stop(proc, log_path)
+        if spec["bake"]:
+            tar_path = self.state / "cache" / f"{variant}.tar"
+            packed = deterministic_tar(first_cache, tar_path)
+            record["cold_start"].update(cache_files=packed["files"], cache_bytes=packed["bytes"],
+                                        cache_by_dir=cache_by_dir(first_cache))
+            self.record(name, record)
+            cache, how = self.prepare_cache(variant, f"baked:{tar_path}")
+            proc, base, log_path = self.start(variant, serve_json, model, cache, "baked")
+            try:
+                seconds = self.wait_ready(proc, base, log_path)
+                record["cold_start"]["baked_cache_s"] = round(seconds, 1)
+                record["cold_start"]["baked_start_log"] = compile_cache_evidence(log_path)
+                record["gpu_memory_used_mib"] = gpu_memory_used()
+                self.log(f"{variant}: ready after {seconds:.1f} s (baked cache)")
+                self.record(name, record)
+                if probe_it:
+                    self.run_probe(record, name, base, settings, spec)
+            finally:
+                self.stop(proc, log_path)
+        shutil.rmtree(self.state / "cache" / f"{variant}-live", ignore_errors=True)
+        record["status"] = "ok"
+        self.record(name, record)
+
+    def run_probe(self, record: dict, name: str, base: str, settings: dict, spec: dict) -> None:
+        settings_probe = self.probe_settings()
+        model_name = settings["served_model_name"]
+        started = time.monotonic()
+        if spec["sets"] == "both":
+            result = probe(base, model_name, settings_probe, str(ROOT / settings_probe["varied_text"]), log=self.log)
+        else:
+            result = probe_set(base, model_name, settings_probe, [settings_probe["sentence"]], log=self.log)
+            result["varied"] = None
+        result.update(warmup=settings_probe["warmup"], runs=settings_probe["runs"],
+                      ignore_eos=settings_probe["ignore_eos"], seconds=round(time.monotonic() - started, 1),
+                      prompt_sets="repeated sentence and varied text" if spec["sets"] == "both"
+                      else "repeated sentence only")
+        record["probe"] = result
+        record["decode"] = self.decode_analysis(record, spec)
+        self.record(name, record)
+
+    def decode_analysis(self, record: dict, spec: dict) -> dict | None:
+        bandwidth_file = self.results / "bandwidth.json"
+        checkpoint_file = self.results / "checkpoint.json"
+        if not bandwidth_file.exists() or not checkpoint_file.exists():
+            return None
+        bandwidth = json.loads(bandwidth_file.read_text())
+        text = json.loads(checkpoint_file.read_text())["text_config"]
+        return decode_bound(record["weights"], spec["k"], bandwidth["copy_gbps"], text, record["probe"]["categories"])
+
+    def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
+        port = 8100 + len(list(self.logs.glob("*.log")))
+        log_path = self.logs / f"{variant}-{tag}.log"
+        env = dict(os.environ, SERVE_CONFIG=str(serve_json), MODEL_DIR=str(model), HOST="127.0.0.1", PORT=str(port),
+                   CACHE_DIR=str(cache), PYTHONPATH=SITE_VLLM, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+                   PYTHONUNBUFFERED="1")
+        for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+            env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
+        handle = open(log_path, "w")
+        self.log(f"{variant}: starting `python3 -m serving` on port {port}, cache {cache}")
+        proc = subprocess.Popen(self.serve_cmd, cwd=ROOT, env=env, stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        handle.close()
+        (self.state / "server.pid").write_text(f"{proc.pid}\n")  # its own session: device.sh restart stops it
+        return proc, f"http://127.0.0.1:{port}", log_path
+
+    def wait_ready(self, proc, base: str, log_path: Path) -> float:
+        return wait_for_ping(base, 900, alive=lambda: proc.poll() is None,
+                             logs=lambda: error_summary(log_path), interval_s=0.25)
+
+    def stop(self, proc, log_path: Path) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        (self.state / "server.pid").unlink(missing_ok=True)
+        for _ in range(60):  # the engine core is a child: wait until its memory is back
+            used = gpu_memory_used()
+            if used is None or used < 2048:
+                break
+            time.sleep(1)
+        shrink_log(log_path)
+        self.snapshot()
+
+    def _python(self, args: list[str], env: dict, log_name: str, timeout: float | None = None) -> None:
+        log_path = self.logs / f"{log_name}.log"
+        with open(log_path, "w") as handle:
+            result = subprocess.run([sys.executable, "-u", *args], cwd=ROOT, env=dict(os.environ, **env),
+                                    stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+        shrink_log(log_path)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(args[:1])} exited {result.returncode}:\n{error_summary(log_path)}")
+
+
+# ---- pure helpers (tested without a GPU) ----
+
+def _load_config():
+    import yaml
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    return config, schema
+
+
+def checkpoint_bytes(model_dir: Path) -> dict:
+    """Tensor bytes a decode step reads, by part, from the safetensors headers of a served checkpoint."""
+    parts = {"decoder": 0, "lm_head": 0, "embed_tokens": 0, "mtp": 0, "vision": 0}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(shard, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for tensor, info in header.items():
+            if tensor == "__metadata__":
+                continue
+            size = info["data_offsets"][1] - info["data_offsets"][0]
+            if tensor.startswith("mtp."):
+                parts["mtp"] += size
+            elif "visual" in tensor:
+                parts["vision"] += size
+            elif "embed_tokens" in tensor:
+                parts["embed_tokens"] += size
+            elif tensor.startswith("lm_head"):
+                parts["lm_head"] += size
+            else:
+                parts["decoder"] += size
+    return parts
+
+
+def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories: list[dict]) -> dict:
+    """Each category's measured time per output token against the memory-bandwidth bound.
+
+    Weights read per decode step: every decoder layer + the final norm + lm_head (embed_tokens: one row).
+    With MTP depth k a step also runs the MTP layer k times, each with the shared lm_head, and yields
+    `mean_acceptance_length` tokens. Context adds the full-attention KV cache (8 layers) and the gated
+    DeltaNet state (read and written, fp32), taken at the mean context of the category."""
+    step_weights = weights["decoder"] + weights["lm_head"] + k * (weights["mtp"] + weights["lm_head"])
+    full_layers = text["full_attention_layers"]
+    kv_per_token = full_layers * 2 * text["num_key_value_heads"] * text["head_dim"] * 2
+    state = 2 * text["linear_attention_layers"] * text["linear_num_value_heads"] * text["linear_key_head_dim"] \
+        * text["linear_value_head_dim"] * 4
+    bytes_per_s = copy_gbps * 1e9
+    rows = []
+    for category in categories:
+        context = category["prompt_tokens"] + category["output_tokens_requested"] / 2
+        accepted = category.get("mean_acceptance_length") or 1.0
+        step_bytes = step_weights + kv_per_token * context + state
+        weights_ms = step_weights / bytes_per_s * 1e3 / accepted
+        total_ms = step_bytes / bytes_per_s * 1e3 / accepted
+        itl = category["itl_median_ms"]
+        rows.append({"category": category["name"], "itl_median_ms": round(itl, 3), "mean_context_tokens": context,
+                     "tokens_per_step": round(accepted, 4), "weights_bound_ms": round(weights_ms, 3),
+                     "bound_with_kv_state_ms": round(total_ms, 3),
+                     "fraction_of_bound": round(total_ms / itl, 3) if itl else None})
+    return {"bandwidth_gbps": copy_gbps, "bandwidth_source": "bandwidth.json copy_gbps",
+            "weights_bytes_per_step": step_weights, "kv_bytes_per_context_token": kv_per_token,
+            "state_bytes_per_step": state, "categories": rows}
+
+
+def planned_args(vllm_args, settings: dict, model: Path) -> list[str]:
+    """serving/launch.py's flags for these settings on a CUDA host (port as a placeholder)."""
+    try:
+        return vllm_args(settings, str(model), host="127.0.0.1", port=8000, cuda=True)
+    except TypeError:  # a launch.py without the cuda keyword
+        return vllm_args(settings, str(model), host="127.0.0.1", port=8000)
+
+
+def served_command(log_path: Path) -> str | None:
+    """The command line serving/launch.py printed before exec'ing vLLM."""
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        if line.startswith("serving: "):
+            return line.removeprefix("serving: ")
+    return None
+
+
+def compile_cache_evidence(log_path: Path) -> dict:
+    """What vLLM's log says about loading its compile cache (bake_compile_cache's own reading when it has one)."""
+    text = Path(log_path).read_text(errors="replace")
+    try:
+        from bake_compile_cache import cache_evidence
+    except ImportError:
+        cache_evidence = None
+    if cache_evidence is not None:
+        return cache_evidence(text)
+    import re
+
+    return {"hits": re.findall(r"Directly load[^\n]*", text)[:8],
+            "misses": re.findall(r"Compiling model again[^\n]*", text)[:8]}
+
+
+def cache_by_dir(cache: Path) -> dict:
+    out = {}
+    for sub in sorted(p for p in cache.iterdir() if p.is_dir()):
+        files = [p for p in sub.rglob("*") if p.is_file()]
+        out[sub.name] = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
+    return out
+
+
+def gpu_memory_used() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def error_summary(log_path: Path, tail: int = 30) -> str:
+    lines = Path(log_path).read_text(errors="replace").splitlines() if Path(log_path).exists() else []
+    errors = list(dict.fromkeys(line for line in lines if "Error" in line or "error:" in line))[-10:]
+    return "\n".join(["error lines:", *errors, "last lines:", *lines[-tail:]])
+
+
+def shrink_log(log_path: Path, keep: int = 400) -> None:
+    """Keep a log's first and last lines (the results travel back in a small archive)."""
+    lines = Path(log_path).read_text(errors="replace").splitlines()
+    if len(lines) > 2 * keep:
+        lines = lines[:keep] + [f"... {len(lines) - 2 * keep} lines left out ..."] + lines[-keep:]
+        Path(log_path).write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--state", default="/tmp/gp")
+    parser.add_argument("--only", default="")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    driver = Driver(Path(args.state), args.warmup, args.runs)
+    driver.run_steps([s for s in args.only.split(",") if s] or None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Run the project's quantize stage (scripts/quantize.py main(), llmcompressor on CUDA) on the full-size
+checkpoint, as the Snakemake rule would call it, and record its time and peak GPU memory.
+
+    PYTHONPATH=<llmcompressor bundle> python3 gpu_proof/quantize_variant.py MODEL_DIR RECIPE OUT_DIR RESULT_JSON
+
+Calibration is the repository's own text (data/tiny/corpus.txt, as chat turns, with config.yaml's
+max_seq_length and seed, 32 samples as the tiny profile: AWQ grid-searches every layer over every sample, and the
+proof has minutes of GPU time): the host is offline, so the real profile's hub dataset is out of
+reach. The held-out bounds are opened up (agreement >= 0, ratio <= 1e6): on random weights the real
+profile's 0.9 / 1.1 say nothing; the measured agreement and perplexity ratio are recorded as they are.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CALIBRATION = {"source": "text_file", "path": str(ROOT / "data" / "tiny" / "corpus.txt"), "num_samples": 32,
+               "max_seq_length": 512, "seed": 42, "chat": True}
+BOUNDS = {"min_top1_agreement": 0.0, "max_ppl_ratio": 1.0e6}
+
+
+def main() -> None:
+    model_dir, recipe, out_dir, result_path = sys.argv[1:5]
+    import torch
+
+    import quantize
+
+    out = Path(out_dir)
+    job = SimpleNamespace(
+        rule="quantize", threads=16, log=[], wildcards=SimpleNamespace(variant=Path(recipe).stem),
+        input=SimpleNamespace(model=model_dir, recipe=recipe, calibration=CALIBRATION["path"],
+                              heldout=str(ROOT / "data" / "heldout.txt"),
+                              schema=str(ROOT / "schemas" / "quantize_report.schema.yaml")),
+        output=SimpleNamespace(model=str(out / "model"), manifest=str(out / "manifest.json"),
+                               report=str(out / "report.json")),
+        params=SimpleNamespace(calibration=dict(CALIBRATION), quantize=dict(BOUNDS)),
+    )
+    torch.cuda.reset_peak_memory_stats()
+    started = time.monotonic()
+    status, error = "ok", None
+    try:
+        quantize.main(job)
+    except BaseException as exc:  # recorded, then re-raised so the exit code says it failed
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        wall = time.monotonic() - started
+        report = json.loads((out / "report.json").read_text()) if (out / "report.json").is_file() else None
+        result = {
+            "kind": "quantize",
+            "status": status,
+            "error": error,
+            "recipe": str(Path(recipe).relative_to(ROOT)) if Path(recipe).is_relative_to(ROOT) else recipe,
+            "device": torch.cuda.get_device_name(0),
+            "command": "quantize.main(job) from scripts/quantize.py (gpu_proof/quantize_variant.py builds the job "
+                       "the Snakemake rule would pass)",
+            "calibration": CALIBRATION | {"path": "data/tiny/corpus.txt"},
+            "bounds": BOUNDS,
+            "wall_s": round(wall, 1),
+            "peak_gpu_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_gpu_memory_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            "report": report,
+        }
+        Path(result_path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""bake_compile_cache's pure parts: reading vLLM's cache verdict and the cold-start record."""
+
+import io
+import tarfile
+
+import pytest
+
+from bake_compile_cache import cache_evidence, coldstart_record, deterministic_tar
+from common import validate_json
+from conftest import ROOT
+
+HIT = ("(EngineCore pid=88) INFO 11-22 14:02:11 [decorators.py:322] Directly load AOT compilation from path "
+       "/opt/ml/cache/vllm/torch_compile_cache/torch_aot_compile/3f2a/rank_0_0/model")
+MISS = ("(EngineCore pid=88) WARNING 11-22 13:40:02 [decorators.py:334] Compiling model again due to a load failure "
+        "from /opt/ml/cache/vllm/torch_compile_cache/x/model, reason: 'function' object has no attribute "
+        "'finalize_loading'")
+PACKED = {"files": 12, "bytes": 3456}
+
+
+def test_a_direct_load_is_a_hit():
+    evidence = cache_evidence(f"noise\n{HIT}\nmore noise\n")
+    assert evidence == {"hits": [HIT[HIT.index("Directly"):]], "misses": []}
+    record = coldstart_record(80.4, 45.2, evidence, 200.0, PACKED, "base")
+    validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
+    assert record["cache_hit"] and record["saved_s"] == 35.2
+
+
+@pytest.mark.parametrize("log", [MISS, f"{HIT}\n{MISS}", "no word about the cache"])
+def test_a_reload_failure_or_silence_is_no_hit(log):
+    record = coldstart_record(80.0, 79.0, cache_evidence(log), 200.0, PACKED, "base")
+    validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
+    assert record["cache_hit"] is False
+    assert bool(record["cache_load_failures"]) == ("load failure" in log)
+
+
+def test_the_per_graph_inductor_cache_counts_too():
+    line = "Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 1.2 s"
+    assert cache_evidence(line)["hits"] == [line]
+
+
+def test_the_cache_tar_is_the_same_bytes_for_the_same_tree(tmp_path):
+    for run in ("a", "b"):
+        tree = tmp_path / run / "cache"
+        (tree / "vllm" / "x").mkdir(parents=True)
+        (tree / "vllm" / "x" / "model").write_bytes(b"compiled")
+        (tree / "triton" / "k").mkdir(parents=True)
+        (tree / "triton" / "k" / "kernel.so").write_bytes(b"\x7fELF")
+        assert deterministic_tar(tree, tmp_path / run / "cache.tar") == {"files": 2, "bytes": 12}
+    assert (tmp_path / "a" / "cache.tar").read_bytes() == (tmp_path / "b" / "cache.tar").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO((tmp_path / "a" / "cache.tar").read_bytes())) as archive:
+        assert {m.mtime for m in archive.getmembers()} == {0}
