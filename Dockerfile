@@ -1,6 +1,7 @@
 # The serving image: a base with Python + vLLM (a pinned vLLM image, or the tiny profile's local
 # debootstrap base) plus the quantized model, the baked compile cache and the serving code.
-# Built by scripts/build_image.py from a staged context holding model/ cache/ serving/ serve.json.
+# Built by scripts/build_image.py from a staged context holding model/ cache/ serving/ serve.json, with
+# `buildah bud --timestamp 0` (file times and creation date 1970: the same inputs give the same image ID).
 ARG BASE
 FROM ${BASE}
 
@@ -14,7 +15,8 @@ ENV HF_HUB_OFFLINE=1 \
 # Keep the base's PYTHONPATH (the tiny base puts its site-packages there; vLLM's image has none).
 ENV PYTHONPATH=/opt/ml/code${PYTHONPATH:+:${PYTHONPATH}}
 
-# Largest and least often changed first, so a code change rebuilds only the small layers.
+# Largest and least often changed first: Docker's own builder (image.reproducible: false) then rebuilds only the
+# small layers after a code change. buildah (the reproducible default) commits them all as one layer.
 COPY model/ /opt/ml/model/
 COPY cache/ /opt/ml/cache/
 COPY serving/ /opt/ml/code/serving/

@@ -38,6 +38,7 @@ rule build_image:
     params:
         tag=lambda wildcards: image_ref(wildcards.variant),
         builder=config["image"]["builder"],
+        reproducible=config["image"]["reproducible"],
         base_ref=config["image"]["base"],
         provenance=provenance,
     log:

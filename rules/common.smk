@@ -2,6 +2,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import jsonschema
@@ -55,7 +56,18 @@ def combination_problems(variants, gpu_arch=None):
     return problems
 
 
-COMBINATION_PROBLEMS = combination_problems(config["variants"], config["image"]["gpu_arch"])
+def base_problems(image):
+    """A registry base must be pinned by digest (a tag can move under the same config) unless opted out."""
+    base = image["base"]
+    if base == "local" or image["allow_unpinned_base"] or re.search(r"@sha256:[0-9a-f]{64}$", base):
+        return []
+    return [f"config key 'image.base': {base!r} is not pinned by digest; write it as "
+            f"{base.split('@')[0]}@sha256:<digest> (after `docker pull`, `docker inspect -f "
+            "'{{index .RepoDigests 0}}'` prints it), or set image.allow_unpinned_base: true to accept a movable tag"]
+
+
+COMBINATION_PROBLEMS = (combination_problems(config["variants"], config["image"]["gpu_arch"])
+                        + base_problems(config["image"]))
 if COMBINATION_PROBLEMS:
     raise WorkflowError("invalid configuration:\n  " + "\n  ".join(COMBINATION_PROBLEMS))
 if config["variant"] not in config["variants"]:

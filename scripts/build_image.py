@@ -2,6 +2,15 @@
 
 The build context is staged next to the output (hard links, not copies, for the weights) so that the
 Dockerfile sees a fixed layout: model/ cache/ serving/ serve.json Dockerfile.
+
+Reproducible (image.reproducible, the default): the same inputs give the same image ID, whichever store
+keeps the image. Docker 20.10's legacy builder cannot do that (it stamps the build time into the config and
+into the mtime of every directory it touches; its BuildKit predates SOURCE_DATE_EPOCH), so the Dockerfile is
+always run by `buildah bud --timestamp 0`: every file time and the creation date are 1970, the config is OCI
+(buildah's Docker-format config carries a random hostname and container id) and all instructions commit as
+one layer. When Docker is the builder (it runs the image in the later stages), the base is copied from
+Docker's store into buildah's by image ID, and the result is handed back with `buildah push docker-daemon:`,
+which keeps the config bytes, hence the ID. `docker save` of that image is byte-stable, so image.tar.gz is too.
 """
 
 import json
@@ -15,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common import StageError, sha256_file, write_json
-from containers import detect_builder, image_exists, image_id, image_size, run
+from containers import builder_env, buildah_works, detect_builder, image_exists, image_id, image_size, run
 
 # Dockerfile ARG -> the label its LABEL instruction sets from it (tests check the Dockerfile agrees).
 LABEL_ARGS = {
@@ -145,39 +154,126 @@ def label_flags(labels: dict[str, str]) -> list[str]:
     return flags
 
 
-def build(context: Path, tag: str, base_ref: str, builder: str, labels: dict[str, str] | None = None) -> None:
+def build(context: Path, tag: str, base_ref: str, builder: str, labels: dict[str, str] | None = None,
+          pull: str = "false") -> None:
+    """builder "docker": Docker's own builder (not reproducible); "buildah": buildah bud --timestamp 0."""
     flags = ["--build-arg", f"BASE={base_ref}", *label_flags(labels or {})]
     if builder == "docker":
         cmd = ["docker", "build", "--force-rm", *flags, "-t", tag, str(context)]
-    else:  # --timestamp 0: identical inputs give an identical image (and image.tar.gz)
-        cmd = ["buildah", "bud", "--timestamp", "0", *flags, "-t", tag,
+    else:  # OCI config (the default format): no random hostname/container id, unlike --format docker.
+        # No io.buildah.version label: the labels are exactly ours (image.json records the buildah version).
+        cmd = ["buildah", "bud", "--timestamp", "0", f"--pull={pull}", "--identity-label=false", *flags, "-t", tag,
                "-f", str(context / "Dockerfile"), str(context)]
     run(cmd, builder=builder, what=f"{builder} build {tag}")
+
+
+def buildah_name(ref: str) -> str:
+    """The name a base is kept under in buildah's store: buildah cannot tag a digest, so the digest goes
+    (the image ID is checked instead) and a digest-only ref gets the tag `pinned`."""
+    name = ref.split("@", 1)[0]
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:pinned"
+
+
+def base_into_buildah(base: dict) -> str:
+    """Copy the Docker-store base (base["id"]) into buildah's store once; return the name to build FROM.
+
+    Copied by ID: Docker has no tag for a base pulled by digest. A stale copy under the same name (the base was
+    rebuilt) is removed so that a rebuilt base does not leave a dead copy of several GB behind."""
+    name = buildah_name(base["ref"])
+    if image_exists(name, "buildah"):
+        if image_id(name, "buildah") == base["id"]:
+            return name
+        subprocess.run(["buildah", "rmi", image_id(name, "buildah")], capture_output=True,
+                       env=builder_env("buildah"))
+    t = time.monotonic()
+    run(["buildah", "pull", "-q", f"docker-daemon:{base['id']}"], builder="buildah",
+        what=f"buildah pull docker-daemon:{base['id']} (the base {base['ref']})")
+    run(["buildah", "tag", base["id"].removeprefix("sha256:"), name], builder="buildah", what=f"buildah tag {name}")
+    # the pull named it docker.io/library/sha256:<hex>; only our name stays
+    subprocess.run(["buildah", "rmi", f"docker.io/library/sha256:{base['id'].removeprefix('sha256:')}"],
+                   capture_output=True, env=builder_env("buildah"))  # an image with another name is only untagged
+    if image_id(name, "buildah") != base["id"]:
+        raise StageError(f"buildah's copy of the base {name} has id {image_id(name, 'buildah')}, not Docker's "
+                         f"{base['id']}")
+    print(f"copied base {base['ref']} ({base['id']}) from Docker to buildah: {time.monotonic() - t:.0f} s",
+          flush=True)
+    return name
+
+
+def hand_to_docker(tag: str) -> str:
+    """Load buildah's image into Docker (which runs it later) and drop buildah's copy; return Docker's ID."""
+    built = image_id(tag, "buildah")
+    run(["buildah", "push", "-q", tag, f"docker-daemon:{tag}"], builder="buildah",
+        what=f"buildah push {tag} docker-daemon:{tag}")
+    loaded = image_id(tag, "docker")
+    if loaded != built:
+        raise StageError(f"Docker holds {tag} as {loaded}, but buildah built {built}: the handover changed the "
+                         "image config")
+    # Docker's copy is the one every later stage runs and saves; buildah keeps only the base.
+    subprocess.run(["buildah", "rmi", tag], capture_output=True, env=builder_env("buildah"))
+    return loaded
+
+
+def tool_version(tool: str) -> str:
+    """e.g. "buildah 1.28.2": another builder version may lay out the same image differently."""
+    cmd = ["buildah", "version"] if tool == "buildah" else ["docker", "version", "--format", "{{.Server.Version}}"]
+    try:
+        out = run(cmd, builder=tool)
+    except StageError:
+        return tool
+    found = re.search(r"^Version:\s*(\S+)", out, re.M) if tool == "buildah" else None
+    return f"{tool} {found.group(1) if found else out.strip()}"
+
+
+def ensure_docker_base(base: dict) -> dict:
+    """A registry base in Docker's store (bake_compile_cache has normally pulled it already), with its ID."""
+    if base["id"] is None:
+        if not image_exists(base["ref"], "docker"):
+            run(["docker", "pull", "-q", base["ref"]], what=f"docker pull {base['ref']}")
+        base = dict(base, id=image_id(base["ref"], "docker"))
+    return base
 
 
 def main(job) -> None:
     params, inputs = job.params, job.input
     started = time.monotonic()
     builder = detect_builder(getattr(params, "builder", "auto"))
+    reproducible = bool(getattr(params, "reproducible", True))
+    if builder == "docker" and reproducible and not buildah_works():
+        raise StageError("image.reproducible builds with buildah, which is not usable here (apt-get install "
+                         "buildah), or set image.reproducible: false to use Docker's own builder (every build "
+                         "then gives a new image ID)")
     base = resolve_base(getattr(inputs, "base", None), getattr(params, "base_ref", None), builder)
     labels = image_labels(dict(params.provenance), base["ref"], inputs.recipe, inputs.weights_manifest,
                           inputs.quantized_manifest, getattr(inputs, "serve_freeze", None) or None,
                           Path(inputs.dockerfile).resolve().parent)
     out = Path(job.output.image)
     context = out.parent / "context"
+    built_with = "buildah" if builder == "buildah" or reproducible else "docker"
+    tool = tool_version(built_with)
     try:
         stage_context(context, Path(inputs.model), Path(inputs.cache), inputs.serving, Path(inputs.serve),
                       Path(inputs.dockerfile))
         print(f"staged {context}: {time.monotonic() - started:.0f} s", flush=True)
+        from_ref, pull = base["ref"], "false"  # buildah's "false": pull only when not in the store
+        if builder == "docker" and built_with == "buildah":
+            base = ensure_docker_base(base)
+            from_ref, pull = base_into_buildah(base), "never"
         t = time.monotonic()
-        build(context, params.tag, base["ref"], builder, labels)
-        print(f"{builder} build {params.tag}: {time.monotonic() - t:.0f} s", flush=True)
+        build(context, params.tag, from_ref, built_with, labels, pull)
+        print(f"{built_with} build {params.tag}: {time.monotonic() - t:.0f} s", flush=True)
     finally:
         shutil.rmtree(context, ignore_errors=True)
-    if base["id"] is None and builder == "docker":
+    if builder == "docker" and built_with == "buildah":
+        t = time.monotonic()
+        hand_to_docker(params.tag)
+        print(f"buildah push {params.tag} to Docker: {time.monotonic() - t:.0f} s", flush=True)
+    if base["id"] is None:
         base["id"] = image_id(base["ref"], builder)  # pulled during the build
-    write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder, "base": base,
+    write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder,
+                     "built_with": tool, "reproducible": built_with == "buildah", "base": base,
                      "size_bytes": image_size(params.tag, builder), "labels": labels})
+    print(f"image {params.tag}: {image_id(params.tag, builder)}, {time.monotonic() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ def main(job) -> None:
                          "rerun with `-R build_image`")
     save_image(image["ref"], out, image["builder"], int(getattr(job.params, "compress_level", 1)))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
-    # buildah's docker-archive may convert the config (OCI -> Docker), so only Docker's id is its digest
-    expected_id = image["id"] if image["builder"] == "docker" else None
+    # the archive's config is the image's own (docker save, and buildah's docker-archive of an OCI image, keep
+    # its bytes), so its digest is the built image's ID
     try:
-        record = verify_archive(out, image["ref"], image["labels"], expected_id)
+        record = verify_archive(out, image["ref"], image["labels"], image["id"])
     except StageError:
         out.unlink(missing_ok=True)
         raise

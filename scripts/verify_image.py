@@ -12,6 +12,11 @@ entrypoint, labels, rootfs.diff_ids) and one uncompressed tar per layer, named b
 20.10 writes <id>/layer.tar before manifest.json; newer Docker writes blobs/sha256/<hex>). Because the
 manifest may come last, every member is hashed as it streams by and every tar-looking member is listed, and
 the checks run once the pass is over: the 3 GB layer is never held in memory or written to disk.
+
+With a Docker daemon (image.verify_run: auto, or always), the rule then also runs the archived image and smokes
+its endpoints: /ping, /invocations with a prompt body and with a messages body, /v1/completions,
+/v1/chat/completions and /metrics. It runs the image by the ID the archive's config hashes to (loading the
+archive first when the daemon lacks that ID), so what answers is the archive's image, not a later rebuild.
 """
 
 import hashlib
@@ -19,9 +24,12 @@ import json
 import re
 import tarfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from common import StageError, write_json
+from common import StageError, validate_json, write_json
+from containers import docker_answers, image_exists, run, run_container
 
 ENTRYPOINT = ["python3", "-m", "serving"]
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -237,17 +245,145 @@ def load_image_record(path: str) -> dict:
     return image
 
 
+# --- with a daemon: run the archived image and smoke its endpoints ---
+
+SMOKE_PROMPT = "The capital of France is"
+SMOKE_MESSAGES = [{"role": "user", "content": "Say hello."}]
+SMOKE_MAX_TOKENS = 8
+
+
+def _request(base_url: str, path: str, body: dict | None = None, timeout_s: float = 600) -> tuple[int, str, float]:
+    """(HTTP status, body text, seconds); a refused or dropped connection is status 0 with the reason."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base_url + path, data=data, method="POST" if body is not None else "GET",
+                                     headers={"Content-Type": "application/json"} if data else {})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, reply.read().decode(errors="replace"), time.monotonic() - started
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace"), time.monotonic() - started
+    except (OSError, ValueError) as error:
+        return 0, f"no answer: {getattr(error, 'reason', error)}", time.monotonic() - started
+
+
+def _completion_text(reply: dict) -> str:
+    text = reply["choices"][0]["text"]
+    if not isinstance(text, str):
+        raise ValueError(f"choices[0].text is {type(text).__name__}, not a string")
+    return text
+
+
+def _chat_message(reply: dict) -> str:
+    message = reply["choices"][0]["message"]
+    if message.get("role") != "assistant":
+        raise ValueError(f"choices[0].message.role is {message.get('role')!r}, not 'assistant'")
+    content = message.get("content") or message.get("reasoning_content") or ""
+    return content if isinstance(content, str) else str(content)
+
+
+def smoke_checks(model: str) -> list[tuple[str, str, dict | None, object]]:
+    """(name, path, JSON body or None for GET, check of the reply): each check returns a short detail or raises."""
+    gen = {"max_tokens": SMOKE_MAX_TOKENS, "temperature": 0.0}
+    return [
+        ("ping", "/ping", None, lambda text: "ok"),
+        ("invocations_prompt", "/invocations", {"prompt": SMOKE_PROMPT, **gen},
+         lambda text: _completion_text(json.loads(text))),
+        ("invocations_messages", "/invocations", {"messages": SMOKE_MESSAGES, **gen},
+         lambda text: _chat_message(json.loads(text))),
+        ("completions", "/v1/completions", {"model": model, "prompt": SMOKE_PROMPT, **gen},
+         lambda text: _completion_text(_served_by(json.loads(text), model))),
+        ("chat_completions", "/v1/chat/completions", {"model": model, "messages": SMOKE_MESSAGES, **gen},
+         lambda text: _chat_message(_served_by(json.loads(text), model))),
+        ("metrics", "/metrics", None, _vllm_metrics),
+    ]
+
+
+def _served_by(reply: dict, model: str) -> dict:
+    if reply.get("model") != model:
+        raise ValueError(f"answered as model {reply.get('model')!r}, expected {model!r}")
+    return reply
+
+
+def _vllm_metrics(text: str) -> str:
+    count = sum(1 for line in text.splitlines() if line.startswith("vllm:"))
+    if not count:
+        raise ValueError("no vllm: metric in the exposition")
+    return f"{count} vllm: samples"
+
+
+def smoke_endpoints(base_url: str, model: str) -> tuple[dict, list[str]]:
+    """Every endpoint is tried (one failure does not hide the next); returns (record, failures)."""
+    record, failures = {}, []
+    for name, path, body, check in smoke_checks(model):
+        status, text, seconds = _request(base_url, path, body)
+        entry = {"path": path, "method": "POST" if body is not None else "GET", "status": status,
+                 "seconds": round(seconds, 2), "ok": False}
+        if status != 200:
+            entry["error"] = f"HTTP {status}: {text.strip()[:300]}" if status else text
+        else:
+            try:
+                entry["detail"] = str(check(text))[:200]
+                entry["ok"] = True
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+                entry["error"] = f"unexpected reply ({error}): {text.strip()[:300]}"
+        if not entry["ok"]:
+            failures.append(f"{entry['method']} {path} ({name}): {entry['error']}")
+        record[name] = entry
+    return record, failures
+
+
+def docker_image_for(archive: str | Path, image_id: str) -> bool:
+    """Make sure the daemon holds the archive's image (by ID); True when it had to be loaded from the archive."""
+    if image_exists(image_id):
+        return False
+    run(["docker", "load", "-q", "-i", str(archive)], what=f"docker load -i {archive}")
+    if not image_exists(image_id):
+        raise StageError(f"docker load -i {archive} did not give image {image_id}")
+    return True
+
+
+def smoke_image(archive: str | Path, image_id: str, mode: str, run_settings: dict, model: str) -> dict:
+    """Run the archive's image and smoke it (mode auto|always|never); the record says whether and why not."""
+    if mode == "never":
+        return {"ran": False, "reason": "image.verify_run is never"}
+    if not docker_answers():
+        if mode == "always":
+            raise StageError("image.verify_run is always but no Docker daemon answers `docker info` "
+                             "(start one with `bash setup/start-docker.sh`, or set image.verify_run: auto)")
+        return {"ran": False, "reason": "no Docker daemon answers"}
+    started = time.monotonic()
+    loaded = docker_image_for(archive, image_id)
+    with run_container(image_id, gpus=run_settings["gpus"], shm_size=run_settings["shm_size"],
+                       name_prefix="verify-image") as container:
+        ping_s = container.wait_ready(run_settings["ping_timeout_s"])
+        endpoints, failures = smoke_endpoints(container.base_url, model)
+        if failures:
+            raise StageError(f"image {image_id} from {archive} answered /ping but failed the smoke test:\n  - "
+                             + "\n  - ".join(failures) + "\ncontainer log:\n" + container.failure_summary())
+    return {"ran": True, "image_id": image_id, "loaded_from_archive": loaded, "ping_s": round(ping_s, 1),
+            "model": model, "endpoints": endpoints, "seconds": round(time.monotonic() - started, 1)}
+
+
 def main(job) -> None:
     image = load_image_record(job.input.image)
-    record = verify_archive(job.input.tarball, image["ref"], image["labels"],
-                            image["id"] if image["builder"] == "docker" else None)
+    record = verify_archive(job.input.tarball, image["ref"], image["labels"], image["id"])
     recorded = Path(job.input.sha256).read_text().split()[0]
     if recorded != record["archive_sha256"]:
         raise StageError(f"{job.input.tarball} has sha256 {record['archive_sha256']} but {job.input.sha256} "
                          f"says {recorded}; rerun with `-R tarball`")
-    write_json(job.output.report, record)
     print(f"{job.input.tarball}: verified ({len(record['layers'])} layers, {record['archive_bytes'] / 1e9:.2f} GB) "
-          f"in {record['seconds']} s")
+          f"in {record['seconds']} s", flush=True)
+    params = job.params
+    record["smoke"] = smoke_image(job.input.tarball, record["image_id"], getattr(params, "verify_run", "auto"),
+                                  dict(params.run), params.model_name)
+    if record["smoke"]["ran"]:
+        print(f"smoke test: /ping after {record['smoke']['ping_s']} s; "
+              + ", ".join(f"{e['method']} {e['path']} {e['status']}" for e in record["smoke"]["endpoints"].values()))
+    else:
+        print(f"smoke test skipped: {record['smoke']['reason']}")
+    validate_json(record, job.input.schema)
+    write_json(job.output.report, record)
 
 
 if __name__ == "__main__":

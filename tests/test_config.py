@@ -1,6 +1,7 @@
 """The config schema rejects bad configs before any job runs, naming the offending key."""
 
 import copy
+import re
 from pathlib import Path
 
 import jsonschema
@@ -36,6 +37,9 @@ def dry_run_with(tmp_path: Path, config: dict):
      "method mtp needs k >= 1"),
     (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
      "variants.tiny-awq-mtp1.speculative.k", "without a speculative method"),
+    (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0"), "image.base", "is not pinned by digest"),
+    (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0@sha256:abc"), "image.base", "allow_unpinned_base: true"),
+    (lambda c: c["image"].update(verify_run="sometimes"), "image.verify_run", "is not one of ['auto', 'always', 'never']"),
     (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
      "variants.tiny-awq-mtp1.speculative.model", "goes with method draft_model"),
     (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
@@ -84,3 +88,17 @@ def test_every_schema_key_is_described_with_a_default():
 
     walk(schema, "")
     assert not missing, missing
+
+
+def test_the_real_profile_base_is_pinned_by_digest():
+    base = yaml.safe_load((ROOT / "config.yaml").read_text())["image"]["base"]
+    assert re.fullmatch(r"docker\.io/vllm/vllm-openai:v[\d.]+@sha256:[0-9a-f]{64}", base), base
+
+
+@pytest.mark.parametrize("base", ["vllm/vllm-openai:v0.26.0", "registry.example/vllm:latest"])
+def test_an_unpinned_base_passes_only_when_allowed(tmp_path, base):
+    config = tiny_config()
+    config["image"].update(base=base, allow_unpinned_base=True)
+    result = dry_run_with(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "not pinned by digest" not in result.stdout + result.stderr

@@ -216,7 +216,8 @@ def test_save_image_of_a_missing_image_leaves_nothing(tmp_path):
 
 @pytest.mark.e2e
 @needs_docker
-def test_dockerfile_layout_and_env(tmp_path, tiny_image):
+@pytest.mark.parametrize("reproducible", [True, False])  # buildah --timestamp 0 handed to Docker / docker build
+def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
     ckpt, serving = tmp_path / "ckpt", tmp_path / "serving"
     ckpt.mkdir()
     serving.mkdir()
@@ -234,7 +235,7 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image):
                       base=None, recipe=str(tmp_path / "recipe.yaml"), weights_manifest=str(tmp_path / "weights.json"),
                       quantized_manifest=str(tmp_path / "quantized.json")),
              params=NS(tag="docker.io/library/pipeline-test-built:1", builder="docker", base_ref=tiny_image,
-                       provenance=provenance),
+                       provenance=provenance, reproducible=reproducible),
              output=NS(image=str(tmp_path / "out" / "image.json")))
     try:
         build_image.main(job)
@@ -248,6 +249,12 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image):
         assert not (tmp_path / "out" / "context").exists()
         assert config["Labels"]["io.qwen35-serve.variant"] == "v1"
         assert config["Labels"] == out["labels"]
+        assert out["built_with"].split()[0] == ("buildah" if reproducible else "docker")
+        if reproducible:  # the same inputs again, after removing the image: the same ID
+            subprocess.run(["docker", "rmi", "-f", job.params.tag], capture_output=True, check=True)
+            build_image.main(job)
+            assert json.loads(Path(job.output.image).read_text())["id"] == out["id"]
+            assert docker("image", "inspect", "-f", "{{.Created}}", job.params.tag).startswith("1970-01-01")
     finally:
         subprocess.run(["docker", "rmi", "-f", job.params.tag], capture_output=True)
 

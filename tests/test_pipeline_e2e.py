@@ -93,5 +93,6 @@ def test_report_gathers_the_measurements(tiny_run, tmp_path):
     snakemake("--report", str(html), *TINY_ARGS)
     text = html.read_text()
     for category, record in [("Latency", "latency.json"), ("Quality gate", "quality.json"),
-                             ("Cold start", "coldstart.json"), ("Quantization", "report.json")]:
+                             ("Cold start", "coldstart.json"), ("Quantization", "report.json"),
+                             ("Image", "verify.json")]:
         assert category in text and record in text, category

