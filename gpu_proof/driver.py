@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from bake_compile_cache import deterministic_tar, warm_up  # noqa: E402
-from containers import wait_for_ping  # noqa: E402
+from containers import free_port, wait_for_ping  # noqa: E402
 from latency_probe import probe, probe_set  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -318,7 +318,7 @@ class Driver:
         return decode_bound(record["weights"], spec["k"], bandwidth["copy_gbps"], text, record["probe"]["categories"])
 
     def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
-        port = 8100 + len(list(self.logs.glob("*.log")))
+        port = free_port()
         log_path = self.logs / f"{variant}-{tag}.log"
         env = dict(os.environ, SERVE_CONFIG=str(serve_json), MODEL_DIR=str(model), HOST="127.0.0.1", PORT=str(port),
                    CACHE_DIR=str(cache), PYTHONPATH=SITE_VLLM, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
