@@ -82,7 +82,7 @@ def test_unknown_source_is_refused(tmp_path):
 
 
 def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
-    def fake(tiny, corpus, dest):
+    def fake(tiny, corpus, dest, generator=None):
         (dest / "config.json").write_text("{}")
         (dest / "sub").mkdir()
         (dest / "sub" / "w.safetensors").write_bytes(b"\0" * 10)
@@ -95,6 +95,39 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     assert manifest == {"config.json": sha256_file(checkpoint / "config.json"),
                         "sub/w.safetensors": sha256_file(checkpoint / "sub" / "w.safetensors")}
     assert not checkpoint.with_name("checkpoint.partial").exists()
+
+
+def test_record_validates_and_training_needs_its_generator(tmp_path, monkeypatch):
+    real = download.build_synthetic
+    monkeypatch.setattr(download, "build_synthetic", lambda tiny, corpus, dest, generator=None: (
+        (dest / "config.json").write_text("{}"), {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1,
+                                                   "examples": 3, "seconds": 0.5, "first_loss": 8.0,
+                                                   "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5,
+                                                   "heldout_examples": 3})[1])
+    j = job(tmp_path, source="synthetic", tiny={"seed": 0}, corpus=CORPUS)
+    j.output.record = str(tmp_path / "weights" / "m" / "download.json")
+    download.main(j)
+    record = json.loads(Path(j.output.record).read_text())
+    assert record["source"] == "synthetic" and record["training"]["final_loss"] == 1.0 and record["files"] == 1
+    with pytest.raises(StageError, match="generator"):
+        real({"train": {"steps": 5}}, str(CORPUS), tmp_path / "x")
+
+
+def test_training_conversations_stay_out_of_the_test_splits():
+    generator = download.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
+    tests = generator.test_docs()
+    plan = download.training_plan({"steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
+                                   "examples": 90, "heldout_examples": 9, "threads": 1, "warmup_steps": 1}, generator)
+    assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
+    assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
+    test_texts = {generator.mmlu_pro_text(d) for d in tests["tiny_mc"]}
+    test_texts |= {generator.GPQA_TEMPLATE.format(**d) for d in tests["tiny_mc_think"]}
+    test_texts |= {d["prompt"] for d in tests["tiny_ifeval"]}
+    trained = [c["messages"][-1]["content"] for c in plan["conversations"]]
+    assert not test_texts & set(trained)
+    assert not {json.dumps(c["messages"]) for c in plan["heldout"]} & {json.dumps(c["messages"])
+                                                                       for c in plan["conversations"]}
+    assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
 
 
 # --- pure parts of the tiny model -------------------------------------------------------------
