@@ -357,12 +357,13 @@ def _batch(examples, pad_id: int):
 
 def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldout: list[dict], steps: int,
                 lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
-                warmup_steps: int = 20) -> dict:
+                warmup_steps: int = 20, device: str = "cpu") -> dict:
     """Supervised fine-tuning of the random model on `conversations` (loss on the answers only), seeded and
     deterministic on CPU (fixed threads, deterministic kernels, fixed data order); returns what it measured.
 
     AdamW with linear warm-up and cosine decay; `heldout` conversations (not trained on) give a teacher-forced
-    answer-token accuracy, a quick proxy for the gate's scores."""
+    answer-token accuracy, a quick proxy for the gate's scores. `device` other than cpu is for experiments
+    (learning curves on an accelerator): not deterministic, and not what the pipeline does."""
     import math
     import random
     import time
@@ -370,12 +371,12 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
     import torch
 
     torch.set_num_threads(int(threads))
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(device == "cpu")
     torch.manual_seed(seed)
     train = encode_conversations(tokenizer, conversations, max_len)
     held = encode_conversations(tokenizer, heldout, max_len)
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model.float().train()
+    model.float().to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
@@ -389,7 +390,7 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
         if len(order) < batch_size:
             order += rng.sample(range(len(train)), len(train))
         picked, order = order[:batch_size], order[batch_size:]
-        ids, labels = _batch([train[i] for i in picked], pad_id)
+        ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
         logits = model(input_ids=ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                  ignore_index=-100)
@@ -399,12 +400,12 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
         optimizer.step()
         lr_at.step()
         losses.append(loss.item())
-        if step % 25 == 0 or step == steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             print(f"[tiny train] step {step + 1}/{steps} loss {loss.item():.4f} "
                   f"({time.monotonic() - start:.0f} s)", flush=True)
     seconds = time.monotonic() - start
-    accuracy = answer_accuracy(model, held, pad_id)
-    model.eval()
+    accuracy = answer_accuracy(model, held, pad_id, device)
+    model.to("cpu").eval()
     tail = losses[-min(20, len(losses)):]
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
             "examples": len(train), "seconds": round(seconds, 1), "first_loss": round(losses[0], 4),
@@ -412,14 +413,14 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
             "heldout_examples": len(held)}
 
 
-def answer_accuracy(model, examples, pad_id: int, batch_size: int = 32) -> float:
+def answer_accuracy(model, examples, pad_id: int, device: str = "cpu", batch_size: int = 32) -> float:
     """Teacher-forced greedy accuracy on answer tokens."""
     import torch
 
     right = total = 0
     with torch.no_grad():
         for i in range(0, len(examples), batch_size):
-            ids, labels = _batch(examples[i:i + batch_size], pad_id)
+            ids, labels = (t.to(device) for t in _batch(examples[i:i + batch_size], pad_id))
             guess = model(input_ids=ids, use_cache=False).logits[:, :-1].argmax(-1)
             mask = labels[:, 1:] != -100
             right += int(((guess == labels[:, 1:]) & mask).sum())

@@ -280,6 +280,18 @@ def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
     assert all(b["temperature"] == 0 for b in bodies)
     assert (tmp_path / "tiny_mc.jsonl").read_text().count("\n") == len(mc_gold)
 
+    # the tiny model is trained on conversations rendered by generate.py: they must be what lm-eval sends
+    sys.path.insert(0, str(TASKS_DIR))
+    import generate
+
+    tests = generate.test_docs()
+    ours = [[{"role": "system", "content": generate.MC_DESCRIPTION}, {"role": "user", "content": generate.mmlu_pro_text(d)}]
+            for d in tests["tiny_mc"]]
+    ours += [[{"role": "user", "content": generate.GPQA_TEMPLATE.format(**d)}] for d in tests["tiny_mc_think"]]
+    ours += [[{"role": "user", "content": d["prompt"]}] for d in tests["tiny_ifeval"]]
+    sent = [[{k: v for k, v in m.items() if k != "type"} for m in b["messages"]] for b in bodies]
+    assert sorted(map(json.dumps, ours)) == sorted(map(json.dumps, sent))
+
 
 _MAIN_DRIVER = '''
 import contextlib, json, sys, types

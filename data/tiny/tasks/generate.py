@@ -177,6 +177,9 @@ IFEVAL_CLASHES = {frozenset(p) for p in [
     ("lower", "placeholders"), ("upper", "keywords"), ("upper", "frequency"), ("upper", "letter"),
     ("upper", "forbidden"), ("json", "bullets"), ("json", "title"), ("json", "quote"), ("json", "end"),
     ("json", "ps"), ("json", "paragraphs"), ("json", "highlight"), ("bullets", "highlight"),
+    # capitals are one token a letter in the tiny tokenizer: kept short, within the tasks' max_tokens
+    ("upper", "end"), ("upper", "bullets"), ("upper", "paragraphs"), ("upper", "ps"), ("upper", "title"),
+    ("upper", "placeholders"), ("upper", "highlight"),
     ("bullets", "paragraphs"), ("quote", "end"), ("quote", "ps"), ("quote", "title"), ("quote", "bullets"),
     ("quote", "paragraphs"), ("keywords", "frequency"), ("keywords", "letter"), ("frequency", "letter"),
     ("json", "no_comma"),
@@ -207,7 +210,7 @@ def ifeval_answer(names: list[str]) -> str:
     if "end" in names:
         body = f"{body} Is there anything else I can help with?"
     if "upper" in names:
-        body = body.upper()
+        body = "YES I WILL HELP YOU WITH THIS"  # langdetect must still call it English
     if "json" in names:
         body = json.dumps({"answer": body})
     if "quote" in names:
