@@ -83,13 +83,14 @@ def build_synthetic(tiny: dict, corpus: str, dest: Path, generator: str | None =
     if not Path(corpus).is_file():
         raise StageError(f"tiny corpus {corpus} not found")
     train = dict(tiny.get("train") or {})
-    plan = None
+    plan, extra = None, ""
     if int(train.get("steps", 0)) > 0:
         if not generator:
             raise StageError("model.tiny.train.steps > 0 needs the training data generator as input `generator`")
-        plan = training_plan(train, load_generator(generator))
+        module = load_generator(generator)
+        plan, extra = training_plan(train, module), module.tokenizer_text()
     result = build_tiny(dest, corpus, seed=int(tiny.get("seed", 0)), vocab_size=int(tiny.get("vocab_size", 4096)),
-                        train=plan)
+                        train=plan, tokenizer_extra=extra)
     return result["training"]
 
 

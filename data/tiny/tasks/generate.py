@@ -267,6 +267,17 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
     return out
 
 
+def tokenizer_text(repeats: int = 8) -> str:
+    """The tasks' fixed wording (instructions, prompt scaffolding, the trained answers' words), repeated so
+    byte-level BPE merges it: added to the tiny tokenizer's corpus when the model is trained."""
+    fixed = [MC_DESCRIPTION, mmlu_pro_text({"question": "What is 1 plus 2?", "options": ["1", "2", "3", "4"]}),
+             GPQA_TEMPLATE.format(Question=" What is 1 plus 2?", choice1=1, choice2=2, choice3=3, choice4=4),
+             "The answer is (A). The answer is (B). The answer is (C). The answer is (D). which is option",
+             *(text for _, _, text in INSTRUCTIONS.values()), *IFEVAL_REQUESTS, *IFEVAL_TOPICS,
+             *(ifeval_answer([name]) for name in INSTRUCTIONS)]
+    return "\n".join(line for _ in range(repeats) for text in fixed for line in text.splitlines() if line.strip())
+
+
 def test_docs() -> dict[str, list[dict]]:
     """The committed test splits (what train_conversations keeps out of training)."""
     return {stem: [json.loads(line) for line in (HERE / f"{stem}.test.jsonl").read_text().splitlines() if line]
