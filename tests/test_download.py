@@ -189,8 +189,17 @@ def test_tiny_config_shape():
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
 
-def run_stage_in_venv(tmp_path, name):
-    j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096}, corpus=CORPUS)
+GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
+SHORT_TRAINING = {"steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "seed": 0, "data_seed": 7,
+                  "examples": 12, "heldout_examples": 3, "threads": 2}
+
+
+def run_stage_in_venv(tmp_path, name, train=None):
+    j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096, "train": train or {}},
+            corpus=CORPUS)
+    if train:
+        j.input.generator = str(GENERATOR)
+        j.output.record = str(tmp_path / name / "download.json")
     spec = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}
     job_file = tmp_path / f"{name}.json"
     job_file.write_text(json.dumps(spec))
@@ -217,6 +226,17 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
     assert a == b
     for name in a:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+@pytest.mark.e2e
+def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
+    (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_TRAINING) for name in "ab")
+    assert json.loads(manifest_a.read_text()) == json.loads(manifest_b.read_text())
+    record = json.loads((tmp_path / "a" / "download.json").read_text())
+    assert record["training"]["steps"] == 3 and record["training"]["final_loss"] < record["training"]["first_loss"]
+    # training changed the weights (an untrained build is the seed-0 random model)
+    untrained, _ = run_stage_in_venv(tmp_path, "c")
+    assert (first / "model.safetensors").read_bytes() != (untrained / "model.safetensors").read_bytes()
 
 
 @pytest.mark.e2e
