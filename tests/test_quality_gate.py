@@ -155,7 +155,7 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
 def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
     # the committed data must be reproducible from generate.py
     code = (f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; "
-            "print(len(generate.mc_docs(1, 32, '+-')))")
+            "print(len(generate.mc_docs(1, 32)))")
     assert subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True).stdout.strip() == "32"
     before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
     subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)

@@ -15,54 +15,53 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LETTERS = "ABCD"
-MC_OPS = "+"  # what tiny_mc and tiny_mc_think ask (and the tiny model is trained on)
+# Category questions: one option belongs to the asked category, three to others. A 4-layer model trained for a
+# few CPU minutes learns this (one attention look-up: the option of the asked kind, and the letter before it);
+# it did not learn single-digit sums in that time (always answered "(C)").
+CATEGORIES = {
+    "fruit": ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "pear", "plum"],
+    "colour": ["red", "blue", "green", "yellow", "brown", "purple", "pink", "grey", "black"],
+    "animal": ["dog", "cat", "horse", "sheep", "mouse", "tiger", "bear", "goat", "duck"],
+    "tool": ["hammer", "saw", "drill", "wrench", "shovel", "chisel", "rake", "ladder", "spanner"],
+}
+ARTICLE = {"fruit": "a", "colour": "a", "animal": "an", "tool": "a"}
 
 
-def _arith(rng: random.Random, ops: str) -> tuple[str, int, str]:
-    # single digits: a fact table a 4-layer model learns in minutes on a CPU (the tiny profile trains on it)
-    op = rng.choice(ops)
-    a, b = rng.randint(1, 9), rng.randint(1, 9)
-    if op == "-" and a < b:
-        a, b = b, a
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    word = {"+": "plus", "-": "minus", "*": "times"}[op]
-    return f"What is {a} {word} {b}?", value, f"{a} {op} {b} = {value}"
+def _question(rng: random.Random) -> tuple[str, str, list[str], str]:
+    """(question, gold word, three distractors, category)."""
+    category = rng.choice(sorted(CATEGORIES))
+    gold = rng.choice(CATEGORIES[category])
+    others = [w for c in sorted(CATEGORIES) if c != category for w in CATEGORIES[c]]
+    return f"Which of the following is {ARTICLE[category]} {category}?", gold, rng.sample(others, 3), category
 
 
-def _options(rng: random.Random, value: int, gold: int) -> list[str]:
-    wrong = set()
-    while len(wrong) < 3:  # near misses, so the value, not its magnitude, picks the letter
-        candidate = value + rng.choice([-1, 1]) * rng.randint(1, 4)
-        if candidate != value and candidate >= 0:
-            wrong.add(candidate)
-    options = sorted(wrong)
-    rng.shuffle(options)
-    options.insert(gold, value)
-    return [str(option) for option in options]
-
-
-def mc_docs(seed: int, count: int, ops: str) -> list[dict]:
+def mc_docs(seed: int, count: int) -> list[dict]:
     rng = random.Random(seed)
+    # a split's letters come equally often, so answering one letter always scores 0.25, not more
+    golds = [i % 4 for i in range(count)] if count >= 4 else [rng.randrange(4) for _ in range(count)]
+    rng.shuffle(golds)
     docs = []
-    for i in range(count):
-        question, value, work = _arith(rng, ops)
-        gold = rng.randrange(4)
+    for i, gold in enumerate(golds):
+        question, word, wrong, category = _question(rng)
+        options = list(wrong)
+        options.insert(gold, word)
         docs.append({
             "question_id": i,
             "question": question,
-            "options": _options(rng, value, gold),
+            "options": options,
             "answer": LETTERS[gold],
             "answer_index": gold,
-            "cot_content": f"A: Let's think step by step. {work}. The answer is ({LETTERS[gold]}).",
-            "category": "arithmetic",
+            "cot_content": f"A: Let's think step by step. {word.capitalize()} is {ARTICLE[category]} {category}. "
+                           f"The answer is ({LETTERS[gold]}).",
+            "category": "categories",
             "src": "tiny",
         })
     return docs
 
 
-def think_docs(seed: int, count: int, ops: str = MC_OPS) -> list[dict]:
+def think_docs(seed: int, count: int) -> list[dict]:
     docs = []
-    for doc in mc_docs(seed, count, ops):
+    for doc in mc_docs(seed, count):
         docs.append({"Question": " " + doc["question"], **{f"choice{i + 1}": o for i, o in enumerate(doc["options"])},
                      "choices": doc["options"], "answer": f"({doc['answer']})"})
     return docs
@@ -148,7 +147,7 @@ def ifeval_docs() -> list[dict]:
 # The prompts are the ones lm-eval sends through local-chat-completions (tests compare them with lm-eval's
 # own rendering); the answers are what a model that follows them would write, short enough for max_tokens.
 
-MC_DESCRIPTION = ("The following are multiple choice questions (with answers) about arithmetic. Think step by step "
+MC_DESCRIPTION = ("The following are multiple choice questions (with answers) about categories. Think step by step "
                   "and then finish your answer with \"the answer is (X)\" where X is the correct letter choice.\n")
 GPQA_TEMPLATE = ("What is the correct answer to this question:{Question}\nChoices:\n(A) {choice1}\n(B) {choice2}\n"
                  "(C) {choice3}\n(D) {choice4}\nLet's think step by step: ")
@@ -158,11 +157,6 @@ def mmlu_pro_text(doc: dict) -> str:
     """lm-eval's mmlu_pro doc_to_text (format_cot_example without the answer)."""
     options = "".join(f"{LETTERS[i]}. {option}\n" for i, option in enumerate(doc["options"]))
     return f"Question:\n{doc['question']}\nOptions:\n{options}Answer: Let's think step by step."
-
-
-def _work(question: str, value: str) -> str:
-    a, word, b = question.removeprefix("What is ").rstrip("?").split()
-    return f"{a} {dict(plus='+', minus='-', times='*')[word]} {b} = {value}"
 
 
 IFEVAL_TOPICS = ["a red kite", "the old mill", "a market town", "a sleepy dog", "the night train", "a school play",
@@ -237,20 +231,19 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
     while len(out) < count:
         kind = ("tiny_mc", "tiny_mc_think", "tiny_ifeval")[len(out) % 3]
         if kind == "tiny_mc":
-            doc = mc_docs(rng.randrange(2**31), 1, MC_OPS)[0]
+            doc = mc_docs(rng.randrange(2**31), 1)[0]
             if _item(doc) in seen:
                 continue
             messages = [{"role": "system", "content": MC_DESCRIPTION}, {"role": "user", "content": mmlu_pro_text(doc)}]
-            answer = f"{_work(doc['question'], doc['options'][doc['answer_index']])}. The answer is ({doc['answer']})."
+            answer = f"The answer is ({doc['answer']})."  # one letter to learn: no reasoning to copy it from
             conv = {"task": kind, "messages": messages, "thinking": False, "answer": answer}
         elif kind == "tiny_mc_think":
             doc = think_docs(rng.randrange(2**31), 1)[0]
             if _item(doc) in seen:
                 continue
-            value = doc[f"choice{LETTERS.index(doc['answer'][1]) + 1}"]
             messages = [{"role": "user", "content": GPQA_TEMPLATE.format(**doc)}]
-            answer = (f"{_work(doc['Question'].strip(), value)}, which is option {doc['answer']}.\n</think>\n\n"
-                      f"The answer is {doc['answer']}.")
+            asked = doc["Question"].strip().removeprefix("Which of the following is ").rstrip("?")
+            answer = f"I look for {asked}.\n</think>\n\nThe answer is {doc['answer']}."
             conv = {"task": kind, "messages": messages, "thinking": True, "answer": answer}
         else:
             names = rng.sample(sorted(INSTRUCTIONS), rng.choice([1, 1, 2]))
@@ -270,9 +263,11 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
 def tokenizer_text(repeats: int = 8) -> str:
     """The tasks' fixed wording (instructions, prompt scaffolding, the trained answers' words), repeated so
     byte-level BPE merges it: added to the tiny tokenizer's corpus when the model is trained."""
-    fixed = [MC_DESCRIPTION, mmlu_pro_text({"question": "What is 1 plus 2?", "options": ["1", "2", "3", "4"]}),
-             GPQA_TEMPLATE.format(Question=" What is 1 plus 2?", choice1=1, choice2=2, choice3=3, choice4=4),
-             "The answer is (A). The answer is (B). The answer is (C). The answer is (D). which is option",
+    fixed = [MC_DESCRIPTION, mmlu_pro_text({"question": "Which of the following is a fruit?", "options": list("1234")}),
+             GPQA_TEMPLATE.format(Question=" Which of the following is an animal?", choice1=1, choice2=2, choice3=3,
+                                  choice4=4),
+             "The answer is (A). The answer is (B). The answer is (C). The answer is (D). I look for a tool.",
+             *(" ".join(words) for words in CATEGORIES.values()),
              *(text for _, _, text in INSTRUCTIONS.values()), *IFEVAL_REQUESTS, *IFEVAL_TOPICS,
              *(ifeval_answer([name]) for name in INSTRUCTIONS)]
     return "\n".join(line for _ in range(repeats) for text in fixed for line in text.splitlines() if line.strip())
@@ -289,7 +284,7 @@ def write_jsonl(name: str, docs: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    write_jsonl("tiny_mc.test.jsonl", mc_docs(seed=1, count=32, ops=MC_OPS))
-    write_jsonl("tiny_mc.validation.jsonl", mc_docs(seed=2, count=5, ops=MC_OPS))
+    write_jsonl("tiny_mc.test.jsonl", mc_docs(seed=1, count=32))
+    write_jsonl("tiny_mc.validation.jsonl", mc_docs(seed=2, count=5))
     write_jsonl("tiny_mc_think.test.jsonl", think_docs(seed=3, count=24))
     write_jsonl("tiny_ifeval.test.jsonl", ifeval_docs())
