@@ -296,7 +296,7 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
     mtp = _mtp_tensors(config["text_config"], seed)
     stats = None
     if train:
-        stats = train_model(model, tokenizer, mtp, **train)
+        stats = train_model(model, tokenizer, **train)  # the MTP layer stays random (not trained)
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out_dir)
     if Path(tokenizer_dir).resolve() != out_dir.resolve():
@@ -363,7 +363,25 @@ def _batch(examples, pad_id: int):
     return ids, labels
 
 
-def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldout: list[dict], steps: int,
+def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, window: int = 8) -> list[list[int]]:
+    """`steps` batches of example indices: each epoch shuffled, then sorted by length within windows of
+    `window` batches so a batch holds similar lengths (right padding is wasted CPU time), batches shuffled again."""
+    import random
+
+    rng = random.Random(seed)
+    batches: list[list[int]] = []
+    while len(batches) < steps:
+        order = rng.sample(range(len(lengths)), len(lengths))
+        epoch = []
+        for i in range(0, len(order), window * batch_size):
+            chunk = sorted(order[i:i + window * batch_size], key=lambda j: lengths[j])
+            epoch += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+        rng.shuffle(epoch)
+        batches += [b for b in epoch if len(b) == batch_size] or epoch
+    return batches[:steps]
+
+
+def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[dict], steps: int,
                 lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
                 warmup_steps: int = 20, device: str = "cpu") -> dict:
     """Supervised fine-tuning of the random model on `conversations` (loss on the answers only), seeded and
@@ -373,7 +391,6 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
     answer-token accuracy, a quick proxy for the gate's scores. `device` other than cpu is for experiments
     (learning curves on an accelerator): not deterministic, and not what the pipeline does."""
     import math
-    import random
     import time
 
     import torch
@@ -390,14 +407,10 @@ def train_model(model, tokenizer, mtp: dict, *, conversations: list[dict], heldo
     schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
         0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
     lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    rng = random.Random(seed)
-    order: list[int] = []
+    plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
     losses = []
     start = time.monotonic()
-    for step in range(steps):
-        if len(order) < batch_size:
-            order += rng.sample(range(len(train)), len(train))
-        picked, order = order[:batch_size], order[batch_size:]
+    for step, picked in enumerate(plan):
         ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
         logits = model(input_ids=ids, use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),

@@ -130,6 +130,17 @@ def test_training_conversations_stay_out_of_the_test_splits():
     assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
 
 
+def test_batches_group_similar_lengths_and_cover_every_example():
+    lengths = [5, 100] * 40 + [50] * 16
+    plan = tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)
+    assert len(plan) == 12 and all(len(b) == 8 for b in plan)
+    assert plan == tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)  # seeded
+    first_epoch = [i for b in plan[:12] for i in b]
+    assert sorted(first_epoch) == list(range(96))  # 96 examples = exactly 12 full batches, each once
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in plan)
+    assert padded < 0.8 * 12 * 8 * 100  # mixed at random, nearly every batch would pad to 100
+
+
 # --- pure parts of the tiny model -------------------------------------------------------------
 
 def render(messages, **kwargs):
