@@ -146,3 +146,30 @@ def provenance(wildcards):
         "weights_revision": model["revision"] if model["source"] == "hub" else "synthetic",
         "build_date": config["image"]["label_build_date"],
     }
+
+
+SYNTHETIC = config["model"]["source"] == "synthetic"
+TINY_TRAIN = config["model"]["tiny"]["train"]
+TRAINED = SYNTHETIC and TINY_TRAIN["steps"] > 0
+
+
+def tiny_training_inputs():
+    """The generator of the tiny model's training conversations and the test splits it keeps out of them."""
+    generator = Path(TINY_TRAIN["generator"])
+    return {"generator": str(generator), "test_splits": sorted(str(p) for p in generator.parent.glob("*.test.jsonl"))}
+
+
+TASKS_DIR = config["quality"]["tasks_dir"]
+REFERENCE_VARIANT = config["quality"]["reference_variant"]
+if REFERENCE_VARIANT is not None and REFERENCE_VARIANT not in config["variants"]:
+    raise WorkflowError(f"invalid configuration: config key 'quality.reference_variant': {REFERENCE_VARIANT!r} is "
+                        f"not one of the variants {sorted(config['variants'])}")
+
+
+def reference_scores(wildcards):
+    """The reference variant's quality.json when it is already there (a run that gated it first); recovery is
+    reported, never gated, so its absence does not force the reference's whole build."""
+    path = f"results/{REFERENCE_VARIANT}/quality_gate/quality.json"
+    if REFERENCE_VARIANT and wildcards.variant != REFERENCE_VARIANT and Path(path).is_file():
+        return path
+    return []

@@ -1,6 +1,3 @@
-TASKS_DIR = config["quality"]["tasks_dir"]
-
-
 rule quality_gate:
     input:
         venv=venv("eval"),
@@ -9,12 +6,14 @@ rule quality_gate:
         after_probe=rules.latency_probe.output.latency,
         schema="schemas/quality.schema.yaml",
         tasks=project_files(TASKS_DIR) if TASKS_DIR else [],
+        reference=reference_scores,
     output:
         scores=report("results/{variant}/quality_gate/quality.json", category="Quality gate", labels={"variant": "{variant}"}),
     params:
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         tasks=config["quality"]["tasks"],
         limit=config["quality"]["limit"],
+        reference_variant=REFERENCE_VARIANT,
         num_concurrent=config["quality"]["num_concurrent"],
         tasks_dir=lambda wildcards, input: os.path.commonpath(input.tasks) if input.tasks else None,
         gpus=config["image"]["gpus"],

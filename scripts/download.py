@@ -9,9 +9,12 @@ complete, so a failed or interrupted run never leaves a checkpoint a rerun would
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
-from common import StageError, write_manifest
+from common import StageError, validate_json, write_json, write_manifest
+
+SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "download.schema.yaml"
 
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 OFFLINE_VALUES = {"1", "true", "yes", "on"}
@@ -46,12 +49,49 @@ def fetch_hub(repo: str, revision: str, dest: Path) -> None:
         raise StageError(f"{repo}@{revision} has no config.json or *.safetensors: not a checkpoint")
 
 
-def build_synthetic(tiny: dict, corpus: str, dest: Path) -> None:
+def load_generator(path: str | Path):
+    """The tiny tasks' generator module (data/tiny/tasks/generate.py): it writes the test splits and the
+    training conversations, so both come from one place in the same formats."""
+    import importlib.util
+
+    path = Path(path)
+    if not path.is_file():
+        raise StageError(f"tiny training data generator {path} not found")
+    spec = importlib.util.spec_from_file_location("tiny_tasks_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def training_plan(train: dict, generator) -> dict | None:
+    """train_model's arguments from the config's `model.tiny.train` (None when steps is 0: a random model)."""
+    if int(train.get("steps", 0)) <= 0:
+        return None
+    tests = generator.test_docs()
+    conversations = generator.train_conversations(int(train["data_seed"]), int(train["examples"]), tests)
+    heldout = generator.train_conversations(int(train["data_seed"]) + 1, int(train["heldout_examples"]), tests,
+                                            exclude=conversations)
+    return {"conversations": conversations, "heldout": heldout, "steps": int(train["steps"]),
+            "lr": float(train["lr"]), "batch_size": int(train["batch_size"]), "seed": int(train["seed"]),
+            "threads": int(train["threads"]), "warmup_steps": int(train["warmup_steps"])}
+
+
+def build_synthetic(tiny: dict, corpus: str, dest: Path, generator: str | None = None) -> dict | None:
+    """Build (and, when configured, train) the tiny checkpoint in dest; return the training record."""
     from tiny_model import build_tiny
 
     if not Path(corpus).is_file():
         raise StageError(f"tiny corpus {corpus} not found")
-    build_tiny(dest, corpus, seed=int(tiny.get("seed", 0)), vocab_size=int(tiny.get("vocab_size", 4096)))
+    train = dict(tiny.get("train") or {})
+    plan, extra = None, ""
+    if int(train.get("steps", 0)) > 0:
+        if not generator:
+            raise StageError("model.tiny.train.steps > 0 needs the training data generator as input `generator`")
+        module = load_generator(generator)
+        plan, extra = training_plan(train, module), module.tokenizer_text()
+    result = build_tiny(dest, corpus, seed=int(tiny.get("seed", 0)), vocab_size=int(tiny.get("vocab_size", 4096)),
+                        train=plan, tokenizer_extra=extra)
+    return result["training"]
 
 
 def materialise(checkpoint: str | Path, fill) -> Path:
@@ -80,13 +120,28 @@ def main(job) -> None:
     elif source == "synthetic":
         tiny = dict(params.tiny or {})
         corpus = getattr(job.input, "corpus", None) or tiny.get("corpus")
-        fill = lambda tmp: build_synthetic(tiny, corpus, tmp)  # noqa: E731
+        generator = getattr(job.input, "generator", None) or None
+        fill = lambda tmp: record.update(training=build_synthetic(tiny, corpus, tmp, generator))  # noqa: E731
     else:
         raise StageError(f"params.source must be 'hub' or 'synthetic', got {source!r}")
+    record = {"source": source, "training": None}
+    record_path = getattr(job.output, "record", None)
     manifest_path = Path(job.output.manifest)
     manifest_path.unlink(missing_ok=True)
+    if record_path:
+        Path(record_path).unlink(missing_ok=True)
+    start = time.monotonic()
     checkpoint = materialise(job.output.checkpoint, fill)
     manifest = write_manifest(checkpoint, manifest_path)
+    record.update(seconds=round(time.monotonic() - start, 1), files=len(manifest),
+                  bytes=sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file()))
+    if record_path:
+        validate_json(record, SCHEMA)
+        write_json(record_path, record)
+    if record["training"]:
+        t = record["training"]
+        print(f"download: trained {t['steps']} steps in {t['seconds']} s, loss {t['first_loss']} -> "
+              f"{t['final_loss']}, held-out answer-token accuracy {t['heldout_answer_token_accuracy']}")
     print(f"download: {len(manifest)} files in {checkpoint}")
 
 

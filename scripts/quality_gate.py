@@ -266,8 +266,10 @@ def _write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
                                         default=str) + "\n")
 
 
-def evaluate_gate(scores: dict[str, dict], tasks: list[dict]) -> tuple[bool, list[dict]]:
-    """Compare each task's score with its threshold; a missing score fails."""
+def evaluate_gate(scores: dict[str, dict], tasks: list[dict],
+                  reference: dict[str, float] | None = None) -> tuple[bool, list[dict]]:
+    """Compare each task's score with its threshold; a missing score fails. `reference` ({task name: score}
+    of the reference variant, e.g. BF16) adds recovery = score / reference score; it never changes the verdict."""
     rows = []
     for task in normalize_tasks(tasks):
         got = scores.get(task["name"], {})
@@ -275,33 +277,53 @@ def evaluate_gate(scores: dict[str, dict], tasks: list[dict]) -> tuple[bool, lis
         margin = None if score is None else score - task["threshold"]
         passed = margin is not None and margin >= 0
         close = margin is not None and stderr is not None and abs(margin) < 2 * stderr
+        ref = (reference or {}).get(task["name"])
+        recovery = score / ref if score is not None and isinstance(ref, (int, float)) and ref > 0 else None
         rows.append({
             "name": task["name"], "task": task["task"], "metric": task["metric"], "filter": task["filter"],
             "score": score, "stderr": stderr, "threshold": task["threshold"], "margin": margin,
-            "passed": passed, "within_2_stderr": close,
+            "passed": passed, "within_2_stderr": close, "reference_score": ref, "recovery": recovery,
         })
     return all(row["passed"] for row in rows), rows
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], reference_name: str | None = None) -> str:
     def num(value):
         return "-" if value is None else f"{value:.4f}"
 
-    header = ["task", "metric", "score", "stderr", "threshold", "margin", "result"]
+    recovery_header = f"recovery vs {reference_name}" if reference_name else "recovery"
+    header = ["task", "metric", "score", "stderr", "threshold", "margin", recovery_header, "result"]
     body = []
     for row in rows:
         margin = "-" if row["margin"] is None else f"{row['margin']:+.4f}"
+        recovery = "-" if row.get("recovery") is None else f"{100 * row['recovery']:.1f}%"
         result = "PASS" if row["passed"] else "FAIL"
         if row["within_2_stderr"]:
             result += " (WARN: |margin| < 2 stderr)"
         if row["score"] is None:
             result += " (no score)"
         body.append([row["name"], f"{row['metric']},{row['filter']}", num(row["score"]), num(row["stderr"]),
-                     num(float(row["threshold"])), margin, result])
+                     num(float(row["threshold"])), margin, recovery, result])
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def warnings_for(rows: list[dict]) -> list[str]:
+    """One line per task whose verdict is within two standard errors of flipping."""
+    return [f"WARNING: {r['name']} margin {r['margin']:+.4f} is under two standard errors (2 x {r['stderr']:.4f}): "
+            "another sample of the same size could flip its verdict" for r in rows if r["within_2_stderr"]]
+
+
+def load_reference(path: str | Path | None, variant: str | None) -> dict | None:
+    """{task name: score} from the reference variant's quality.json, or None when it is not in the run."""
+    if not path or not Path(path).is_file():
+        return None
+    report = json.loads(Path(path).read_text())
+    validate_json(report, SCHEMA)
+    return {"variant": variant, "path": str(path), "image": report["image"],
+            "scores": {t["name"]: t["score"] for t in report["tasks"]}}
 
 
 def scores_copy_path(log_path: str) -> Path:
@@ -340,8 +362,11 @@ def main(job) -> None:
             raise StageError(f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
                              f"last container log lines:\n{container.logs()}") from error
 
-    passed, rows = evaluate_gate(scores, tasks)
-    print(format_table(rows), flush=True)
+    reference = load_reference(getattr(job.input, "reference", None) or None, getattr(p, "reference_variant", None))
+    passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None)
+    print(format_table(rows, reference["variant"] if reference else None), flush=True)
+    for line in warnings_for(rows):
+        print(line, file=sys.stderr, flush=True)
     import lm_eval
 
     report = {
@@ -353,6 +378,7 @@ def main(job) -> None:
         "passed": passed,
         "seconds": round(time.monotonic() - start, 1),
         "server_ready_s": round(ping_s, 1),
+        "reference": {k: reference[k] for k in ("variant", "path", "image")} if reference else None,
         "tasks": [{**row, **{k: scores.get(row["name"], {}).get(k) for k in ("n_docs", "seconds", "stderr_source")},
                    **{k: t[k] for k in ("num_fewshot", "thinking", "max_tokens", "stream")}}
                   for row, t in zip(rows, tasks)],

@@ -163,8 +163,13 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Path, pad_to: int | None = None):
-    """Byte-level BPE on `corpus_path` with Qwen's pre-tokenizer and added tokens; saved to out_dir.
+def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Path, extra_text: str = "",
+                    pad_to: int | None = None):
+    """Byte-level BPE on `corpus_path` (plus `extra_text`, when given) with Qwen's pre-tokenizer and added
+    tokens; saved to out_dir.
+
+    `extra_text` is the quality tasks' fixed wording when the model is trained: like a real tokenizer's,
+    their words become single tokens, which halves the prompts a CPU trains on.
 
     `vocab_size` caps the learned BPE vocabulary (merges stop earlier once no pair occurs twice:
     the bundled corpus gives 2622); Qwen's added tokens come after it, as in the real tokenizer.
@@ -186,7 +191,11 @@ def train_tokenizer(corpus_path: str | Path, vocab_size: int, out_dir: str | Pat
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([str(corpus_path)], trainer)
+    if extra_text:
+        lines = Path(corpus_path).read_text(encoding="utf-8").splitlines() + extra_text.splitlines()
+        tok.train_from_iterator(lines, trainer)
+    else:
+        tok.train([str(corpus_path)], trainer)
     if pad_to:
         tok = _pad_vocab(tok, pad_to - len(SPECIAL_TOKENS))
     tok.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in SPECIAL_TOKENS])
@@ -297,9 +306,11 @@ def _mtp_tensors(text: dict, seed: int) -> dict:
             .to(torch.bfloat16).contiguous() for name, shape in sorted(shapes.items())}
 
 
-def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | Path, **dims) -> dict:
+def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | Path, train: dict | None = None,
+                          **dims) -> dict:
     """Seeded random Qwen3_5ForConditionalGeneration (bf16 safetensors) plus tokenizer, processor,
-    generation config and the MTP layer, in out_dir. Same seed and tokenizer -> same bytes."""
+    generation config and the MTP layer, in out_dir, briefly trained when `train` is given (train_model's
+    arguments). Same seed, tokenizer and training -> same bytes. Returns {"config", "training"}."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -312,6 +323,10 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
 
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**json.loads(json.dumps(config))))
+    mtp = _mtp_tensors(config["text_config"], seed)
+    stats = None
+    if train:
+        stats = train_model(model, tokenizer, **train)  # the MTP layer stays random (not trained)
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out_dir)
     if Path(tokenizer_dir).resolve() != out_dir.resolve():
@@ -319,7 +334,6 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
 
     # transformers has no MTP module: its tensors go into their own shard, listed in the index
     # (vLLM only reads shards the index names once an index exists).
-    mtp = _mtp_tensors(config["text_config"], seed)
     save_file(mtp, str(out_dir / MTP_FILE), metadata={"format": "pt"})
     shards = sorted(p.name for p in out_dir.glob("*.safetensors") if p.name != MTP_FILE)
     index_path = out_dir / INDEX_FILE
@@ -346,7 +360,123 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
     write_processor_files(out_dir)
     for path in out_dir.iterdir():  # safetensors writes 0600; a container user other than root must read them
         path.chmod(0o644)
-    return saved
+    return {"config": saved, "training": stats}
+
+
+def encode_conversations(tokenizer, conversations: list[dict], max_len: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + <|im_end|>) per conversation: the prompt rendered by the checkpoint's own chat
+    template with the conversation's enable_thinking, as vLLM renders an lm-eval chat request."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for conv in conversations:
+        prompt = tokenizer.apply_chat_template(conv["messages"], tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=bool(conv["thinking"]))
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(conv["answer"], add_special_tokens=False)["input_ids"] + [im_end]
+        if len(prompt_ids) + len(answer_ids) > max_len:
+            raise ValueError(f"training conversation of {len(prompt_ids) + len(answer_ids)} tokens > max_len "
+                             f"{max_len}: {conv['messages'][-1]['content'][:80]!r}")
+        out.append((prompt_ids, answer_ids))
+    return out
+
+
+def _batch(examples, pad_id: int):
+    """Right-padded ids and labels (-100 on prompt and padding): causal layers never see the padding."""
+    import torch
+
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for row, (prompt, answer) in enumerate(examples):
+        ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
+    return ids, labels
+
+
+def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, window: int = 8) -> list[list[int]]:
+    """`steps` batches of example indices: each epoch shuffled, then sorted by length within windows of
+    `window` batches so a batch holds similar lengths (right padding is wasted CPU time), batches shuffled again."""
+    import random
+
+    rng = random.Random(seed)
+    batches: list[list[int]] = []
+    while len(batches) < steps:
+        order = rng.sample(range(len(lengths)), len(lengths))
+        epoch = []
+        for i in range(0, len(order), window * batch_size):
+            chunk = sorted(order[i:i + window * batch_size], key=lambda j: lengths[j])
+            epoch += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+        rng.shuffle(epoch)
+        batches += [b for b in epoch if len(b) == batch_size] or epoch
+    return batches[:steps]
+
+
+def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[dict], steps: int,
+                lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
+                warmup_steps: int = 20, device: str = "cpu") -> dict:
+    """Supervised fine-tuning of the random model on `conversations` (loss on the answers only), seeded and
+    deterministic on CPU (fixed threads, deterministic kernels, fixed data order); returns what it measured.
+
+    AdamW with linear warm-up and cosine decay; `heldout` conversations (not trained on) give a teacher-forced
+    answer-token accuracy, a quick proxy for the gate's scores. `device` other than cpu is for experiments
+    (learning curves on an accelerator): not deterministic, and not what the pipeline does."""
+    import math
+    import time
+
+    import torch
+
+    torch.set_num_threads(int(threads))
+    torch.use_deterministic_algorithms(device == "cpu")
+    torch.manual_seed(seed)
+    train = encode_conversations(tokenizer, conversations, max_len)
+    held = encode_conversations(tokenizer, heldout, max_len)
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.float().to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
+    lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
+    losses = []
+    start = time.monotonic()
+    for step, picked in enumerate(plan):
+        ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                 ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        lr_at.step()
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            print(f"[tiny train] step {step + 1}/{steps} loss {loss.item():.4f} "
+                  f"({time.monotonic() - start:.0f} s)", flush=True)
+    seconds = time.monotonic() - start
+    accuracy = answer_accuracy(model, held, pad_id, device)
+    model.to("cpu").eval()
+    tail = losses[-min(20, len(losses)):]
+    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
+            "examples": len(train), "seconds": round(seconds, 1), "first_loss": round(losses[0], 4),
+            "final_loss": round(sum(tail) / len(tail), 4), "heldout_answer_token_accuracy": round(accuracy, 4),
+            "heldout_examples": len(held)}
+
+
+def answer_accuracy(model, examples, pad_id: int, device: str = "cpu", batch_size: int = 32) -> float:
+    """Teacher-forced greedy accuracy on answer tokens."""
+    import torch
+
+    right = total = 0
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            ids, labels = (t.to(device) for t in _batch(examples[i:i + batch_size], pad_id))
+            guess = model(input_ids=ids, use_cache=False).logits[:, :-1].argmax(-1)
+            mask = labels[:, 1:] != -100
+            right += int(((guess == labels[:, 1:]) & mask).sum())
+            total += int(mask.sum())
+    return right / max(1, total)
 
 
 def generation_config(token_ids: dict[str, int]) -> dict:
@@ -388,10 +518,11 @@ def _safetensors_nbytes(path: Path) -> int:
     return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in safetensors_header(path).values())
 
 
-def build_tiny(out_dir: str | Path, corpus: str | Path, seed: int = 0, vocab_size: int = 4096, **dims) -> dict:
+def build_tiny(out_dir: str | Path, corpus: str | Path, seed: int = 0, vocab_size: int = 4096,
+               train: dict | None = None, tokenizer_extra: str = "", **dims) -> dict:
     """Tokenizer + checkpoint into out_dir (the tiny profile's whole `download`)."""
-    train_tokenizer(corpus, vocab_size, out_dir)
-    return build_tiny_checkpoint(out_dir, seed, out_dir, **dims)
+    train_tokenizer(corpus, vocab_size, out_dir, tokenizer_extra)
+    return build_tiny_checkpoint(out_dir, seed, out_dir, train=train, **dims)
 
 
 if __name__ == "__main__":  # python tiny_model.py OUT_DIR CORPUS [SEED] [VOCAB]

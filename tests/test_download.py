@@ -82,7 +82,7 @@ def test_unknown_source_is_refused(tmp_path):
 
 
 def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
-    def fake(tiny, corpus, dest):
+    def fake(tiny, corpus, dest, generator=None):
         (dest / "config.json").write_text("{}")
         (dest / "sub").mkdir()
         (dest / "sub" / "w.safetensors").write_bytes(b"\0" * 10)
@@ -95,6 +95,50 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     assert manifest == {"config.json": sha256_file(checkpoint / "config.json"),
                         "sub/w.safetensors": sha256_file(checkpoint / "sub" / "w.safetensors")}
     assert not checkpoint.with_name("checkpoint.partial").exists()
+
+
+def test_record_validates_and_training_needs_its_generator(tmp_path, monkeypatch):
+    real = download.build_synthetic
+    monkeypatch.setattr(download, "build_synthetic", lambda tiny, corpus, dest, generator=None: (
+        (dest / "config.json").write_text("{}"), {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1,
+                                                   "examples": 3, "seconds": 0.5, "first_loss": 8.0,
+                                                   "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5,
+                                                   "heldout_examples": 3})[1])
+    j = job(tmp_path, source="synthetic", tiny={"seed": 0}, corpus=CORPUS)
+    j.output.record = str(tmp_path / "weights" / "m" / "download.json")
+    download.main(j)
+    record = json.loads(Path(j.output.record).read_text())
+    assert record["source"] == "synthetic" and record["training"]["final_loss"] == 1.0 and record["files"] == 1
+    with pytest.raises(StageError, match="generator"):
+        real({"train": {"steps": 5}}, str(CORPUS), tmp_path / "x")
+
+
+def test_training_conversations_stay_out_of_the_test_splits():
+    generator = download.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
+    tests = generator.test_docs()
+    plan = download.training_plan({"steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
+                                   "examples": 90, "heldout_examples": 9, "threads": 1, "warmup_steps": 1}, generator)
+    assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
+    assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
+    test_texts = {generator.mmlu_pro_text(d) for d in tests["tiny_mc"]}
+    test_texts |= {generator.GPQA_TEMPLATE.format(**d) for d in tests["tiny_mc_think"]}
+    test_texts |= {d["prompt"] for d in tests["tiny_ifeval"]}
+    trained = [c["messages"][-1]["content"] for c in plan["conversations"]]
+    assert not test_texts & set(trained)
+    assert not {json.dumps(c["messages"]) for c in plan["heldout"]} & {json.dumps(c["messages"])
+                                                                       for c in plan["conversations"]}
+    assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
+
+
+def test_batches_group_similar_lengths_and_cover_every_example():
+    lengths = [5, 100] * 40 + [50] * 16
+    plan = tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)
+    assert len(plan) == 12 and all(len(b) == 8 for b in plan)
+    assert plan == tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)  # seeded
+    first_epoch = [i for b in plan[:12] for i in b]
+    assert sorted(first_epoch) == list(range(96))  # 96 examples = exactly 12 full batches, each once
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in plan)
+    assert padded < 0.8 * 12 * 8 * 100  # mixed at random, nearly every batch would pad to 100
 
 
 # --- pure parts of the tiny model -------------------------------------------------------------
@@ -156,8 +200,17 @@ def test_tiny_config_shape():
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
 
-def run_stage_in_venv(tmp_path, name):
-    j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096}, corpus=CORPUS)
+GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
+SHORT_TRAINING = {"steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "seed": 0, "data_seed": 7,
+                  "examples": 12, "heldout_examples": 3, "threads": 2}
+
+
+def run_stage_in_venv(tmp_path, name, train=None):
+    j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096, "train": train or {}},
+            corpus=CORPUS)
+    if train:
+        j.input.generator = str(GENERATOR)
+        j.output.record = str(tmp_path / name / "download.json")
     spec = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}
     job_file = tmp_path / f"{name}.json"
     job_file.write_text(json.dumps(spec))
@@ -184,6 +237,17 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
     assert a == b
     for name in a:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+@pytest.mark.e2e
+def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
+    (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_TRAINING) for name in "ab")
+    assert json.loads(manifest_a.read_text()) == json.loads(manifest_b.read_text())
+    record = json.loads((tmp_path / "a" / "download.json").read_text())
+    assert record["training"]["steps"] == 3 and record["training"]["final_loss"] < record["training"]["first_loss"]
+    # training changed the weights (an untrained build is the seed-0 random model)
+    untrained, _ = run_stage_in_venv(tmp_path, "c")
+    assert (first / "model.safetensors").read_bytes() != (untrained / "model.safetensors").read_bytes()
 
 
 @pytest.mark.e2e

@@ -26,6 +26,11 @@ def test_tiny_run_ends_in_a_checked_image_tarball(tiny_run):
 
 
 def test_every_stage_left_its_schema_valid_record(tiny_run):
+    download = json.loads((ROOT / "weights" / TINY["model"]["name"] / "download.json").read_text())
+    validate_json(download, ROOT / "schemas" / "download.schema.yaml")
+    steps = TINY["model"]["tiny"]["train"]["steps"]
+    training = download["training"]
+    assert (training is None) if steps == 0 else (training["steps"] == steps and training["seconds"] > 0)
     latency = json.loads((RESULTS / "latency_probe" / "latency.json").read_text())
     validate_json(latency, ROOT / "schemas" / "latency.schema.yaml")
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]

@@ -14,7 +14,7 @@ import pytest
 
 from common import StageError, validate_json
 from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
-                          scores_copy_path, sse_to_completion)
+                          scores_copy_path, sse_to_completion, warnings_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = ROOT / "data" / "tiny" / "tasks"
@@ -47,11 +47,31 @@ def test_below_threshold_fails_and_table_says_so():
     assert rows[1]["margin"] == pytest.approx(-0.014)
     table = format_table(rows)
     lines = table.splitlines()
-    assert lines[0].split()[:7] == ["task", "metric", "score", "stderr", "threshold", "margin", "result"]
+    assert lines[0].split()[:8] == ["task", "metric", "score", "stderr", "threshold", "margin", "recovery", "result"]
     mmlu = next(line for line in lines if line.startswith("mmlu_pro"))
     ifeval = next(line for line in lines if line.startswith("ifeval"))
     assert "0.7000" in mmlu and "0.6210" in mmlu and "+0.0790" in mmlu and mmlu.rstrip().endswith("PASS")
     assert "0.8000" in ifeval and "-0.0140" in ifeval and "FAIL" in ifeval and "WARN" not in ifeval
+
+
+def test_recovery_against_the_reference_variant_is_reported_not_gated():
+    tasks = [_task("a", 0.5), _task("b", 0.5), _task("c", 0.5)]
+    reference = {"a": 0.8, "b": 0.0}  # b: a zero reference gives no ratio; c: not in the reference
+    passed, rows = evaluate_gate({"a": {"score": 0.6, "stderr": 0.01}, "b": {"score": 0.6, "stderr": 0.01},
+                                  "c": {"score": 0.4, "stderr": 0.01}}, tasks, reference)
+    assert not passed and [r["passed"] for r in rows] == [True, True, False]
+    assert rows[0]["recovery"] == pytest.approx(0.75) and rows[0]["reference_score"] == 0.8
+    assert rows[1]["recovery"] is None and rows[2]["recovery"] is None
+    lines = format_table(rows, "tiny-bf16-mtp1").splitlines()
+    assert "recovery vs tiny-bf16-mtp1" in lines[0] and "75.0%" in lines[2]
+    assert evaluate_gate({"a": {"score": 0.6, "stderr": 0.01}}, tasks[:1])[1][0]["recovery"] is None
+
+
+def test_margin_under_two_stderr_prints_a_warning_line():
+    _, rows = evaluate_gate({"a": {"score": 0.66, "stderr": 0.02}, "b": {"score": 0.9, "stderr": 0.02}},
+                            [_task("a", 0.63), _task("b", 0.63)])
+    warnings = warnings_for(rows)
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: a margin +0.0300") and "two standard" in warnings[0]
 
 
 def test_all_at_or_above_threshold_passes():
@@ -120,8 +140,10 @@ def test_scores_copy_sits_beside_the_log():
 
 def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)])
+    _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)], {"a": 0.6})
     report = {"image": "docker.io/library/x:y", "model_name": "m", "lm_eval_version": "0.4.11", "limit": 0.1,
               "num_concurrent": 8, "passed": True, "seconds": 1.0, "server_ready_s": 2.0,
+              "reference": {"variant": "bf16", "path": "results/bf16/quality_gate/quality.json", "image": "x:bf16"},
               "tasks": [{**rows[0], "n_docs": 3, "seconds": 0.5, "stderr_source": "lm-eval", "num_fewshot": 5,
                          "thinking": False, "max_tokens": 10, "stream": False}]}
     schema = ROOT / "schemas" / "quality.schema.yaml"
@@ -133,7 +155,7 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
 def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
     # the committed data must be reproducible from generate.py
     code = (f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; "
-            "print(len(generate.mc_docs(1, 32, '+-')))")
+            "print(len(generate.mc_docs(1, 32)))")
     assert subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True).stdout.strip() == "32"
     before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
     subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)
@@ -257,6 +279,18 @@ def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
     assert {b["max_tokens"] for b in mc} == {32} and {b["max_tokens"] for b in think} == {64}
     assert all(b["temperature"] == 0 for b in bodies)
     assert (tmp_path / "tiny_mc.jsonl").read_text().count("\n") == len(mc_gold)
+
+    # the tiny model is trained on conversations rendered by generate.py: they must be what lm-eval sends
+    sys.path.insert(0, str(TASKS_DIR))
+    import generate
+
+    tests = generate.test_docs()
+    ours = [[{"role": "system", "content": generate.MC_DESCRIPTION}, {"role": "user", "content": generate.mmlu_pro_text(d)}]
+            for d in tests["tiny_mc"]]
+    ours += [[{"role": "user", "content": generate.GPQA_TEMPLATE.format(**d)}] for d in tests["tiny_mc_think"]]
+    ours += [[{"role": "user", "content": d["prompt"]}] for d in tests["tiny_ifeval"]]
+    sent = [[{k: v for k, v in m.items() if k != "type"} for m in b["messages"]] for b in bodies]
+    assert sorted(map(json.dumps, ours)) == sorted(map(json.dumps, sent))
 
 
 _MAIN_DRIVER = '''

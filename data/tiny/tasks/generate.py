@@ -15,41 +15,45 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LETTERS = "ABCD"
+# Category questions: one option belongs to the asked category, three to others. A 4-layer model trained for a
+# few CPU minutes learns this (one attention look-up: the option of the asked kind, and the letter before it);
+# it did not learn single-digit sums in that time (always answered "(C)").
+CATEGORIES = {
+    "fruit": ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "pear", "plum"],
+    "colour": ["red", "blue", "green", "yellow", "brown", "purple", "pink", "grey", "black"],
+    "animal": ["dog", "cat", "horse", "sheep", "mouse", "tiger", "bear", "goat", "duck"],
+    "tool": ["hammer", "saw", "drill", "wrench", "shovel", "chisel", "rake", "ladder", "spanner"],
+}
+ARTICLE = {"fruit": "a", "colour": "a", "animal": "an", "tool": "a"}
 
 
-def _arith(rng: random.Random, ops: str) -> tuple[str, int, str]:
-    op = rng.choice(ops)
-    a, b = rng.randint(11, 89), rng.randint(2, 39)
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    word = {"+": "plus", "-": "minus", "*": "times"}[op]
-    return f"What is {a} {word} {b}?", value, f"{a} {op} {b} = {value}"
+def _question(rng: random.Random) -> tuple[str, str, list[str], str]:
+    """(question, gold word, three distractors, category)."""
+    category = rng.choice(sorted(CATEGORIES))
+    gold = rng.choice(CATEGORIES[category])
+    others = [w for c in sorted(CATEGORIES) if c != category for w in CATEGORIES[c]]
+    return f"Which of the following is {ARTICLE[category]} {category}?", gold, rng.sample(others, 3), category
 
 
-def _options(rng: random.Random, value: int, gold: int) -> list[str]:
-    wrong = set()
-    while len(wrong) < 3:  # near misses, so letters, not magnitudes, carry the answer
-        candidate = value + rng.choice([-1, 1]) * rng.randint(1, 12)
-        if candidate != value:
-            wrong.add(candidate)
-    options = sorted(wrong)
-    options.insert(gold, value)
-    return [str(option) for option in options]
-
-
-def mc_docs(seed: int, count: int, ops: str) -> list[dict]:
+def mc_docs(seed: int, count: int) -> list[dict]:
     rng = random.Random(seed)
+    # a split's letters come equally often, so answering one letter always scores 0.25, not more
+    golds = [i % 4 for i in range(count)] if count >= 4 else [rng.randrange(4) for _ in range(count)]
+    rng.shuffle(golds)
     docs = []
-    for i in range(count):
-        question, value, work = _arith(rng, ops)
-        gold = rng.randrange(4)
+    for i, gold in enumerate(golds):
+        question, word, wrong, category = _question(rng)
+        options = list(wrong)
+        options.insert(gold, word)
         docs.append({
             "question_id": i,
             "question": question,
-            "options": _options(rng, value, gold),
+            "options": options,
             "answer": LETTERS[gold],
             "answer_index": gold,
-            "cot_content": f"A: Let's think step by step. {work}. The answer is ({LETTERS[gold]}).",
-            "category": "arithmetic",
+            "cot_content": f"A: Let's think step by step. {word.capitalize()} is {ARTICLE[category]} {category}. "
+                           f"The answer is ({LETTERS[gold]}).",
+            "category": "categories",
             "src": "tiny",
         })
     return docs
@@ -57,7 +61,7 @@ def mc_docs(seed: int, count: int, ops: str) -> list[dict]:
 
 def think_docs(seed: int, count: int) -> list[dict]:
     docs = []
-    for doc in mc_docs(seed, count, "*+"):
+    for doc in mc_docs(seed, count):
         docs.append({"Question": " " + doc["question"], **{f"choice{i + 1}": o for i, o in enumerate(doc["options"])},
                      "choices": doc["options"], "answer": f"({doc['answer']})"})
     return docs
@@ -139,12 +143,148 @@ def ifeval_docs() -> list[dict]:
     return docs
 
 
+# ---- training conversations for the tiny model (scripts/tiny_model.py trains on these) -----------------
+# The prompts are the ones lm-eval sends through local-chat-completions (tests compare them with lm-eval's
+# own rendering); the answers are what a model that follows them would write, short enough for max_tokens.
+
+MC_DESCRIPTION = ("The following are multiple choice questions (with answers) about categories. Think step by step "
+                  "and then finish your answer with \"the answer is (X)\" where X is the correct letter choice.\n")
+GPQA_TEMPLATE = ("What is the correct answer to this question:{Question}\nChoices:\n(A) {choice1}\n(B) {choice2}\n"
+                 "(C) {choice3}\n(D) {choice4}\nLet's think step by step: ")
+
+
+def mmlu_pro_text(doc: dict) -> str:
+    """lm-eval's mmlu_pro doc_to_text (format_cot_example without the answer)."""
+    options = "".join(f"{LETTERS[i]}. {option}\n" for i, option in enumerate(doc["options"]))
+    return f"Question:\n{doc['question']}\nOptions:\n{options}Answer: Let's think step by step."
+
+
+IFEVAL_TOPICS = ["a red kite", "the old mill", "a market town", "a sleepy dog", "the night train", "a school play",
+                 "a winter coat", "the harbour", "a bowl of soup", "an empty road", "a tall clock", "the first snow",
+                 "a paper boat", "a busy kitchen", "the garden gate", "a broken chair", "a map of the city",
+                 "a summer fair", "the quiet library", "a wooden bridge"]
+IFEVAL_REQUESTS = ["Write a few lines about {}.", "Tell me something about {}.", "Describe {} briefly.",
+                   "Write a short message about {}.", "Give a small description of {}."]
+# Pairs a single answer cannot satisfy together; never asked together (the test prompts avoid them too).
+IFEVAL_CLASHES = {frozenset(p) for p in [
+    ("lower", "upper"), ("lower", "end"), ("lower", "title"), ("lower", "ps"), ("lower", "json"),
+    ("lower", "placeholders"), ("upper", "keywords"), ("upper", "frequency"), ("upper", "letter"),
+    ("upper", "forbidden"), ("json", "bullets"), ("json", "title"), ("json", "quote"), ("json", "end"),
+    ("json", "ps"), ("json", "paragraphs"), ("json", "highlight"), ("bullets", "highlight"),
+    # capitals are one token a letter in the tiny tokenizer: kept short, within the tasks' max_tokens
+    ("upper", "end"), ("upper", "bullets"), ("upper", "paragraphs"), ("upper", "ps"), ("upper", "title"),
+    ("upper", "placeholders"), ("upper", "highlight"),
+    ("bullets", "paragraphs"), ("quote", "end"), ("quote", "ps"), ("quote", "title"), ("quote", "bullets"),
+    ("quote", "paragraphs"), ("keywords", "frequency"), ("keywords", "letter"), ("frequency", "letter"),
+    ("json", "no_comma"),
+]}
+
+
+def ifeval_answer(names: list[str]) -> str:
+    """An answer that follows every named instruction (each one changes it in its own way)."""
+    body = "this is my short answer and it is written in plain english for you"
+    if "keywords" in names:
+        body = "the river runs past the stone and it is written in plain english for you"
+    if "frequency" in names:
+        body = "the light of the moon and the light of the sun are written here for you"
+    if "letter" in names:
+        body = "a lazy zebra dozes in the sun and it is written in plain english for you"
+    if "placeholders" in names:
+        body += " at [place] with [name]"
+    if "highlight" in names:
+        body = f"*{body}* and *one more part*"
+    if "bullets" in names:
+        body = f"* {body}\n* one more point\n* a last point"
+    if "paragraphs" in names:
+        body = f"{body}\n***\none more part of the answer"
+    if "title" in names:
+        body = f"<<a short answer>>\n{body}"
+    if "ps" in names:
+        body = f"{body}\nP.S. thank you for reading"
+    if "end" in names:
+        body = f"{body} Is there anything else I can help with?"
+    if "upper" in names:
+        body = "YES I WILL HELP YOU WITH THIS"  # langdetect must still call it English
+    if "json" in names:
+        body = json.dumps({"answer": body})
+    if "quote" in names:
+        body = f'"{body}"'
+    return body
+
+
+def _item(doc: dict) -> str:
+    """What makes a question the same question (ids aside): its text and its options in order."""
+    return json.dumps([doc.get("question", doc.get("Question", "")).strip(), doc.get("options", doc.get("choices")),
+                       doc.get("prompt")])
+
+
+def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
+                        exclude: list[dict] = ()) -> list[dict]:
+    """`count` training conversations, a third per task, none equal to a test doc or to one in `exclude`:
+    {task, messages (as lm-eval sends them), thinking (enable_thinking), answer (the assistant's text after
+    the chat template's generation prompt, reasoning included when thinking is on)}."""
+    rng = random.Random(seed)
+    seen = {_item(doc) for docs in test_docs.values() for doc in docs}
+    test_prompts = {doc["prompt"] for doc in test_docs.get("tiny_ifeval", [])}
+    excluded = {json.dumps(conv["messages"]) for conv in exclude}
+    out = []
+    while len(out) < count:
+        kind = ("tiny_mc", "tiny_mc_think", "tiny_ifeval")[len(out) % 3]
+        if kind == "tiny_mc":
+            doc = mc_docs(rng.randrange(2**31), 1)[0]
+            if _item(doc) in seen:
+                continue
+            messages = [{"role": "system", "content": MC_DESCRIPTION}, {"role": "user", "content": mmlu_pro_text(doc)}]
+            answer = f"The answer is ({doc['answer']})."  # one letter to learn: no reasoning to copy it from
+            conv = {"task": kind, "messages": messages, "thinking": False, "answer": answer}
+        elif kind == "tiny_mc_think":
+            doc = think_docs(rng.randrange(2**31), 1)[0]
+            if _item(doc) in seen:
+                continue
+            messages = [{"role": "user", "content": GPQA_TEMPLATE.format(**doc)}]
+            asked = doc["Question"].strip().removeprefix("Which of the following is ").rstrip("?")
+            answer = f"I look for {asked}.\n</think>\n\nThe answer is {doc['answer']}."
+            conv = {"task": kind, "messages": messages, "thinking": True, "answer": answer}
+        else:
+            names = rng.sample(sorted(INSTRUCTIONS), rng.choice([1, 1, 2]))
+            if frozenset(names) in IFEVAL_CLASHES:
+                continue
+            request = rng.choice(IFEVAL_REQUESTS).format(rng.choice(IFEVAL_TOPICS))
+            prompt = " ".join([request, *(INSTRUCTIONS[name][2] for name in names)])
+            if prompt in test_prompts:
+                continue
+            conv = {"task": kind, "messages": [{"role": "user", "content": prompt}], "thinking": False,
+                    "answer": ifeval_answer(names)}
+        if json.dumps(conv["messages"]) not in excluded:
+            out.append(conv)
+    return out
+
+
+def tokenizer_text(repeats: int = 8) -> str:
+    """The tasks' fixed wording (instructions, prompt scaffolding, the trained answers' words), repeated so
+    byte-level BPE merges it: added to the tiny tokenizer's corpus when the model is trained."""
+    fixed = [MC_DESCRIPTION, mmlu_pro_text({"question": "Which of the following is a fruit?", "options": list("1234")}),
+             GPQA_TEMPLATE.format(Question=" Which of the following is an animal?", choice1=1, choice2=2, choice3=3,
+                                  choice4=4),
+             "The answer is (A). The answer is (B). The answer is (C). The answer is (D). I look for a tool.",
+             *(" ".join(words) for words in CATEGORIES.values()),
+             *(text for _, _, text in INSTRUCTIONS.values()), *IFEVAL_REQUESTS, *IFEVAL_TOPICS,
+             *(ifeval_answer([name]) for name in INSTRUCTIONS)]
+    return "\n".join(line for _ in range(repeats) for text in fixed for line in text.splitlines() if line.strip())
+
+
+def test_docs() -> dict[str, list[dict]]:
+    """The committed test splits (what train_conversations keeps out of training)."""
+    return {stem: [json.loads(line) for line in (HERE / f"{stem}.test.jsonl").read_text().splitlines() if line]
+            for stem in ("tiny_mc", "tiny_mc_think", "tiny_ifeval")}
+
+
 def write_jsonl(name: str, docs: list[dict]) -> None:
     (HERE / name).write_text("".join(json.dumps(doc, sort_keys=True) + "\n" for doc in docs))
 
 
 if __name__ == "__main__":
-    write_jsonl("tiny_mc.test.jsonl", mc_docs(seed=1, count=32, ops="+-"))
-    write_jsonl("tiny_mc.validation.jsonl", mc_docs(seed=2, count=5, ops="+-"))
+    write_jsonl("tiny_mc.test.jsonl", mc_docs(seed=1, count=32))
+    write_jsonl("tiny_mc.validation.jsonl", mc_docs(seed=2, count=5))
     write_jsonl("tiny_mc_think.test.jsonl", think_docs(seed=3, count=24))
     write_jsonl("tiny_ifeval.test.jsonl", ifeval_docs())
