@@ -2,7 +2,7 @@ rule bake_compile_cache:
     """Serve the quantized model once in the base image, so the compile and kernel caches ship in the image."""
     input:
         base=optional(LOCAL_BASE, "results/base_image/image.json"),
-        model=rules.quantize.output.model,
+        model=quantized("model"),
         serving=SERVING_FILES,
     output:
         cache="results/{variant}/bake_compile_cache/compile_cache.tar",
@@ -14,6 +14,11 @@ rule bake_compile_cache:
         run=run_settings(),
         categories=config["probe"]["categories"],
         sentence=config["probe"]["sentence"],
+    resources:
+        gpu=GPU,
+        mem_mb=32000,
+        runtime=60,
+        host_share=50,
     log:
         "logs/bake_compile_cache/{variant}.log",
     benchmark:

@@ -14,6 +14,9 @@ rule download:
         revision=config["model"]["revision"],
         # Only the synthetic checkpoint depends on these; keep them out of the real profile's rerun triggers.
         tiny=config["model"]["tiny"] if SYNTHETIC else None,
+    resources:
+        mem_mb=16000,
+        runtime=60,
     log:
         "logs/download/download.log",
     conda:
