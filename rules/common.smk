@@ -46,14 +46,6 @@ def filled_variant(name, point, sweep):
     return copy.deepcopy(scratch["variants"][name])
 
 
-# Sweeps expand into ordinary variants before anything else reads the catalog.
-try:
-    config["variants"], SWEEP_MEMBERS, SWEEP_ORIGIN = sweep_expansion.expand(
-        config["variants"], config["sweeps"], filled_variant)
-except sweep_expansion.SweepError as error:
-    raise WorkflowError(f"invalid configuration: {error}")
-
-
 def combination_problems(variants, origin=None):
     """Settings each valid alone that vLLM cannot serve together: refused now, not after a long build."""
     problems = []
@@ -71,6 +63,18 @@ def combination_problems(variants, origin=None):
     return problems
 
 
+# The catalog's own problems first: they would otherwise surface as a sweep point that differs from it.
+CATALOG_PROBLEMS = combination_problems(config["variants"])
+if CATALOG_PROBLEMS:
+    raise WorkflowError("invalid configuration:\n  " + "\n  ".join(CATALOG_PROBLEMS))
+# Sweeps expand into ordinary variants before anything else reads the catalog.
+try:
+    config["variants"], SWEEP_MEMBERS, SWEEP_ORIGIN = sweep_expansion.expand(
+        config["variants"], config["sweeps"], filled_variant)
+except sweep_expansion.SweepError as error:
+    raise WorkflowError(f"invalid configuration: {error}")
+
+
 # Folders under results/ that are not variants.
 RESERVED_NAMES = {"base_image", "quantize", "plots"}
 # One quantized checkpoint per recipe (keyed by the file's stem): variants that differ only in serving or
@@ -84,7 +88,7 @@ for _name, _variant in config["variants"].items():
 
 
 def config_problems():
-    problems = combination_problems(config["variants"], SWEEP_ORIGIN)
+    problems = combination_problems({name: config["variants"][name] for name in SWEEP_ORIGIN}, SWEEP_ORIGIN)
     problems += [f"config key 'variants.{name}': {name!r} is reserved (a folder of results/ that is not a variant)"
                  for name in sorted(RESERVED_NAMES & set(config["variants"]))]
     for key, name in [("variant", config["variant"]), ("select.variant", config["select"]["variant"])]:
@@ -204,6 +208,14 @@ def selected_variant():
 def selected(path):
     """Input function: a file of the selected variant, results/<variant>/<path>."""
     return lambda wildcards: f"results/{selected_variant()}/{path}"
+
+
+def selected_image_record(wildcards):
+    """The build record of the variant in image.tar.gz; any other variant's verify.json is refused."""
+    if wildcards.variant != selected_variant():
+        raise WorkflowError(f"image.tar.gz holds variant {selected_variant()!r}, not {wildcards.variant!r}: "
+                            f"ask for results/{selected_variant()}/verify_image/verify.json")
+    return f"results/{wildcards.variant}/build_image/image.json"
 
 
 # Every rule that runs the model asks for a GPU in the real profile (the SLURM executor reads `gpu`).

@@ -2,8 +2,8 @@
 
 A sweep names a `base` variant of the catalog and `axes` (`recipe`, `serve.<key>`, `speculative.<key>`), each
 a list of values or a mapping label -> value. Every combination becomes a variant named
-`<prefix>-<label>-<label>...` (prefix: the sweep's name unless set), e.g. `tiny-awq-mtp2`. Labels explain the
-value: a recipe's file stem, `<method><k>` for K, `seqs<n>` for max_num_seqs; a mapping names them itself.
+`<prefix>-<label>-<label>...` (prefix: the sweep's name unless set), e.g. `tiny-awq-k2`. Labels explain the
+value: a recipe's file stem, `k<k>` for K, `seqs<n>` for max_num_seqs; a mapping names them itself.
 
 A point whose settings (schema defaults filled) equal a catalog variant's, or an earlier point's, IS that
 variant: its results are reused, not rebuilt. A point named like a catalog variant with other settings is an
@@ -20,19 +20,16 @@ from typing import Callable
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SECTIONS = ("serve", "speculative")
 # Short labels for list axes whose value alone would not say what was swept.
-PREFIXES = {"serve.max_num_seqs": "seqs", "serve.max_num_batched_tokens": "batch", "serve.max_model_len": "len"}
+PREFIXES = {"speculative.k": "k", "serve.max_num_seqs": "seqs", "serve.max_num_batched_tokens": "batch", "serve.max_model_len": "len"}
 
 
 class SweepError(ValueError):
     """A sweep that cannot be expanded; the message names the sweep and the key."""
 
 
-def label_for(axis: str, value, point: dict) -> str:
+def label_for(axis: str, value) -> str:
     if axis == "recipe":
         text = Path(str(value)).stem
-    elif axis == "speculative.k":
-        method = point.get("speculative", {}).get("method", "none")
-        text = f"{'k' if method == 'none' else method}{value}"
     elif axis == "speculative.method":
         text = str(value)
     else:
@@ -90,7 +87,7 @@ def expand(variants: dict, sweeps: dict, fill: Callable[[str, dict, str], dict])
             point = copy.deepcopy(variants[base])
             for (axis, _), (_, value) in zip(axes, combination):
                 set_axis(point, axis, value)
-            labels = [label or label_for(axis, value, point) for (axis, _), (label, value) in zip(axes, combination)]
+            labels = [label or label_for(axis, value) for (axis, _), (label, value) in zip(axes, combination)]
             name = "-".join([prefix, *labels] if prefix else labels)
             if not NAME.match(name):
                 raise SweepError(f"config key 'sweeps.{sweep}': generated variant name {name!r} must match {NAME.pattern}")
