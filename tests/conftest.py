@@ -58,10 +58,11 @@ def tiny_checkpoint(tiny_venvs) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_quantized(tiny_venvs) -> Path:
-    """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule."""
-    variant = _tiny_config()["variant"]
-    snakemake("--cores", "2", f"results/{variant}/quantize/manifest.json", *TINY)
-    return ROOT / "results" / variant / "quantize" / "model"
+    """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule (one per recipe)."""
+    config = _tiny_config()
+    recipe = Path(config["variants"][config["variant"]]["recipe"]).stem
+    snakemake("--cores", "2", f"results/quantize/{recipe}/manifest.json", *TINY)
+    return ROOT / "results" / "quantize" / recipe / "model"
 
 
 @pytest.fixture(scope="session")
