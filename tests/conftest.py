@@ -8,6 +8,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 # --configfile takes several files: targets go before it.
+# Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
+LAST = ("test_sweep_e2e.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
 TINY = ["--configfile", "config/tiny.yaml"]
 
 
