@@ -367,7 +367,7 @@ def main(job) -> None:
                   for r in rows if not r["passed"]]
         raise StageError(f"quality gate failed: {'; '.join(failed)} (scores kept in "
                          f"{scores_copy_path(job.log[0]) if job.log else 'the log'})")
-    write_json(job.output.scores, report)  # only a passing gate leaves the output tarball depends on
+    write_json(job.output.scores, report)  # a failing gate leaves it only when stop_on_fail is off
 
 
 if __name__ == "__main__":
