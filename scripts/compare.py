@@ -262,7 +262,9 @@ def plot_k_sweep(summary: dict, path) -> None:
     if groups:
         left.set(xlabel="K (speculative tokens per step)", ylabel="mean acceptance length", title="Acceptance vs K")
         right.set(xlabel="K (speculative tokens per step)", ylabel="median latency, ms", title="Latency vs K")
+        all_k = sorted({r["speculative"]["k"] for rows in groups.values() for r in rows})
         for ax in (left, right):
+            ax.set_xticks(all_k)  # K is an integer
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
