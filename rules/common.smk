@@ -220,3 +220,8 @@ def selected_image_record(wildcards):
 
 # Every rule that runs the model asks for a GPU in the real profile (the SLURM executor reads `gpu`).
 GPU = 1 if config["image"]["gpus"] else 0
+# A host's share each model-running job takes (percent): the latency probe takes it all, so no timing runs
+# beside another job. A global resource nobody sets is unlimited, so one host is the default here;
+# profiles/slurm raises it (every serving job has its own node there).
+if "host_share" not in workflow.global_resources:
+    workflow.register_resource("host_share", 100)
