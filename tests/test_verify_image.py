@@ -1,6 +1,7 @@
 """verify_image on small synthetic docker-archives (each check must be able to fail), build_image's labels, and
 the tiny image's own record (e2e)."""
 
+import subprocess
 import hashlib
 import io
 import json
@@ -195,7 +196,9 @@ def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
 
 
 def test_the_project_revision_is_its_git_head():
-    head = (ROOT / ".git" / "HEAD").read_text().strip()
+    git_dir = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True, text=True,
+                             check=True).stdout.strip()  # .git is a file in a worktree
+    head = (ROOT / git_dir / "HEAD").read_text().strip()
     revision = build_image.code_revision(ROOT)
     assert re.fullmatch(r"[0-9a-f]{40}", revision)
     if not head.startswith("ref:"):
