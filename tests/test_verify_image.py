@@ -1,11 +1,11 @@
 """verify_image on small synthetic docker-archives (each check must be able to fail), build_image's labels, and
 the tiny image's own record (e2e)."""
 
-import subprocess
 import hashlib
 import io
 import json
 import re
+import subprocess
 import tarfile
 from datetime import datetime, timezone
 from pathlib import Path
