@@ -1,8 +1,8 @@
 import copy
 import hashlib
 import json
-import re
 import os
+import re
 import sys
 from pathlib import Path
 
