@@ -161,12 +161,12 @@ def csv_rows(summary: dict) -> list[dict]:
 
 def markdown(summary: dict) -> str:
     cats, tasks = summary["categories"], summary["tasks"]
-    header = (["variant", "recipe", "bits", "spec", "seqs", "speedup vs baseline", "speedup vs BF16"]
+    header = (["variant", "recipe", "bits", "weights MB", "spec", "seqs", "speedup vs baseline", "speedup vs BF16"]
               + [f"{c} median ms" for c in cats] + ["accept len"] + tasks + ["gate"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
         spec = row["speculative"]
-        cells = [row["variant"], row["recipe_key"], str(row["weight_bits"]),
+        cells = [row["variant"], row["recipe_key"], str(row["weight_bits"]), f"{row['model_bytes'] / 1e6:.1f}",
                  "none" if spec["method"] == "none" else f"{spec['method']} K={spec['k']}", str(row["max_num_seqs"]),
                  fmt(row["mean_speedup_vs_baseline"]), fmt(row["mean_speedup_vs_reference"])]
         cells += [fmt(row["latency"][c]["median_ms"], ".0f") for c in cats]
