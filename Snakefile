@@ -1,6 +1,7 @@
 # Qwen3.5-4B -> quantized, compile-cache-baked, quality-gated serving image (image.tar.gz).
 #   real GPU host:   snakemake --cores 4 image.tar.gz
 #   tiny CPU profile: snakemake --cores 2 --configfile config/tiny.yaml image.tar.gz
+#   tiny sweep:       snakemake --cores 2 --configfile config/tiny.yaml config/tiny-sweep.yaml
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -19,10 +20,17 @@ include: "rules/latency_probe.smk"
 include: "rules/quality_gate.smk"
 include: "rules/tarball.smk"
 include: "rules/verify_image.smk"
+include: "rules/compare.smk"
+
+
+localrules:
+    all,
+    compare,
+    select,
 
 
 rule all:
     input:
         rules.tarball.output,
-        rules.verify_image.output,
+        lambda wildcards: f"results/{selected_variant()}/verify_image/verify.json",
     default_target: True

@@ -2,7 +2,7 @@ rule bake_compile_cache:
     """Serve the quantized model once in the base image, so the compile and kernel caches ship in the image."""
     input:
         base=optional(LOCAL_BASE, "results/base_image/image.json"),
-        model=rules.quantize.output.model,
+        model=quantized("model"),
         serving=SERVING_FILES,
         schema="schemas/coldstart.schema.yaml",
     output:
@@ -16,6 +16,11 @@ rule bake_compile_cache:
         categories=config["probe"]["categories"],
         sentence=config["probe"]["sentence"],
         require_cache_hit=config["image"]["require_cache_hit"],
+    resources:
+        gpu=GPU,
+        mem_mb=32000,
+        runtime=60,
+        host_share=50,
     log:
         "logs/bake_compile_cache/{variant}.log",
     benchmark:

@@ -10,6 +10,9 @@ rule base_image:
         packages=config["image"]["base_packages"],
         tag=f"docker.io/library/{config['image']['name']}-base:{config['envs']['serve']}",
         builder=config["image"]["builder"],
+    resources:
+        mem_mb=8000,
+        runtime=60,
     log:
         "logs/base_image/base_image.log",
     benchmark:
@@ -23,7 +26,7 @@ rule base_image:
 rule build_image:
     input:
         base=optional(LOCAL_BASE, rules.base_image.output.image),
-        model=rules.quantize.output.model,
+        model=quantized("model"),
         cache=rules.bake_compile_cache.output.cache,
         serve=rules.bake_compile_cache.output.serve,
         serving=SERVING_FILES,
@@ -31,7 +34,7 @@ rule build_image:
         # Hashed into labels only (provenance).
         recipe=lambda wildcards: variant_config(wildcards)["recipe"],
         weights_manifest=rules.download.output.manifest,
-        quantized_manifest=rules.quantize.output.manifest,
+        quantized_manifest=quantized("manifest.json"),
         serve_freeze=optional(LOCAL_BASE, venv("serve")),  # the local base's vLLM version; not a venv to run in
     output:
         image="results/{variant}/build_image/image.json",
@@ -41,6 +44,9 @@ rule build_image:
         reproducible=config["image"]["reproducible"],
         base_ref=config["image"]["base"],
         provenance=provenance,
+    resources:
+        mem_mb=8000,
+        runtime=30,
     log:
         "logs/build_image/{variant}.log",
     benchmark:

@@ -17,6 +17,9 @@ rule download:
         # Only the synthetic checkpoint depends on these; keep them out of the real profile's rerun triggers.
         tiny=config["model"]["tiny"] if SYNTHETIC else None,
     threads: 2  # the tiny model's training (model.tiny.train.threads fixes torch's count, for determinism)
+    resources:
+        mem_mb=16000,
+        runtime=60,
     log:
         "logs/download/download.log",
     conda:

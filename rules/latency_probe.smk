@@ -4,11 +4,17 @@ rule latency_probe:
         schema="schemas/latency.schema.yaml",
         varied_text=config["probe"]["varied_text"],
     output:
-        latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}"}),
+        latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}", "record": "json"}),
+        plot=report("results/{variant}/latency_probe/latency.png", category="Latency", labels={"variant": "{variant}", "record": "plot"}),
     params:
         run=run_settings(),
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         probe=config["probe"],
+    resources:
+        gpu=GPU,
+        mem_mb=32000,
+        runtime=120,
+        host_share=100,  # the whole host: nothing else that declares a share runs beside a timing
     log:
         "logs/latency_probe/{variant}.log",
     conda:

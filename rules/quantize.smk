@@ -2,27 +2,33 @@ CALIBRATION_FILE = config["calibration"]["source"] == "text_file"
 
 
 rule quantize:
-    """The variant's recipe on the source checkpoint (a recipe without modifiers copies it: the bf16 baseline),
-    with guards before and after; see scripts/quantize.py."""
+    """A recipe on the source checkpoint (a recipe without modifiers copies it: the bf16 baseline), with guards
+    before and after; see scripts/quantize.py. Keyed by recipe, not variant: variants that differ only in
+    serving or speculation (a K sweep) share one checkpoint."""
     input:
         venv=venv("compress"),
         model=rules.download.output.checkpoint,
-        recipe=lambda wildcards: variant_config(wildcards)["recipe"],
+        recipe=lambda wildcards: RECIPES[wildcards.recipe],
         calibration=optional(CALIBRATION_FILE, config["calibration"]["path"]),
         heldout=config["quantize"]["heldout"],
         schema="schemas/quantize_report.schema.yaml",
     output:
-        model=directory("results/{variant}/quantize/model"),
-        manifest="results/{variant}/quantize/manifest.json",
-        report=report("results/{variant}/quantize/report.json", category="Quantization", labels={"variant": "{variant}"}),
+        model=directory("results/quantize/{recipe}/model"),
+        manifest="results/quantize/{recipe}/manifest.json",
+        report=report("results/quantize/{recipe}/report.json", category="Quantization", labels={"recipe": "{recipe}"}),
     params:
         calibration=config["calibration"],
         quantize={k: v for k, v in config["quantize"].items() if k != "heldout"},
     threads: 4  # scaled down to --cores
+    resources:
+        gpu=GPU,
+        mem_mb=64000,
+        runtime=120,
+        host_share=50,
     log:
-        "logs/quantize/{variant}.log",
+        "logs/quantize/{recipe}.log",
     benchmark:
-        "benchmarks/quantize/{variant}.tsv"
+        "benchmarks/quantize/{recipe}.tsv"
     conda:
         "../envs/compress.yaml"
     script:

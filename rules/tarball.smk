@@ -1,15 +1,21 @@
 rule tarball:
-    """The deliverable: only an image whose variant passed the quality gate is saved."""
+    """The deliverable: only an image whose variant passed the quality gate is saved. Its variant is the fixed
+    one, or the one the `select` checkpoint chose (results/selection.json)."""
     input:
-        image=f"results/{config['variant']}/build_image/image.json",
-        latency=f"results/{config['variant']}/latency_probe/latency.json",
-        quality=f"results/{config['variant']}/quality_gate/quality.json",
+        image=selected("build_image/image.json"),
+        latency=selected("latency_probe/latency.json"),
+        quality=selected("quality_gate/quality.json"),
+        selection=optional(not FIXED, "results/selection.json"),
     output:
         tarball="image.tar.gz",
         sha256="image.tar.gz.sha256",
     params:
         max_size_gb=config["image"]["max_size_gb"],
         compress_level=config["image"]["compress_level"],
+    resources:
+        mem_mb=8000,
+        runtime=60,
+        host_share=50,
     log:
         "logs/tarball/tarball.log",
     benchmark:

@@ -6,6 +6,9 @@ rule venv:
         freeze=".venvs/{env}/pip-freeze.txt",
     params:
         repairs=lambda wildcards: VENV_REPAIRS.get(wildcards.env, []),
+    resources:
+        mem_mb=8000,
+        runtime=60,
     log:
         "logs/venv/{env}.log",
     conda:

@@ -5,19 +5,21 @@ rule verify_image:
     input:
         tarball=rules.tarball.output.tarball,
         sha256=rules.tarball.output.sha256,
-        image=rules.tarball.input.image,
+        image=selected_image_record,
         schema="schemas/verify.schema.yaml",
     output:
-        report=report(f"results/{config['variant']}/verify_image/verify.json", category="Image",
-                      labels={"variant": config["variant"]}),
+        report=report("results/{variant}/verify_image/verify.json", category="Image", labels={"variant": "{variant}"}),
     params:
         verify_run=config["image"]["verify_run"],
         run=run_settings(),
-        model_name=config["variants"][config["variant"]]["serve"]["served_model_name"],
+        model_name=lambda wildcards: config["variants"][wildcards.variant]["serve"]["served_model_name"],
+    resources:
+        mem_mb=8000,
+        runtime=30,
     log:
-        "logs/verify_image/verify_image.log",
+        "logs/verify_image/{variant}.log",
     benchmark:
-        "benchmarks/verify_image/verify_image.tsv"
+        "benchmarks/verify_image/{variant}.tsv"
     conda:
         "../envs/driver.yaml"
     script:

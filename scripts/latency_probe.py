@@ -143,6 +143,40 @@ def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log
     return result
 
 
+def plot(result: dict, title: str, path) -> None:
+    """Median latency per category for both prompt sets (whisker: p90), the config baseline and the speedup."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a build host
+    import matplotlib.pyplot as plt
+
+    names = [c["name"] for c in result["categories"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for offset, (label, categories) in zip((-0.2, 0.2), [("repeated sentence", result["categories"]),
+                                                         ("varied text", result["varied"]["categories"])]):
+        medians = [c["median_ms"] for c in categories]
+        upper = [c["p90_ms"] - c["median_ms"] for c in categories]
+        xs = [i + offset for i in range(len(names))]
+        ax.bar(xs, medians, 0.4, yerr=[[0] * len(xs), upper], capsize=3, label=label)
+        for x, c in zip(xs, categories):
+            note = f"{c['speedup']:.2f}x" if c["speedup"] else ""
+            if c["mean_acceptance_length"]:
+                note += f"\nacc {c['mean_acceptance_length']:.2f}"
+            ax.annotate(note, (x, c["median_ms"]), ha="center", va="bottom", fontsize=7,
+                        textcoords="offset points", xytext=(0, 2))
+    baselines = [c["baseline_ms"] for c in result["categories"]]
+    if all(baselines):
+        ax.scatter(range(len(names)), baselines, marker="_", s=600, color="black", zorder=3, label="baseline_ms")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("median latency, ms (whisker: p90)")
+    ax.set_title(f"{title}: speedup vs baseline_ms, MTP acceptance length")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(job) -> None:
     from bake_compile_cache import cache_evidence
     from containers import run_container
@@ -159,6 +193,7 @@ def main(job) -> None:
                   warmup=job.params.probe["warmup"], ignore_eos=job.params.probe["ignore_eos"])
     validate_json(result, job.input.schema)
     write_json(job.output.latency, result)
+    plot(result, job.wildcards.variant, job.output.plot)
 
 
 if __name__ == "__main__":

@@ -386,12 +386,14 @@ def main(job) -> None:
     validate_json(report, SCHEMA)
     if log_dir:  # the user's copy, kept whether or not the gate passes
         write_json(scores_copy_path(job.log[0]), report)
-    if not passed:
+    if not passed and not getattr(p, "stop_on_fail", True):  # recorded for compare/select; tarball refuses it
+        print("[quality_gate] the gate failed; recorded in the output (stop_on_fail is off)", flush=True)
+    elif not passed:
         failed = [f"{r['name']} {r['score'] if r['score'] is not None else 'no score'} < {r['threshold']}"
                   for r in rows if not r["passed"]]
         raise StageError(f"quality gate failed: {'; '.join(failed)} (scores kept in "
                          f"{scores_copy_path(job.log[0]) if job.log else 'the log'})")
-    write_json(job.output.scores, report)  # only a passing gate leaves the output tarball depends on
+    write_json(job.output.scores, report)  # a failing gate leaves it only when stop_on_fail is off
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ The archive is verified (scripts/verify_image.py, no daemon) before its .sha256 
 is deleted, so image.tar.gz never stands as a finished output unverified.
 """
 
+import json
 import time
 from pathlib import Path
 
@@ -30,7 +31,16 @@ def write_sha256(path: Path, sha_path: Path, digest: str | None = None) -> str:
     return digest
 
 
+def require_passed_gate(quality_path: str) -> None:
+    """quality_gate records a failing variant (a sweep goes on without it); it must never be shipped."""
+    quality = json.loads(Path(quality_path).read_text())
+    if not quality["passed"]:
+        failed = [f"{t['name']} {t['score']} < {t['threshold']}" for t in quality["tasks"] if not t["passed"]]
+        raise StageError(f"{quality['image']} failed the quality gate ({'; '.join(failed)}): not saved")
+
+
 def main(job) -> None:
+    require_passed_gate(job.input.quality)
     image = load_image_record(job.input.image)
     out = Path(job.output.tarball)
     started = time.monotonic()

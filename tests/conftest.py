@@ -8,6 +8,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 # --configfile takes several files: targets go before it.
+# Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
+LAST = ("test_sweep_e2e.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
 TINY = ["--configfile", "config/tiny.yaml"]
 
 
@@ -58,10 +64,11 @@ def tiny_checkpoint(tiny_venvs) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_quantized(tiny_venvs) -> Path:
-    """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule."""
-    variant = _tiny_config()["variant"]
-    snakemake("--cores", "2", f"results/{variant}/quantize/manifest.json", *TINY)
-    return ROOT / "results" / variant / "quantize" / "model"
+    """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule (one per recipe)."""
+    config = _tiny_config()
+    recipe = Path(config["variants"][config["variant"]]["recipe"]).stem
+    snakemake("--cores", "2", f"results/quantize/{recipe}/manifest.json", *TINY)
+    return ROOT / "results" / "quantize" / recipe / "model"
 
 
 @pytest.fixture(scope="session")

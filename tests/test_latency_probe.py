@@ -89,3 +89,13 @@ def test_varied_paragraphs_refuse_an_empty_file(tmp_path):
         latency_probe.varied_paragraphs(str(tmp_path / "empty.txt"))
     (tmp_path / "two.txt").write_text("One.\n\nTwo.\n")
     assert latency_probe.varied_paragraphs(str(tmp_path / "two.txt")) == ["One. ", "Two. "]
+
+
+def test_plot_draws_both_prompt_sets(tmp_path):
+    runs = [{"latency_ms": ms, "ttft_ms": 10.0, "itl_ms": 2.0, "output_tokens": 8} for ms in (100, 200, 300)]
+    categories = [dict(latency_probe.summarize({"name": name, "prompt_tokens": 64, "output_tokens": 8,
+                                                "baseline_ms": 500.0}, runs), mean_acceptance_length=1.5)
+                  for name in ("short", "long")]
+    result = {"categories": categories, "varied": {"categories": categories, "mean_speedup": 2.5}}
+    latency_probe.plot(result, "tiny-awq-mtp1", tmp_path / "latency.png")
+    assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.e2e
 TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 VARIANT = TINY["variant"]
 RESULTS = ROOT / "results" / VARIANT
+QUANTIZED = ROOT / "results" / "quantize" / Path(TINY["variants"][VARIANT]["recipe"]).stem  # one per recipe
 
 
 def test_tiny_run_ends_in_a_checked_image_tarball(tiny_run):
@@ -57,7 +59,7 @@ def test_manifests_match_the_files(tiny_run):
 
     for folder, manifest in [(ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
                               ROOT / "weights" / TINY["model"]["name"] / "manifest.json"),
-                             (RESULTS / "quantize" / "model", RESULTS / "quantize" / "manifest.json")]:
+                             (QUANTIZED / "model", QUANTIZED / "manifest.json")]:
         recorded = json.loads(manifest.read_text())
         files = {str(p.relative_to(folder)) for p in checkpoint_files(folder)}
         assert set(recorded) == files

@@ -20,9 +20,11 @@ def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
     # the payload is no docker-archive: verify_image's own tests cover the check; here only its outcome counts
     monkeypatch.setattr(tarball, "verify_archive", lambda path, ref, labels, image_id: {
         "seconds": 0.0, "archive_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()})
+    quality = tmp_path / "quality.json"
+    quality.write_text(json.dumps({"passed": True, "image": "docker.io/library/x:1", "tasks": []}))
     out = tmp_path / "out"
     out.mkdir()
-    return NS(input=NS(image=str(image)), params=NS(max_size_gb=max_size_gb, compress_level=1),
+    return NS(input=NS(image=str(image), quality=str(quality)), params=NS(max_size_gb=max_size_gb, compress_level=1),
               output=NS(tarball=str(out / "image.tar.gz"), sha256=str(out / "image.tar.gz.sha256"))), out
 
 

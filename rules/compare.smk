@@ -1,0 +1,49 @@
+rule compare:
+    """Every compared variant's latency and quality records in one table (results/summary.*) and three plots:
+    speedup against each quality score (Pareto front marked), latency per category, and K sweeps."""
+    input:
+        latency=expand("results/{variant}/latency_probe/latency.json", variant=COMPARED),
+        quality=expand("results/{variant}/quality_gate/quality.json", variant=COMPARED),
+        quantize=sorted({f"results/quantize/{recipe_key(name)}/report.json" for name in COMPARED}),
+        schema="schemas/summary.schema.yaml",
+    output:
+        json=report("results/summary.json", category="Comparison", labels={"record": "summary.json"}),
+        csv=report("results/summary.csv", category="Comparison", labels={"record": "summary.csv"}),
+        md=report("results/summary.md", category="Comparison", labels={"record": "summary.md"}),
+        speedup_vs_quality=report("results/plots/speedup_vs_quality.png", category="Comparison", labels={"record": "speedup vs quality"}),
+        latency_per_category=report("results/plots/latency_per_category.png", category="Comparison", labels={"record": "latency per category"}),
+        k_sweep=report("results/plots/k_sweep.png", category="Comparison", labels={"record": "K sweep"}),
+    params:
+        # In COMPARED order; the script pairs them with the input lists by position.
+        variants=[dict(name=name, recipe_key=recipe_key(name), **config["variants"][name]) for name in COMPARED],
+        reference=config["compare"]["reference"],
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    log:
+        "logs/compare/compare.log",
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/compare.py"
+
+
+checkpoint select:
+    """The variant image.tar.gz is made of (select.mode fastest): the fastest compared variant that passes every
+    gate. A checkpoint: tarball's inputs are known only once this has read the measurements."""
+    input:
+        summary=rules.compare.output.json,
+        schema="schemas/selection.schema.yaml",
+    output:
+        selection=report("results/selection.json", category="Selection"),
+    params:
+        by=config["select"]["by"],
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    log:
+        "logs/select/select.log",
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/select_variant.py"

@@ -1,0 +1,74 @@
+"""The tiny sweep, run as the README says: bf16 and AWQ W4A16, MTP K in {1, 2}, compared, the fastest shipped.
+
+It reuses the default run's outputs (tiny-awq-mtp1 and its quantized checkpoint are sweep points), so it builds
+and measures two more variants. It replaces image.tar.gz with the selected variant's, so conftest runs it last.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common import validate_json
+from conftest import ROOT, TINY, snakemake
+
+pytestmark = pytest.mark.e2e
+
+SWEEP = [*TINY, "config/tiny-sweep.yaml"]
+VARIANTS = {"tiny-bf16-mtp1", "tiny-awq-mtp1", "tiny-awq-k2"}
+RESULTS = ROOT / "results"
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tiny_run):
+    return snakemake("--cores", "2", *SWEEP)
+
+
+def test_summary_covers_every_variant_with_both_speedups(tiny_sweep):
+    summary = json.loads((RESULTS / "summary.json").read_text())
+    validate_json(summary, ROOT / "schemas" / "summary.schema.yaml")
+    rows = {row["variant"]: row for row in summary["variants"]}
+    assert set(rows) == VARIANTS
+    assert rows["tiny-bf16-mtp1"]["weight_bits"] == 16 and rows["tiny-awq-mtp1"]["weight_bits"] == 4
+    for row in rows.values():
+        assert row["reference"] == "tiny-bf16-mtp1"  # measured on this host by the same probe
+        assert row["mean_speedup_vs_reference"] > 0 and row["mean_speedup_vs_baseline"] > 0
+        assert row["mean_acceptance_length"] >= 1
+    assert rows["tiny-bf16-mtp1"]["mean_speedup_vs_reference"] == pytest.approx(1.0)
+    assert [row["speculative"]["k"] for row in (rows["tiny-awq-mtp1"], rows["tiny-awq-k2"])] == [1, 2]
+    csv_header = (RESULTS / "summary.csv").read_text().splitlines()[0]
+    assert "short_speedup_vs_reference" in csv_header
+    table = (RESULTS / "summary.md").read_text()
+    assert all(f"| {name} |" in table for name in VARIANTS)
+    for plot in ("speedup_vs_quality", "latency_per_category", "k_sweep"):
+        assert (RESULTS / "plots" / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
+    for name in VARIANTS:
+        assert (RESULTS / name / "latency_probe" / "latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_variants_share_the_quantized_checkpoint_of_their_recipe(tiny_sweep):
+    assert {p.name for p in (RESULTS / "quantize").iterdir()} >= {"bf16", "awq-w4a16-g32-broad"}
+    assert not any((RESULTS / name / "quantize").exists() for name in VARIANTS)
+
+
+def test_the_selected_variant_is_the_image(tiny_sweep):
+    selection = json.loads((RESULTS / "selection.json").read_text())
+    validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
+    summary = json.loads((RESULTS / "summary.json").read_text())
+    passing = [row for row in summary["variants"] if row["gate_passed"]]
+    fastest = max(passing, key=lambda row: row["mean_speedup_vs_baseline"])
+    assert selection["variant"] == fastest["variant"] and "fastest by mean_speedup" in selection["reason"]
+    verify = json.loads((RESULTS / selection["variant"] / "verify_image" / "verify.json").read_text())
+    assert [tag.rsplit(":", 1)[1] for tag in verify["repo_tags"]] == [selection["variant"]]  # the tag is the variant
+    digest = (ROOT / "image.tar.gz.sha256").read_text().split()[0]
+    assert verify["archive_sha256"] == digest
+
+
+def test_sweep_is_up_to_date_and_in_the_report(tiny_sweep, tmp_path):
+    assert "Nothing to be done" in snakemake("-n", *SWEEP).stdout
+    html = tmp_path / "report.html"
+    snakemake("--report", str(html), *SWEEP)
+    text = html.read_text()
+    for needle in ("Comparison", "summary.json", "speedup_vs_quality.png", "k_sweep.png", "Selection",
+                   "selection.json", "latency.png"):
+        assert needle in text, needle
