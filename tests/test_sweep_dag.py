@@ -51,7 +51,7 @@ def test_every_job_declares_runtime_and_memory():
 
 
 def test_slurm_profile_dry_runs_the_sweep():
-    result = snakemake("-n", "--profile", "profiles/slurm", *SWEEP)
+    result = snakemake("-n", "-F", "--profile", "profiles/slurm", *SWEEP)  # -F: whatever is built here already
     out = result.stdout + result.stderr
     assert "Group job serve" in out  # each variant's serving chain is one cluster job on one node
     assert "slurm_extra=--exclusive" in out
@@ -61,7 +61,7 @@ def test_slurm_profile_dry_runs_the_sweep():
 
 
 def test_local_profile_dry_runs_the_sweep():
-    out = snakemake("-n", "--profile", "profiles/local", *SWEEP).stdout
+    out = snakemake("-n", "-F", "--profile", "profiles/local", *SWEEP).stdout
     assert "host_share=100" in out  # the probe's share: it runs alone
 
 
