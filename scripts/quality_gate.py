@@ -362,7 +362,7 @@ def main(job) -> None:
             raise StageError(f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
                              f"last container log lines:\n{container.logs()}") from error
 
-    reference = load_reference(getattr(job.input, "reference", None) or None, getattr(p, "reference_variant", None))
+    reference = load_reference(getattr(p, "reference_scores", None) or None, getattr(p, "reference_variant", None))
     passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None)
     print(format_table(rows, reference["variant"] if reference else None), flush=True)
     for line in warnings_for(rows):
