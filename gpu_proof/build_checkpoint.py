@@ -3,6 +3,8 @@ project's own builder (scripts/tiny_model.py: same tensor names, config keys, MT
 
     python3 gpu_proof/build_checkpoint.py OUT_DIR RESULT_JSON [--corpus data/tiny/corpus.txt] [--seed 0]
 
+(--device cpu with --dims '{...}' --vocab N makes a small one: the tests' check of this script on CPU.)
+
 The tokenizer is the tiny profile's (trained on the bundled corpus; the real one is not reachable offline),
 padded with filler tokens to the real vocabulary (248,320 ids) so every id the random model samples
 decodes to text. The vision tower stays tiny: the proof serves with --language-model-only, which never
@@ -71,34 +73,42 @@ def main() -> None:
     parser.add_argument("result")
     parser.add_argument("--corpus", default=str(ROOT / "data" / "tiny" / "corpus.txt"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dims", default="{}", help="JSON overrides of the Qwen3.5-4B dims (tests only)")
+    parser.add_argument("--vocab", type=int, default=QWEN35_4B_VOCAB)
     args = parser.parse_args()
 
     import torch
 
+    dims = QWEN35_4B_DIMS | json.loads(args.dims)
+    on_gpu = args.device.startswith("cuda")
     out = Path(args.out_dir)
     started = time.monotonic()
-    tiny_model.train_tokenizer(args.corpus, 4096, out, pad_to=QWEN35_4B_VOCAB)
+    tiny_model.train_tokenizer(args.corpus, 4096, out, pad_to=args.vocab)
     tokenizer_s = time.monotonic() - started
-    torch.cuda.reset_peak_memory_stats()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     build_start = time.monotonic()
-    with torch.device("cuda"):  # parameters are created and initialised on the GPU
-        saved = tiny_model.build_tiny_checkpoint(out, args.seed, out, **QWEN35_4B_DIMS)
-    torch.cuda.synchronize()
+    with torch.device(args.device):  # parameters are created and initialised on the GPU
+        saved = tiny_model.build_tiny_checkpoint(out, args.seed, out, **dims)["config"]
+    if on_gpu:
+        torch.cuda.synchronize()
     build_s = time.monotonic() - build_start
     text = saved["text_config"]
-    for key, value in QWEN35_4B_DIMS.items():
+    for key, value in dims.items():
         assert text[key] == value, (key, text[key], value)
-    assert text["vocab_size"] == QWEN35_4B_VOCAB, text["vocab_size"]
+    assert text["vocab_size"] == args.vocab, text["vocab_size"]
     groups = tensor_groups(out)
     result = {
         "kind": "checkpoint",
         "status": "ok",
         "path": str(out),
-        "builder": "scripts/tiny_model.py: train_tokenizer(pad_to=248320) + build_tiny_checkpoint under torch.device('cuda')",
+        "builder": (f"scripts/tiny_model.py: train_tokenizer(pad_to={args.vocab}) + build_tiny_checkpoint "
+                    f"under torch.device('{args.device}')"),
         "seed": args.seed,
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if on_gpu else args.device,
         "architecture": saved["architectures"][0],
-        "text_config": {k: text[k] for k in sorted(QWEN35_4B_DIMS) if k != "layer_types"}
+        "text_config": {k: text[k] for k in sorted(dims) if k != "layer_types"}
         | {"vocab_size": text["vocab_size"], "tie_word_embeddings": text["tie_word_embeddings"],
            "full_attention_layers": text["layer_types"].count("full_attention"),
            "linear_attention_layers": text["layer_types"].count("linear_attention")},
@@ -109,7 +119,7 @@ def main() -> None:
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
         "tokenizer_s": round(tokenizer_s, 1),
         "build_s": round(build_s, 1),
-        "peak_gpu_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_gpu_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else 0.0,
     }
     Path(args.result).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: result[k] for k in ("total_params", "total_bytes", "build_s")}), flush=True)
