@@ -113,6 +113,33 @@ def child_env(environ: dict, settings: dict | None = None) -> dict:
     return env
 
 
+def restore_ninja_mtimes(root: Path) -> int:
+    """Give every output a .ninja_log under `root` lists the mtime that log recorded; returns how many changed.
+
+    FlashInfer JIT-compiles its sampling kernels with ninja into the FlashInfer cache, and ninja rebuilds an
+    output that is older than its sources. The baked cache reaches the image with zeroed mtimes (the bake's
+    deterministic tar, buildah --timestamp), so without this every start on an H100 spent ~110 s re-running
+    nvcc (py-spy: JitSpec.build under _dummy_sampler_run). The recorded value is the build's start time: newer
+    than the sources, not newer than what .ninja_deps recorded, so ninja finds nothing to do."""
+    changed = 0
+    for log in sorted(root.rglob(".ninja_log")):
+        lines = log.read_text(errors="replace").splitlines()
+        if not lines or not lines[0].startswith("# ninja log v"):
+            continue
+        for line in lines[1:]:
+            fields = line.split("\t")
+            if len(fields) != 5 or not fields[2].isdigit():
+                continue
+            mtime_ns = int(fields[2])
+            if mtime_ns < 10**12:  # logs of ninja < 1.10 hold seconds
+                mtime_ns *= 10**9
+            output = Path(fields[3]) if os.path.isabs(fields[3]) else log.parent / fields[3]
+            if mtime_ns and output.is_file() and output.stat().st_mtime_ns != mtime_ns:
+                os.utime(output, ns=(mtime_ns, mtime_ns))
+                changed += 1
+    return changed
+
+
 def main() -> None:
     config = os.environ.get("SERVE_CONFIG", "/opt/ml/serve.json")
     model_dir = os.environ.get("MODEL_DIR", "/opt/ml/model")
@@ -121,6 +148,10 @@ def main() -> None:
     args = vllm_args(settings, model_dir, host=os.environ.get("HOST", "0.0.0.0"),
                      port=int(os.environ.get("PORT", "8080")), cuda=Path("/dev/nvidiactl").exists())
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    env = child_env(dict(os.environ), settings)
+    if Path(env.get("FLASHINFER_WORKSPACE_BASE", "/nonexistent")).is_dir():
+        restored = restore_ninja_mtimes(Path(env["FLASHINFER_WORKSPACE_BASE"]))
+        print(f"serving: restored the recorded mtimes of {restored} FlashInfer JIT outputs", flush=True)
     print("serving:", " ".join(cmd), flush=True)
     # exec, not a child: vLLM gets the signals (docker stop) and its exit code is ours.
-    os.execve(sys.executable, cmd, child_env(dict(os.environ), settings))
+    os.execve(sys.executable, cmd, env)

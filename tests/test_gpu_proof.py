@@ -84,9 +84,12 @@ def test_decode_time_never_beats_the_bandwidth_bound():
 def test_quantized_variants_are_smaller_and_report_their_modules():
     quantized = by_kind("quantize")
     bf16 = records().get("variant-bf16")
+    bundles = {env["machine"]: env["versions"]["llmcompressor_bundle"]["llmcompressor"]
+               for env in by_kind("environment").values()}
     for name, data in quantized.items():
         if data["status"] != "ok":
             continue
+        assert bundles[data["machine"]] == "0.14.0.1", name  # quantized where the bundle was unpacked
         report = data["report"]
         assert report["quantized"] and report["quantized_modules"] == report["checks"]["expected_quantized_modules"]
         assert report["checks"]["mtp_tensors"] > 0

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.launch import DIST_DIR, child_env, vllm_args  # noqa: E402
+from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes, vllm_args  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
 
 SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
@@ -86,6 +87,45 @@ def test_args_reject_typos():
         vllm_args({**BASE, "max_model_length": 5}, "m")
     with pytest.raises(ValueError, match="speculative.method"):
         vllm_args({**BASE, "speculative": {"method": "eagle9"}}, "m")
+
+
+NINJA = shutil.which("ninja")
+
+
+def _ninja_dry_run(build: Path) -> str:
+    return subprocess.run([NINJA, "-n", "-d", "explain", "-C", str(build)], capture_output=True, text=True,
+                          check=True).stdout + ""
+
+
+@pytest.mark.skipif(NINJA is None, reason="ninja is not installed")
+def test_ninja_outputs_with_zeroed_mtimes_are_up_to_date_again_after_restore(tmp_path):
+    """What a baked FlashInfer JIT cache goes through: built by ninja (absolute output paths, a depfile, as
+    FlashInfer writes them), packed with zeroed mtimes, unpacked; ninja would rebuild, unless restored."""
+    source = tmp_path / "src" / "kernel.cu"
+    source.parent.mkdir()
+    source.write_text("kernel\n")
+    build = tmp_path / "cache" / "flashinfer" / "cached_ops" / "sampling"
+    build.mkdir(parents=True)
+    (build / "build.ninja").write_text(
+        "ninja_required_version = 1.3\n"
+        "rule compile\n  command = cp $in $out && printf '%s: %s\\n' $out $in > $out.d\n  depfile = $out.d\n"
+        "  deps = gcc\n"
+        "rule link\n  command = cat $in > $out\n"
+        f"build {build}/kernel.o: compile {source}\n"
+        f"build {build}/sampling.so: link {build}/kernel.o\n")
+    subprocess.run([NINJA, "-C", str(build)], check=True, capture_output=True)
+    assert "no work to do" in _ninja_dry_run(build)
+
+    archive = tmp_path / "cache.tar"
+    subprocess.run(["tar", "-C", str(tmp_path / "cache"), "--mtime=@0", "-cf", str(archive), "."], check=True)
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "cache").mkdir()
+    subprocess.run(["tar", "-C", str(tmp_path / "cache"), "-xf", str(archive)], check=True)
+    assert "no work to do" not in _ninja_dry_run(build)  # what every start of the image did
+
+    assert restore_ninja_mtimes(tmp_path / "cache") == 2
+    assert "no work to do" in _ninja_dry_run(build)
+    assert restore_ninja_mtimes(tmp_path / "cache") == 0  # nothing left to change
 
 
 def test_child_env_puts_plugin_and_package_on_path():
