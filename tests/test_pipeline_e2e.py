@@ -30,9 +30,10 @@ def test_tiny_run_ends_in_a_checked_image_tarball(tiny_run):
 def test_every_stage_left_its_schema_valid_record(tiny_run):
     download = json.loads((ROOT / "weights" / TINY["model"]["name"] / "download.json").read_text())
     validate_json(download, ROOT / "schemas" / "download.schema.yaml")
-    steps = TINY["model"]["tiny"]["train"]["steps"]
-    training = download["training"]
-    assert (training is None) if steps == 0 else (training["steps"] == steps and training["seconds"] > 0)
+    training = download["training"]  # the tiny model is trained: its gate measures a model, not chance
+    assert training["steps"] == TINY["model"]["tiny"]["train"]["steps"] > 0
+    assert training["final_loss"] < training["first_loss"] / 20 and training["seconds"] > 0
+    assert training["heldout_answer_token_accuracy"] > 0.9
     latency = json.loads((RESULTS / "latency_probe" / "latency.json").read_text())
     validate_json(latency, ROOT / "schemas" / "latency.schema.yaml")
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]

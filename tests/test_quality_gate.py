@@ -340,7 +340,7 @@ except StageError as error:
 @pytest.mark.usefixtures("tiny_venvs")
 def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake_server, tmp_path):
     base_url, _ = fake_server
-    tasks = [dict(TINY_TASKS[0], threshold=0.5), TINY_TASKS[1]]  # the fixed answer scores 5/32 on tiny_mc
+    tasks = [dict(TINY_TASKS[0], threshold=0.5), TINY_TASKS[1]]  # the fixed answer "(A)" scores 8/32 on tiny_mc (letters balanced)
     driver = _MAIN_DRIVER.format(scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path),
                                  tasks_dir=str(TASKS_DIR))
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}

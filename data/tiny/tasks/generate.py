@@ -15,24 +15,26 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LETTERS = "ABCD"
-# Category questions: one option belongs to the asked category, three to others. A 4-layer model trained for a
-# few CPU minutes learns this (one attention look-up: the option of the asked kind, and the letter before it);
-# it did not learn single-digit sums in that time (always answered "(C)").
+# Category questions: one option of each category, always in the same category order, so the asked category
+# decides the letter. Measured on an H100 (issue #5): with the options shuffled, the 4-layer model stayed at
+# chance (always one letter) after 1,500 steps, with or without a written-out reasoning step; finding the
+# letter of a shuffled option is a look-up it does not learn in CPU minutes. The question -> letter mapping it
+# does learn, and a broken checkpoint loses it, which is what the tiny gate has to tell apart.
 CATEGORIES = {
     "fruit": ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "pear", "plum"],
     "colour": ["red", "blue", "green", "yellow", "brown", "purple", "pink", "grey", "black"],
     "animal": ["dog", "cat", "horse", "sheep", "mouse", "tiger", "bear", "goat", "duck"],
     "tool": ["hammer", "saw", "drill", "wrench", "shovel", "chisel", "rake", "ladder", "spanner"],
 }
+CATEGORY_ORDER = sorted(CATEGORIES)  # option A is an animal, B a colour, C a fruit, D a tool
 ARTICLE = {"fruit": "a", "colour": "a", "animal": "an", "tool": "a"}
 
 
-def _question(rng: random.Random) -> tuple[str, str, list[str], str]:
-    """(question, gold word, three distractors, category)."""
-    category = rng.choice(sorted(CATEGORIES))
-    gold = rng.choice(CATEGORIES[category])
-    others = [w for c in sorted(CATEGORIES) if c != category for w in CATEGORIES[c]]
-    return f"Which of the following is {ARTICLE[category]} {category}?", gold, rng.sample(others, 3), category
+def _question(rng: random.Random, gold: int) -> tuple[str, list[str], str]:
+    """(question, options in category order, asked category) for the category at letter index `gold`."""
+    category = CATEGORY_ORDER[gold]
+    options = [rng.choice(CATEGORIES[c]) for c in CATEGORY_ORDER]
+    return f"Which of the following is {ARTICLE[category]} {category}?", options, category
 
 
 def mc_docs(seed: int, count: int) -> list[dict]:
@@ -42,9 +44,8 @@ def mc_docs(seed: int, count: int) -> list[dict]:
     rng.shuffle(golds)
     docs = []
     for i, gold in enumerate(golds):
-        question, word, wrong, category = _question(rng)
-        options = list(wrong)
-        options.insert(gold, word)
+        question, options, category = _question(rng, gold)
+        word = options[gold]
         docs.append({
             "question_id": i,
             "question": question,
