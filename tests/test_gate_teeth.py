@@ -3,6 +3,7 @@ checkpoint served the same way fails the same gate (recorded as failed, and `tar
 The two e2e tests need Docker, the stage venvs and the tiny DAG."""
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -64,6 +65,10 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tiny_checkpoint, tmp_path
         subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
     write_manifest(out / "model", out / "manifest.json")
     (out / "report.json").write_text(json.dumps({"recipe": str(recipe), "note": "scrambled by tests/test_gate_teeth.py"}))
+    # copytree kept the source's old mtimes; outputs older than the recipe would make Snakemake quantize again
+    # (a plain copy: the scrambled weights gone), so every output is stamped now
+    for path in [out / "model", *(out / "model").rglob("*"), out / "manifest.json", out / "report.json"]:
+        os.utime(path)
 
     extra = tmp_path / "scrambled-variant.yaml"
     # one probe run: the gate waits for the probe, whose numbers this test does not read
@@ -74,6 +79,8 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tiny_checkpoint, tmp_path
     try:
         snakemake("--cores", "2", str(quality_path.relative_to(ROOT)), *TINY_ARGS, str(extra),
                   "--rerun-triggers", "mtime")
+        # the scrambled checkpoint is what was served: quantize did not run again over it
+        assert "scrambled" in json.loads((out / "report.json").read_text()).get("note", "")
         quality = json.loads(quality_path.read_text())
         print(json.dumps(quality["tasks"], indent=1))  # the scores, for whoever reads the test log
         validate_json(quality, ROOT / "schemas" / "quality.schema.yaml")
