@@ -71,7 +71,7 @@ def test_manifests_match_the_files(tiny_run):
 def test_gate_with_teeth_fails_and_stops_its_container(tiny_run, tmp_path):
     """The same gate against the same image, with thresholds no model meets: non-zero exit, a table naming
     every task, no output a rerun would trust, and no container left running."""
-    tasks = [dict(task, threshold=1.0) for task in TINY["quality"]["tasks"]]
+    tasks = [dict(task, threshold=1.01) for task in TINY["quality"]["tasks"]]  # the trained model scores 1.0 on some
     job = {
         "rule": "quality_gate",
         "input": {"image": str(RESULTS / "build_image" / "image.json")},

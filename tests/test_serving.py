@@ -623,9 +623,10 @@ ABUSE = {
 
 def still_serves(port):
     assert http(port, "/ping", timeout=30)[0] == 200
+    # ignore_eos: the trained tiny model may well end a bare prompt at once; serving means tokens come out
     status, r = http(port, "/v1/completions", {"model": NAME, "prompt": "One two three", "max_tokens": 4,
-                                               "temperature": 0.0})
-    assert status == 200 and r["choices"][0]["text"]
+                                               "temperature": 0.0, "ignore_eos": True})
+    assert status == 200 and r["usage"]["completion_tokens"] == 4, r
 
 
 @pytest.mark.e2e
