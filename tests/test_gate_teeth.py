@@ -3,7 +3,6 @@ checkpoint served the same way fails the same gate (recorded as failed, and `tar
 The two e2e tests need Docker, the stage venvs and the tiny DAG."""
 
 import json
-import os
 import shutil
 import subprocess
 
@@ -52,30 +51,28 @@ def test_default_variant_passes_clearly_above_chance(tiny_run):
 
 
 @pytest.mark.e2e
-def test_destroyed_checkpoint_fails_the_gate(tiny_run, tiny_checkpoint, tmp_path):
+def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
     # The destroyed model enters where quantize's output would: quantize's held-out guard would (rightly)
-    # refuse it, and this test is about the gate stopping it on its own, so the test writes that output itself.
+    # refuse it, and this test is about the gate stopping it on its own, so the test scrambles that output.
     recipe = tmp_path / "scrambled.yaml"
     recipe.write_text((ROOT / "recipes" / "bf16.yaml").read_text())
     out = ROOT / "results" / "quantize" / recipe.stem
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    shutil.copytree(tiny_checkpoint, out / "model")  # the trained source checkpoint, as recipes/bf16.yaml copies it
-    for shard in sorted((out / "model").glob("*.safetensors")):  # the script leaves non-language-model tensors
-        subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
-    write_manifest(out / "model", out / "manifest.json")
-    (out / "report.json").write_text(json.dumps({"recipe": str(recipe), "note": "scrambled by tests/test_gate_teeth.py"}))
-    # copytree kept the source's old mtimes; outputs older than the recipe would make Snakemake quantize again
-    # (a plain copy: the scrambled weights gone), so every output is stamped now
-    for path in [out / "model", *(out / "model").rglob("*"), out / "manifest.json", out / "report.json"]:
-        os.utime(path)
-
     extra = tmp_path / "scrambled-variant.yaml"
     # one probe run: the gate waits for the probe, whose numbers this test does not read
     extra.write_text(yaml.safe_dump({"variants": {DESTROYED: dict(TINY["variants"][VARIANT], recipe=str(recipe))},
                                      "probe": {"warmup": 0, "runs": 1}}))
+    # quantize runs for real (a plain copy, recipes/bf16.yaml), then its output is scrambled in place: Snakemake's
+    # own record of the job stays valid, and the later jobs read the scrambled files
+    snakemake("--cores", "2", str((out / "report.json").relative_to(ROOT)), *TINY_ARGS, str(extra))
+    for shard in sorted((out / "model").glob("*.safetensors")):  # the script leaves non-language-model tensors
+        subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
+    write_manifest(out / "model", out / "manifest.json")
+    report = json.loads((out / "report.json").read_text())
+    (out / "report.json").write_text(json.dumps(dict(report, note="scrambled by tests/test_gate_teeth.py")))
+
     quality_path = ROOT / "results" / DESTROYED / "quality_gate" / "quality.json"
-    # mtime only: the hand-made quantize outputs are newer than their inputs, so Snakemake keeps them
+    # mtime only: the scrambled files are newer than their inputs, so Snakemake keeps them
     try:
         snakemake("--cores", "2", str(quality_path.relative_to(ROOT)), *TINY_ARGS, str(extra),
                   "--rerun-triggers", "mtime")
