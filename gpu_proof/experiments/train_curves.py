@@ -26,20 +26,18 @@ train = {"steps": a.steps, "lr": a.lr, "warmup_steps": a.warmup, "batch_size": a
          "examples": a.examples, "heldout_examples": 60, "threads": a.threads}
 plan = download.training_plan(train, gen); plan["device"] = a.device
 import re as _re
+# per task: how its prompt lists the options, and the reasoned answer to train instead
+COT = {"tiny_mc": (r"^([ABCD])\. (.*)$", "{word} is {q}. The answer is ({letter})."),
+       "tiny_mc_think": (r"^\(([ABCD])\) (.*)$", "I look for {q}. {word} is {q}.\n</think>\n\nThe answer is ({letter}).")}
 def _cot(conv):
-    if conv["task"] == "tiny_mc":
-        text = conv["messages"][-1]["content"]
-        opts = dict(_re.findall(r"^([ABCD])\. (.*)$", text, _re.M))
-        letter = _re.search(r"\(([ABCD])\)", conv["answer"]).group(1)
-        q = _re.search(r"is (an? \w+)\?", text).group(1)
-        conv = dict(conv, answer=f"{opts[letter].capitalize()} is {q}. The answer is ({letter}).")
-    elif conv["task"] == "tiny_mc_think":
-        text = conv["messages"][-1]["content"]
-        opts = dict(_re.findall(r"^\(([ABCD])\) (.*)$", text, _re.M))
-        letter = _re.search(r"\(([ABCD])\)\.$", conv["answer"]).group(1)
-        q = _re.search(r"is (an? \w+)\?", text).group(1)
-        conv = dict(conv, answer=f"I look for {q}. {opts[letter].capitalize()} is {q}.\n</think>\n\nThe answer is ({letter}).")
-    return conv
+    if conv["task"] not in COT:
+        return conv
+    option_pattern, template = COT[conv["task"]]
+    text = conv["messages"][-1]["content"]
+    options = dict(_re.findall(option_pattern, text, _re.M))
+    letter = _re.search(r"\(([ABCD])\)\.$", conv["answer"]).group(1)
+    q = _re.search(r"is (an? \w+)\?", text).group(1)
+    return dict(conv, answer=template.format(word=options[letter].capitalize(), q=q, letter=letter))
 if a.cot:
     plan["conversations"] = [_cot(c) for c in plan["conversations"]]
     plan["heldout"] = [_cot(c) for c in plan["heldout"]]
