@@ -7,13 +7,19 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# Each profile is complete on its own: config.yaml (the real one) is read only when no --configfile names another,
+# so the tiny profile never inherits the real catalog. Layer files explicitly: --configfile config.yaml mine.yaml
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "rules/common.smk"
 include: "rules/venv.smk"
 include: "rules/download.smk"
+include: "rules/train_tiny.smk"
 include: "rules/quantize.smk"
+include: "rules/serve_config.smk"
 include: "rules/bake_compile_cache.smk"
 include: "rules/build_image.smk"
 include: "rules/latency_probe.smk"
@@ -21,10 +27,12 @@ include: "rules/quality_gate.smk"
 include: "rules/tarball.smk"
 include: "rules/verify_image.smk"
 include: "rules/compare.smk"
+include: "rules/select.smk"
 
 
 localrules:
     all,
+    serve_config,
     compare,
     select,
 

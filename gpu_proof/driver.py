@@ -187,12 +187,11 @@ class Driver:
 
     # ---- serving ----
     def serve_settings(self, k: int) -> dict:
-        serve = dict(self.config["variants"][REAL_VARIANT]["serve"])
-        for key, prop in self.schema["$defs"]["serve"]["properties"].items():
-            if "default" in prop:
-                serve.setdefault(key, prop["default"])
-        serve["speculative"] = {"method": "mtp" if k else "none", "num_speculative_tokens": k}
-        return serve
+        """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py)."""
+        from serving.settings import serve_json
+
+        speculative = {"method": "mtp", "k": k} if k else {"method": "none", "k": 0}
+        return serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
 
     def probe_settings(self) -> dict:
         probe_cfg = dict(self.config.get("probe") or {})
@@ -236,7 +235,7 @@ class Driver:
         settings = self.serve_settings(spec["k"])
         serve_json = self.state / "serve" / f"{variant}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-        from serving.launch import vllm_args  # the exact flags the entrypoint will exec
+        from serving.settings import vllm_args  # the exact flags the entrypoint will exec
 
         record = {
             "kind": kind, "status": "running", "variant": variant, "recipe": spec["recipe"],

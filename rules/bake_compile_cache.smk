@@ -3,16 +3,15 @@ rule bake_compile_cache:
     input:
         base=optional(LOCAL_BASE, "results/base_image/image.json"),
         model=quantized("model"),
+        serve=rules.serve_config.output.serve,
         serving=SERVING_FILES,
         schema="schemas/coldstart.schema.yaml",
     output:
         cache="results/{variant}/bake_compile_cache/compile_cache.tar",
-        serve="results/{variant}/bake_compile_cache/serve.json",
         coldstart=report("results/{variant}/bake_compile_cache/coldstart.json", category="Cold start", labels={"variant": "{variant}"}),
     params:
-        serve=serve_settings,
         base_ref=config["image"]["base"],
-        run=run_settings(),
+        run=PIPELINE.run_settings(),
         categories=config["probe"]["categories"],
         sentence=config["probe"]["sentence"],
         require_cache_hit=config["image"]["require_cache_hit"],

@@ -28,22 +28,22 @@ rule build_image:
         base=optional(LOCAL_BASE, rules.base_image.output.image),
         model=quantized("model"),
         cache=rules.bake_compile_cache.output.cache,
-        serve=rules.bake_compile_cache.output.serve,
+        serve=rules.serve_config.output.serve,
         serving=SERVING_FILES,
         dockerfile="Dockerfile",
         # Hashed into labels only (provenance).
         recipe=lambda wildcards: variant_config(wildcards)["recipe"],
-        weights_manifest=rules.download.output.manifest,
+        weights_manifest=SOURCE_MODEL["manifest"],
         quantized_manifest=quantized("manifest.json"),
         serve_freeze=optional(LOCAL_BASE, venv("serve")),  # the local base's vLLM version; not a venv to run in
     output:
         image="results/{variant}/build_image/image.json",
     params:
-        tag=lambda wildcards: image_ref(wildcards.variant),
+        tag=lambda wildcards: PIPELINE.image_ref(wildcards.variant),
         builder=config["image"]["builder"],
         reproducible=config["image"]["reproducible"],
         base_ref=config["image"]["base"],
-        provenance=provenance,
+        provenance=lambda wildcards: PIPELINE.provenance(wildcards.variant),
     resources:
         mem_mb=8000,
         runtime=30,

@@ -7,7 +7,7 @@ rule latency_probe:
         latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}", "record": "json"}),
         plot=report("results/{variant}/latency_probe/latency.png", category="Latency", labels={"variant": "{variant}", "record": "plot"}),
     params:
-        run=run_settings(),
+        run=PIPELINE.run_settings(),
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         probe=config["probe"],
     resources:
@@ -17,6 +17,8 @@ rule latency_probe:
         host_share=100,  # the whole host: nothing else that declares a share runs beside a timing
     log:
         "logs/latency_probe/{variant}.log",
+    benchmark:
+        "benchmarks/latency_probe/{variant}.tsv"
     conda:
         "../envs/driver.yaml"
     script:

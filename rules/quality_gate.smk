@@ -31,6 +31,8 @@ rule quality_gate:
         host_share=50,
     log:
         "logs/quality_gate/{variant}.log",
+    benchmark:
+        "benchmarks/quality_gate/{variant}.tsv"
     conda:
         "../envs/eval.yaml"
     script:

@@ -7,7 +7,7 @@ rule quantize:
     serving or speculation (a K sweep) share one checkpoint."""
     input:
         venv=venv("compress"),
-        model=rules.download.output.checkpoint,
+        model=SOURCE_MODEL["checkpoint"],
         recipe=lambda wildcards: RECIPES[wildcards.recipe],
         calibration=optional(CALIBRATION_FILE, config["calibration"]["path"]),
         heldout=config["quantize"]["heldout"],

@@ -11,6 +11,8 @@ rule venv:
         runtime=60,
     log:
         "logs/venv/{env}.log",
+    benchmark:
+        "benchmarks/venv/{env}.tsv"
     conda:
         "../envs/driver.yaml"
     script:

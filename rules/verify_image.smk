@@ -11,7 +11,7 @@ rule verify_image:
         report=report("results/{variant}/verify_image/verify.json", category="Image", labels={"variant": "{variant}"}),
     params:
         verify_run=config["image"]["verify_run"],
-        run=run_settings(),
+        run=PIPELINE.run_settings(),
         model_name=lambda wildcards: config["variants"][wildcards.variant]["serve"]["served_model_name"],
     resources:
         mem_mb=8000,

@@ -7,17 +7,14 @@ A second start on the filled cache measures what the baked image will see and pr
 
 import json
 import os
-import re
 import shutil
-import tarfile
 import time
 from pathlib import Path
 
-from common import StageError, validate_json, write_json
-
-# vLLM's own words when it skips compiling: the AOT artifact (torch >= 2.10) or the per-graph Inductor cache.
-CACHE_HIT = re.compile(r"Directly load (AOT compilation|the compiled graph)[^\n]*")
-CACHE_MISS = re.compile(r"Compiling model again due to a load failure[^\n]*")
+from lib.cache_tar import deterministic_tar
+from lib.probe import warm_up
+from lib.stage import StageError, validate_json, write_json
+from lib.vllm_logs import cache_evidence
 
 IMAGE_MODEL_DIR = "/opt/ml/model"
 IMAGE_CODE_DIR = "/opt/ml/code"
@@ -25,51 +22,10 @@ IMAGE_CACHE_DIR = "/opt/ml/cache"
 IMAGE_SERVE_JSON = "/opt/ml/serve.json"
 
 
-def deterministic_tar(source: Path, tar_path: Path) -> dict:
-    """Tar `source` sorted, with zeroed owners and times, so the same cache gives the same bytes."""
-    partial = tar_path.with_name(tar_path.name + ".partial")
-    files = bytes_total = 0
-
-    def normalise(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        info.mtime = 0
-        return info
-
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as archive:
-        for path in sorted(source.rglob("*")):
-            archive.add(path, arcname=str(path.relative_to(source)), recursive=False, filter=normalise)
-            if path.is_file():
-                files += 1
-                bytes_total += path.stat().st_size
-    partial.replace(tar_path)
-    return {"files": files, "bytes": bytes_total}
-
-
-def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, log=print) -> None:
-    """One request per probe size (compiled graphs and kernels are specialised by shape), plus chat both ways."""
-    from latency_probe import build_prompt, post_json, timed_completion
-
-    for category in categories:
-        prompt = build_prompt(base_url, model, [sentence], category["prompt_tokens"])
-        result = timed_completion(base_url, model, prompt, category["output_tokens"], ignore_eos=True)
-        log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
-    for thinking in (False, True):
-        post_json(base_url, "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-            "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": thinking}})
-
-
 def container_env(base: dict | None) -> dict:
     """PYTHONPATH as the image will have it: our code first, then the base's own packages (local base only)."""
     paths = [IMAGE_CODE_DIR] + ([base["site_packages"]] if base and base.get("site_packages") else [])
     return {"PYTHONPATH": ":".join(paths)}
-
-
-def cache_evidence(log_text: str) -> dict:
-    """What vLLM said about its compile cache on a start: hit lines and reload failures."""
-    return {"hits": [m.group(0) for m in CACHE_HIT.finditer(log_text)][:8],
-            "misses": [m.group(0) for m in CACHE_MISS.finditer(log_text)][:8]}
 
 
 def coldstart_record(empty_s: float, baked_s: float, evidence: dict, bake_s: float, packed: dict, image: str) -> dict:
@@ -80,13 +36,12 @@ def coldstart_record(empty_s: float, baked_s: float, evidence: dict, bake_s: flo
 
 
 def main(job) -> None:
-    from containers import run_container
+    from lib.containers import run_container
 
     out_dir = Path(job.output.cache).parent
     cache_dir = out_dir / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
-    write_json(job.output.serve, job.params.serve)
 
     base = json.loads(Path(job.input.base).read_text()) if job.input.base else None
     base_ref = base["ref"] if base else job.params.base_ref
@@ -94,11 +49,11 @@ def main(job) -> None:
     volumes = [
         f"{Path(job.input.model).resolve()}:{IMAGE_MODEL_DIR}:ro",
         f"{serving_dir}:{IMAGE_CODE_DIR}/serving:ro",
-        f"{Path(job.output.serve).resolve()}:{IMAGE_SERVE_JSON}:ro",
+        f"{Path(job.input.serve).resolve()}:{IMAGE_SERVE_JSON}:ro",
         f"{cache_dir.resolve()}:{IMAGE_CACHE_DIR}",
     ]
     run = job.params.run
-    model = job.params.serve["served_model_name"]
+    model = json.loads(Path(job.input.serve).read_text())["served_model_name"]
 
     def start(name_prefix):
         return run_container(base_ref, volumes=volumes, env=container_env(base), gpus=run["gpus"],
@@ -122,7 +77,6 @@ def main(job) -> None:
           f"load failures {evidence['misses']}")
     if job.params.require_cache_hit and (not evidence["hits"] or evidence["misses"]):
         shutil.rmtree(cache_dir)
-        Path(job.output.serve).unlink(missing_ok=True)
         raise StageError("the second start did not load the compile cache it had just filled "
                          f"(vLLM said: {evidence['misses'] or 'no Directly load line'}); the baked cache would be "
                          "dead weight in the image. Set image.require_cache_hit: false to ship it anyway.")
@@ -134,6 +88,6 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
 
     run_stage(main, globals().get("snakemake"), __file__)

@@ -6,15 +6,15 @@ pinned vLLM image instead and skips this rule.
 """
 
 import fnmatch
-import os
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from common import StageError, write_json
-from containers import builder_env, detect_builder, image_id, image_size, run
+from lib.containers import builder_env, detect_builder, image_id, image_size, run
+from lib.files import link_or_copy
+from lib.stage import StageError, write_json
 
 SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -63,19 +63,13 @@ def _excluded(rel: str, patterns) -> bool:
     return any(fnmatch.fnmatch(rel, pattern) for pattern in patterns)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:  # hard links: no 3 GB copy; safe since the rootfs is only read, then deleted
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def copy_site_packages(src: Path, dst: Path, exclude=DEFAULT_EXCLUDE) -> None:
     """Copy src to dst leaving out paths (relative to src, glob patterns) in exclude."""
     def ignore(directory, names):
         rel_dir = Path(directory).relative_to(src)
         return {n for n in names if _excluded(str(rel_dir / n) if str(rel_dir) != "." else n, exclude)}
-    shutil.copytree(src, dst, symlinks=True, ignore=ignore, copy_function=_link_or_copy)
+    # the rootfs is only read, then deleted: links save a 3 GB copy
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore, copy_function=link_or_copy)
 
 
 def chroot_python(rootfs: Path, code: str) -> str:
@@ -152,5 +146,5 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
     run_stage(main, globals().get("snakemake"), __file__)

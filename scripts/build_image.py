@@ -23,8 +23,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common import StageError, sha256_file, write_json
-from containers import builder_env, buildah_works, detect_builder, image_exists, image_id, image_size, run
+from lib.containers import builder_env, buildah_works, detect_builder, image_exists, image_id, image_size, run
+from lib.files import link_or_copy
+from lib.stage import StageError, sha256_file, write_json
 
 # Dockerfile ARG -> the label its LABEL instruction sets from it (tests check the Dockerfile agrees).
 LABEL_ARGS = {
@@ -44,13 +45,6 @@ LABEL_ARGS = {
 CREATED_LABEL = "org.opencontainers.image.created"
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:  # weights are GBs in the real profile; docker only reads them
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def copy_serving(serving: str | list[str], dst: Path) -> None:
     """serving is the package directory or the list of its files (as a Snakemake input of files)."""
     if isinstance(serving, (str, Path)):
@@ -68,7 +62,7 @@ def stage_context(context: Path, model: Path, cache_tar: Path, serving: str | li
     if context.exists():
         shutil.rmtree(context)  # a context left by an interrupted build
     context.mkdir(parents=True)
-    shutil.copytree(model, context / "model", copy_function=_link_or_copy)
+    shutil.copytree(model, context / "model", copy_function=link_or_copy)  # GBs of weights, only read by the build
     (context / "cache").mkdir()
     with tarfile.open(cache_tar) as archive:  # members are relative to /opt/ml/cache
         archive.extractall(context / "cache", filter="data")
@@ -277,5 +271,5 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
     run_stage(main, globals().get("snakemake"), __file__)

@@ -11,7 +11,8 @@ import math
 import statistics
 from pathlib import Path
 
-from common import StageError, validate_json, write_json
+from lib.gate import failed_tasks
+from lib.stage import StageError, validate_json, write_json
 
 
 def load(path) -> dict:
@@ -112,7 +113,7 @@ def build_summary(variants: list[dict], latencies: list[dict], qualities: list[d
             "mean_acceptance_length": mean_or_none(c["mean_acceptance_length"] for c in per_category.values()),
             "quality": {t["name"]: t["score"] for t in quality["tasks"]},
             "gate_passed": bool(quality["passed"]),
-            "gate_failures": [f"{t['name']} {t['score']} < {t['threshold']}" for t in quality["tasks"] if not t["passed"]],
+            "gate_failures": failed_tasks(quality["tasks"]),
         })
     label, speed = speed_axis(rows)
     for row in rows:
@@ -295,6 +296,6 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
 
     run_stage(main, globals().get("snakemake"), __file__)

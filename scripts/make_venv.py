@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import StageError
+from lib.stage import StageError
 
 # PyPI only has CUDA builds of torchvision; beside the CPU torch wheel its compiled ops fail to load, and its
 # fake-op registrations then abort `import torchvision` (which vLLM's Qwen3.5 model file needs).
@@ -73,6 +73,6 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
 
     run_stage(main, globals().get("snakemake"), __file__)

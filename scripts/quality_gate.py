@@ -15,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from common import StageError, validate_json, write_json
+from lib.gate import failed_tasks
+from lib.openai_client import get_json, sse_events
+from lib.stage import StageError, validate_json, write_json
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "quality.schema.yaml"
 TASK_DEFAULTS = {"num_fewshot": None, "thinking": False, "max_tokens": 256, "stream": False, "filter": "none"}
@@ -87,14 +89,8 @@ def build_task_requests(tasks: list[dict], *, base_url: str, model_name: str, nu
 def sse_to_completion(lines) -> dict:
     """Join an OpenAI chat stream (SSE `data:` lines) into the shape of a non-streamed response."""
     parts: dict[int, list[str]] = {}
-    for raw in lines:
-        line = (raw.decode() if isinstance(raw, bytes) else raw).strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            break
-        for choice in json.loads(data).get("choices", []):
+    for event in sse_events(lines):
+        for choice in event.get("choices", []):
             # content only: a reasoning parser's `reasoning_content` is not the answer, as in non-streamed mode
             parts.setdefault(choice.get("index", 0), []).append((choice.get("delta") or {}).get("content") or "")
     return {"choices": [{"index": i, "message": {"content": "".join(p)}} for i, p in sorted(parts.items())]}
@@ -176,10 +172,7 @@ def check_server(base_url: str, tasks: list[dict], model_name: str) -> int | Non
     vLLM answers every request with 400 when max_tokens exceeds max_model_len, and with 404 for an
     unknown model name; lm-eval would retry each request and die deep in asyncio instead.
     """
-    import urllib.request
-
-    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=30) as reply:
-        models = json.loads(reply.read()).get("data", [])
+    models = get_json(base_url.rstrip("/"), "/v1/models", timeout_s=30).get("data", [])
     ids = [m.get("id") for m in models]
     if model_name not in ids:
         raise StageError(f"the server serves {ids}, not the model name {model_name!r} the quality tasks send")
@@ -332,7 +325,7 @@ def scores_copy_path(log_path: str) -> Path:
 
 
 def main(job) -> None:
-    from containers import free_port, run_container, wait_for_ping  # container plumbing, host-side
+    from lib.containers import free_port, run_container, wait_for_ping  # container plumbing, host-side
 
     p = job.params
     tasks = normalize_tasks(p.tasks)
@@ -389,14 +382,12 @@ def main(job) -> None:
     if not passed and not getattr(p, "stop_on_fail", True):  # recorded for compare/select; tarball refuses it
         print("[quality_gate] the gate failed; recorded in the output (stop_on_fail is off)", flush=True)
     elif not passed:
-        failed = [f"{r['name']} {r['score'] if r['score'] is not None else 'no score'} < {r['threshold']}"
-                  for r in rows if not r["passed"]]
-        raise StageError(f"quality gate failed: {'; '.join(failed)} (scores kept in "
+        raise StageError(f"quality gate failed: {'; '.join(failed_tasks(rows))} (scores kept in "
                          f"{scores_copy_path(job.log[0]) if job.log else 'the log'})")
     write_json(job.output.scores, report)  # a failing gate leaves it only when stop_on_fail is off
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
 
     run_stage(main, globals().get("snakemake"), __file__)

@@ -8,7 +8,7 @@ in results/selection.json (schemas/selection.schema.yaml).
 import json
 from pathlib import Path
 
-from common import StageError, validate_json, write_json
+from lib.stage import StageError, validate_json, write_json
 
 
 def speed(row: dict, by: str) -> float:
@@ -56,6 +56,6 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
 
     run_stage(main, globals().get("snakemake"), __file__)

@@ -1,6 +1,6 @@
 """Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256.
 
-The archive is verified (scripts/verify_image.py, no daemon) before its .sha256 is written: one that fails
+The archive is verified (lib/docker_archive.py, no daemon) before its .sha256 is written: one that fails
 is deleted, so image.tar.gz never stands as a finished output unverified.
 """
 
@@ -8,9 +8,10 @@ import json
 import time
 from pathlib import Path
 
-from common import StageError, sha256_file
-from containers import image_exists, image_id, save_image
-from verify_image import load_image_record, verify_archive
+from lib.containers import image_exists, image_id, save_image
+from lib.docker_archive import load_image_record, verify_archive
+from lib.gate import failed_tasks
+from lib.stage import StageError, sha256_file
 
 
 def enforce_size_limit(path: Path, max_size_gb: float) -> int:
@@ -35,8 +36,8 @@ def require_passed_gate(quality_path: str) -> None:
     """quality_gate records a failing variant (a sweep goes on without it); it must never be shipped."""
     quality = json.loads(Path(quality_path).read_text())
     if not quality["passed"]:
-        failed = [f"{t['name']} {t['score']} < {t['threshold']}" for t in quality["tasks"] if not t["passed"]]
-        raise StageError(f"{quality['image']} failed the quality gate ({'; '.join(failed)}): not saved")
+        raise StageError(f"{quality['image']} failed the quality gate ({'; '.join(failed_tasks(quality['tasks']))}): "
+                         "not saved")
 
 
 def main(job) -> None:
@@ -62,5 +63,5 @@ def main(job) -> None:
 
 
 if __name__ == "__main__":
-    from common import run_stage
+    from lib.stage import run_stage
     run_stage(main, globals().get("snakemake"), __file__)

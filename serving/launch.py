@@ -11,19 +11,14 @@ import os
 import sys
 from pathlib import Path
 
+from serving.settings import SERVE, vllm_args
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Holds serving_plugins-0.1.dist-info, whose entry point registers serving.int4_fallback as a
 # vLLM general plugin; it has to be on sys.path of every vLLM process (the engine core is a
 # subprocess), hence PYTHONPATH rather than an import here.
 DIST_DIR = PACKAGE_DIR / "_dist"
 
-KNOWN_KEYS = {
-    "served_model_name", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
-    "kv_cache_dtype", "language_model_only", "gdn_prefill_backend", "cudagraph_capture_sizes",
-    "speculative", "default_thinking", "thinking_reserve_tokens", "extra_args",
-}
-SPEC_METHODS = {"none", "mtp", "ngram", "suffix", "draft_model"}
 # Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels.
 CACHE_DIRS = {
     "VLLM_CACHE_ROOT": "vllm",
@@ -33,73 +28,14 @@ CACHE_DIRS = {
 }
 
 
-def _flag(name: str, on: bool) -> str:
-    return f"--{name}" if on else f"--no-{name}"
-
-
-def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:
-    """CUDA-graph batch sizes: the configured ones, else multiples of K+1 when speculating on a GPU.
-
-    A speculative decode step verifies K+1 tokens per request, so batches are always multiples of K+1;
-    vLLM's default sizes (1, 2, 4, 8, ...) would pad most of them up to the next power of two.
-    """
-    if settings.get("cudagraph_capture_sizes"):
-        return list(settings["cudagraph_capture_sizes"])
-    spec = settings.get("speculative") or {}
-    k = int(spec.get("num_speculative_tokens") or 0)
-    if not cuda or settings.get("enforce_eager") or spec.get("method", "none") == "none" or k < 1:
-        return None
-    return [(k + 1) * n for n in range(1, int(settings["max_num_seqs"]) + 1)]
-
-
-def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080,
-              cuda: bool = False) -> list[str]:
-    """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU)."""
-    unknown = set(settings) - KNOWN_KEYS
-    if unknown:
-        raise ValueError(f"unknown serve.json keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
-    s = settings
-    args = [
-        "--model", str(model_dir),
-        "--served-model-name", s["served_model_name"],
-        "--host", host, "--port", str(port),
-        "--dtype", s.get("dtype", "bfloat16"),
-        "--max-model-len", str(s["max_model_len"]),
-        "--max-num-seqs", str(s["max_num_seqs"]),
-        "--kv-cache-dtype", s.get("kv_cache_dtype", "auto"),
-        _flag("enforce-eager", bool(s.get("enforce_eager", False))),
-        _flag("enable-prefix-caching", bool(s.get("enable_prefix_caching", True))),
-        _flag("language-model-only", bool(s.get("language_model_only", False))),
-        # Thinking off unless a request asks (chat_template_kwargs or top-level "thinking").
-        "--default-chat-template-kwargs",
-        json.dumps({"enable_thinking": bool(s.get("default_thinking", False))}),
-        "--middleware", "serving.middleware.ThinkingMiddleware",
-    ]
-    for key in ("max_num_batched_tokens", "gpu_memory_utilization", "gdn_prefill_backend"):
-        if s.get(key) is not None:
-            args += [f"--{key.replace('_', '-')}", str(s[key])]
-    if s.get("enable_chunked_prefill") is not None:
-        args.append(_flag("enable-chunked-prefill", bool(s["enable_chunked_prefill"])))
-    sizes = capture_sizes(s, cuda)
-    if sizes:
-        args += ["--cudagraph-capture-sizes", *map(str, sizes)]
-    spec = dict(s.get("speculative") or {"method": "none"})
-    if spec.get("method", "none") not in SPEC_METHODS:
-        raise ValueError(f"speculative.method must be one of {sorted(SPEC_METHODS)}, got {spec.get('method')!r}")
-    if spec.get("method", "none") != "none":
-        # Other keys (e.g. prompt_lookup_max for ngram) pass through to vLLM's SpeculativeConfig.
-        args += ["--speculative-config", json.dumps(spec)]
-    args += [str(a) for a in s.get("extra_args", [])]
-    return args
-
-
 def child_env(environ: dict, settings: dict | None = None) -> dict:
     """Environment for the vLLM process: plugin dist-info and this package importable, middleware settings."""
     env = dict(environ)
     settings = settings or {}
     # Read by serving.middleware inside vLLM's API server process.
-    env["DEFAULT_THINKING"] = "1" if settings.get("default_thinking") else "0"
-    env["THINKING_RESERVE_TOKENS"] = str(int(settings.get("thinking_reserve_tokens", 0)))
+    env["DEFAULT_THINKING"] = "1" if settings.get("default_thinking", SERVE["default_thinking"].default) else "0"
+    reserve = settings.get("thinking_reserve_tokens", SERVE["thinking_reserve_tokens"].default)
+    env["THINKING_RESERVE_TOKENS"] = str(int(reserve))
     paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

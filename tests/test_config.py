@@ -1,6 +1,7 @@
-"""The config schema rejects bad configs before any job runs, naming the offending key."""
+"""The config is checked before any job runs, naming the offending key: the checks themselves (scripts/lib/config.py,
+called directly: fast) and their wiring into Snakemake (a few dry runs)."""
 
-import copy
+import json
 import re
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY, snakemake
+from lib import config as pipeline_config
+from serving.settings import vllm_args
 
 
 def tiny_config() -> dict:
@@ -41,31 +44,92 @@ def dry_run_with(tmp_path: Path, config: dict):
     (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0@sha256:abc"), "image.base", "allow_unpinned_base: true"),
     (lambda c: c["image"].update(verify_run="sometimes"), "image.verify_run", "is not one of ['auto', 'always', 'never']"),
     (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
-     "variants.tiny-awq-mtp1.speculative.model", "goes with method draft_model"),
+     "variants.tiny-awq-mtp1.speculative.model", "method draft_model needs model"),
     (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
-     "variants.tiny-awq-mtp1.speculative.model", "only with it"),
+     "variants.tiny-awq-mtp1.speculative.model", "method mtp does not take model"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(method="medusa"),
+     "variants.tiny-awq-mtp1.speculative.method", "is not one of"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(suffix_decoding_max_tree_depth=8),
+     "variants.tiny-awq-mtp1.speculative.suffix_decoding_max_tree_depth", "method mtp does not take"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "ngram", "k": 2}),
+     "variants.tiny-awq-mtp1.speculative.prompt_lookup_max", "method ngram needs"),
+    (lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/missing.yaml"),
+     "variants.tiny-awq-mtp1.recipe", "does not exist"),
+    (lambda c: c["quality"].update(reference_variant="nope"), "quality.reference_variant", "is not one of the variants"),
+    (lambda c: c["compare"].update(reference="tiny-gptq-mtp1"), "compare.reference", "is not among the compared"),
     (lambda c: (c["image"].update(gpu_arch="sm_86"), c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8")),
      "variants.tiny-awq-mtp1.serve.kv_cache_dtype", "needs FP8 support (sm_89 or newer)"),
     (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
 ])
-def test_bad_config_is_rejected_naming_the_key(tmp_path, mutate, key, words):
+def test_bad_config_is_rejected_naming_the_key(mutate, key, words):
     config = tiny_config()
     mutate(config)
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    message = str(caught.value)
+    assert f"config key '{key}'" in message and words in message, message
+
+
+def test_snakemake_refuses_a_bad_config_before_building_the_dag(tmp_path):
+    config = tiny_config()
+    config["variants"]["tiny-awq-mtp1"]["speculative"].update(prompt_lookup_max=4)
     result = dry_run_with(tmp_path, config)
     assert result.returncode != 0
-    assert f"config key '{key}'" in result.stderr + result.stdout
-    assert words in result.stderr + result.stdout
+    message = result.stderr + result.stdout
+    assert "config key 'variants.tiny-awq-mtp1.speculative.prompt_lookup_max': method mtp does not take" in message
     assert "Job stats" not in result.stdout  # rejected before the DAG was even built
 
 
-def test_both_profiles_validate():
+def test_each_profile_validates_on_its_own():
     schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
-    real = yaml.safe_load((ROOT / "config.yaml").read_text())
-    merged = copy.deepcopy(real)
-    for key, value in tiny_config().items():  # Snakemake merges --configfile over config.yaml the same way
-        merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
+    real, tiny = yaml.safe_load((ROOT / "config.yaml").read_text()), tiny_config()
     jsonschema.Draft202012Validator(schema).validate(real)
-    jsonschema.Draft202012Validator(schema).validate(merged)
+    jsonschema.Draft202012Validator(schema).validate(tiny)
+    tiny_variants = set(pipeline_config.load(tiny).config["variants"])
+    assert tiny_variants and not tiny_variants & set(pipeline_config.load(real).config["variants"])
+
+
+def test_the_tiny_profile_does_not_inherit_the_real_catalog(tmp_path):
+    config = tiny_config()
+    config["variant"] = "awq-w4a16-g32-mtp2"  # the real profile's default variant
+    result = dry_run_with(tmp_path, config)
+    message = result.stderr + result.stdout
+    assert result.returncode != 0 and "config key 'variant': 'awq-w4a16-g32-mtp2' is not one of" in message
+    assert "bf16-mtp2" not in message  # the list of variants it names is the tiny profile's own
+
+
+@pytest.mark.parametrize("key, mutate", [
+    ("variants.tiny-awq-mtp1.recipe", lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/nope.yaml")),
+    ("calibration.path", lambda c: c["calibration"].update(path="data/nope.txt")),
+    ("quantize.heldout", lambda c: c["quantize"].update(heldout="data/nope.txt")),
+    ("probe.varied_text", lambda c: c["probe"].update(varied_text="data/nope.txt")),
+    ("quality.tasks_dir", lambda c: c["quality"].update(tasks_dir="data/nope")),
+    ("model.tiny.corpus", lambda c: c["model"]["tiny"].update(corpus="data/nope.txt")),
+    ("model.tiny.train.generator", lambda c: c["model"]["tiny"]["train"].update(generator="data/nope.py")),
+])
+def test_every_file_the_config_names_must_exist(key, mutate):
+    config = tiny_config()
+    mutate(config)
+    with pytest.raises(pipeline_config.ConfigError, match=re.escape(f"config key '{key}'") + ".*does not exist"):
+        pipeline_config.load(config)
+
+
+def test_a_speculative_method_parameter_reaches_vllms_command_line():
+    config = tiny_config()
+    config["variants"]["tiny-awq-mtp1"]["speculative"] = {"method": "ngram", "k": 4, "prompt_lookup_max": 3}
+    pipeline = pipeline_config.load(config)
+    args = vllm_args(pipeline.serve_json("tiny-awq-mtp1"), "/opt/ml/model")
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_sweep_points_are_checked_like_catalog_variants():
+    config = tiny_config()
+    config["sweeps"]["tiny-k"]["axes"] = {"speculative.prompt_lookup_max": [2]}
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    assert "speculative.prompt_lookup_max': method mtp does not take" in str(caught.value)
+    assert "(variant generated by sweep 'tiny-k')" in str(caught.value)
 
 
 def test_every_schema_key_is_described_with_a_default():
@@ -102,3 +166,19 @@ def test_an_unpinned_base_passes_only_when_allowed(tmp_path, base):
     result = dry_run_with(tmp_path, config)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "not pinned by digest" not in result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_a_missing_recipe_after_a_complete_run_fails_instead_of_shipping_the_old_image(tiny_run, tmp_path):
+    """With outputs of a complete run on disk, a recipe path that names nothing used to plan "Nothing to be done"
+    (the stale quantize outputs were taken as sources) and keep the old image."""
+    config = tiny_config()
+    config["variants"][config["variant"]]["recipe"] = "recipes/renamed.yaml"
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump(config))
+    for args in (("-n",), ("--cores", "2"), ("--cores", "2", "-F")):
+        result = snakemake(*args, *TINY, str(override), check=False)
+        message = result.stdout + result.stderr
+        assert result.returncode != 0, args
+        assert f"config key 'variants.{config['variant']}.recipe': recipes/renamed.yaml does not exist" in message
+        assert "Nothing to be done" not in message

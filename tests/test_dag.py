@@ -36,6 +36,46 @@ def test_every_stage_is_a_rule_in_its_own_file():
         assert re.search(rf"^rule {stage}:", text, re.M), stage
 
 
+# The rules as Snakemake parsed them (its API, in a fresh interpreter: loading a workflow sets process-wide state).
+RULES_AS_PARSED = """
+import json, sys
+from pathlib import Path
+from snakemake.api import SnakemakeApi
+from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings
+
+with SnakemakeApi(OutputSettings()) as api:
+    workflow = api.workflow(resource_settings=ResourceSettings(), snakefile=Path("Snakefile"), workdir=Path("."),
+                            config_settings=ConfigSettings(configfiles=[Path(f) for f in sys.argv[1:]]))._workflow
+    print(json.dumps([{"name": r.name, "file": r.snakefile, "target_only": r.norun, "checkpoint": r.is_checkpoint,
+                       "log": [str(f) for f in r.log], "benchmark": str(r.benchmark) if r.benchmark else None}
+                      for r in workflow.rules]))
+"""
+
+
+def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
+    """logs/<rule>/... and benchmarks/<rule>/... for every rule that runs (`all` only gathers targets)."""
+    import json
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", RULES_AS_PARSED, *TINY[1:]], cwd=ROOT, capture_output=True,
+                            text=True, check=True)
+    rules = json.loads(result.stdout.strip().splitlines()[-1])
+    listed = set(re.findall(r"^(\w+)", snakemake("--list-rules", *TINY).stdout, re.M))  # a docstring's lines are indented
+    assert {rule["name"] for rule in rules} == listed  # the API saw what the command line sees
+    running = [rule for rule in rules if not rule["target_only"]]
+    assert len(running) >= 12 and [r["name"] for r in rules if r["target_only"]] == ["all"]
+    for rule in running:
+        name = rule["name"]
+        assert Path(rule["file"]).parent == ROOT / "rules", rule
+        assert len(rule["log"]) == 1 and rule["log"][0].startswith(f"logs/{name}/"), rule
+        assert rule["benchmark"] and rule["benchmark"].startswith(f"benchmarks/{name}/"), rule
+        assert rule["benchmark"].endswith(".tsv"), rule
+    checkpoints = {Path(rule["file"]).name: rule["name"] for rule in rules if rule["checkpoint"]}
+    assert checkpoints == {"select.smk": "select"}
+    included = set(re.findall(r'^include: "(rules/[^"]+)"', (ROOT / "Snakefile").read_text(), re.M))
+    assert included == {f"rules/{p.name}" for p in (ROOT / "rules").glob("*.smk")}
+
+
 def test_dag_renders_to_svg(tmp_path):
     if shutil.which("dot") is None:
         pytest.fail("graphviz `dot` is missing: run setup/install.sh")
@@ -77,7 +117,9 @@ def variant_override(tmp_path: Path, **changes) -> str:
 def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
     assert planned_jobs() == {}
     jobs = planned_jobs(variant_override(tmp_path, speculative__k=2))
-    assert set(jobs) == {"bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball"}, jobs
+    # serve_config writes the new serve.json; quantize is not planned
+    assert set(jobs) == {"serve_config", "bake_compile_cache", "build_image", "latency_probe", "quality_gate",
+                         "tarball"}, jobs
 
 
 @pytest.mark.e2e

@@ -50,9 +50,8 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(coldstart, ROOT / "schemas" / "coldstart.schema.yaml")
     # the second start loaded what the first compiled, and said so
     assert coldstart["cache_hit"] and coldstart["cache_hit_evidence"] and not coldstart["cache_load_failures"]
-    serve = json.loads((RESULTS / "bake_compile_cache" / "serve.json").read_text())
-    assert serve["speculative"] == {"method": "mtp", "num_speculative_tokens":
-                                    TINY["variants"][VARIANT]["speculative"]["k"]}
+    serve = json.loads((RESULTS / "serve_config" / "serve.json").read_text())
+    assert serve["speculative"] == {"method": "mtp", "k": TINY["variants"][VARIANT]["speculative"]["k"]}
 
 
 def test_manifests_match_the_files(tiny_run):

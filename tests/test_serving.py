@@ -18,76 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes, vllm_args  # noqa: E402
+from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
+from serving.settings import SERVE  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
 
 SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
-
-BASE = {
-    "served_model_name": "Qwen/Qwen3.5-4B", "dtype": "bfloat16", "max_model_len": 1024,
-    "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
-    "kv_cache_dtype": "auto", "language_model_only": True,
-    "speculative": {"method": "none", "num_speculative_tokens": 0},
-    "default_thinking": False, "thinking_reserve_tokens": 8, "extra_args": [],
-}
-
-
-def value(args, flag):
-    return args[args.index(flag) + 1]
-
-
-# ---------- vllm_args ----------
-
-def test_args_basic():
-    args = vllm_args(BASE, "/opt/ml/model")
-    assert value(args, "--model") == "/opt/ml/model"
-    assert value(args, "--served-model-name") == "Qwen/Qwen3.5-4B"
-    assert (value(args, "--host"), value(args, "--port")) == ("0.0.0.0", "8080")
-    assert value(args, "--max-model-len") == "1024" and value(args, "--max-num-seqs") == "4"
-    assert "--enforce-eager" in args and "--enable-prefix-caching" in args
-    assert "--language-model-only" in args
-    assert "--speculative-config" not in args
-    assert value(args, "--middleware") == "serving.middleware.ThinkingMiddleware"
-    assert "--max-num-batched-tokens" not in args and "--gdn-prefill-backend" not in args
-
-
-def test_args_thinking_off_by_default():
-    args = vllm_args({k: v for k, v in BASE.items() if k != "default_thinking"}, "m")
-    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": False}
-    args = vllm_args({**BASE, "default_thinking": True}, "m")
-    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": True}
-
-
-def test_args_mtp_without_prefix_caching():
-    args = vllm_args({**BASE, "enable_prefix_caching": False,
-                      "speculative": {"method": "mtp", "num_speculative_tokens": 3}}, "m")
-    assert json.loads(value(args, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
-    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
-
-
-def test_args_optional_and_extra():
-    args = vllm_args({**BASE, "enforce_eager": False, "gpu_memory_utilization": 0.9,
-                      "max_num_batched_tokens": 8192, "enable_chunked_prefill": False,
-                      "kv_cache_dtype": "fp8", "gdn_prefill_backend": "triton",
-                      "cudagraph_capture_sizes": [1, 2, 4],
-                      "extra_args": ["--seed", "0", "--disable-log-stats"]},
-                     "m", port=9000)
-    assert "--no-enforce-eager" in args and value(args, "--port") == "9000"
-    assert value(args, "--gpu-memory-utilization") == "0.9"
-    assert value(args, "--max-num-batched-tokens") == "8192"
-    assert "--no-enable-chunked-prefill" in args
-    assert value(args, "--kv-cache-dtype") == "fp8" and value(args, "--gdn-prefill-backend") == "triton"
-    i = args.index("--cudagraph-capture-sizes")
-    assert args[i + 1:i + 4] == ["1", "2", "4"]
-    assert args[-3:] == ["--seed", "0", "--disable-log-stats"]  # last, so they win
-
-
-def test_args_reject_typos():
-    with pytest.raises(ValueError, match="unknown serve.json keys"):
-        vllm_args({**BASE, "max_model_length": 5}, "m")
-    with pytest.raises(ValueError, match="speculative.method"):
-        vllm_args({**BASE, "speculative": {"method": "eagle9"}}, "m")
-
 
 NINJA = shutil.which("ninja")
 
@@ -199,23 +134,10 @@ def test_middleware_passes_others_through():
     assert body == b'{"prompt": "hi"}' and dict(scope["headers"])[b"content-length"] == b"16"
 
 
-def test_capture_sizes_default_to_multiples_of_k_plus_one_on_gpu():
-    mtp2 = {**BASE, "enforce_eager": False, "max_num_seqs": 4,
-            "speculative": {"method": "mtp", "num_speculative_tokens": 2}}
-    assert value(vllm_args(mtp2, "m", cuda=True), "--cudagraph-capture-sizes") == "3"
-    i = vllm_args(mtp2, "m", cuda=True).index("--cudagraph-capture-sizes")
-    assert vllm_args(mtp2, "m", cuda=True)[i + 1:i + 5] == ["3", "6", "9", "12"]
-    assert "--cudagraph-capture-sizes" not in vllm_args(mtp2, "m", cuda=False)  # CPU: no CUDA graphs
-    assert "--cudagraph-capture-sizes" not in vllm_args({**mtp2, "enforce_eager": True}, "m", cuda=True)
-    assert "--cudagraph-capture-sizes" not in vllm_args({**BASE, "enforce_eager": False}, "m", cuda=True)
-    explicit = vllm_args({**mtp2, "cudagraph_capture_sizes": [5]}, "m", cuda=True)
-    assert value(explicit, "--cudagraph-capture-sizes") == "5"
-
-
 def test_child_env_carries_middleware_settings():
     env = child_env({}, {"default_thinking": True, "thinking_reserve_tokens": 64})
     assert env["DEFAULT_THINKING"] == "1" and env["THINKING_RESERVE_TOKENS"] == "64"
-    assert child_env({})["THINKING_RESERVE_TOKENS"] == "0"
+    assert child_env({})["THINKING_RESERVE_TOKENS"] == str(SERVE["thinking_reserve_tokens"].default)
 
 
 def test_answer_reserve():
@@ -430,11 +352,18 @@ def http(port, path, body=None, timeout=300):
         return r.status, (json.loads(raw) if raw.startswith("{") else raw)
 
 
+# serve.json of the real-server tests (eager: no compile wait; the tiny model's small context).
+BASE = {
+    "served_model_name": "Qwen/Qwen3.5-4B", "dtype": "bfloat16", "max_model_len": 1024,
+    "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
+    "kv_cache_dtype": "auto", "language_model_only": True, "speculative": {"method": "none"},
+    "default_thinking": False, "thinking_reserve_tokens": 8, "extra_args": [],
+}
 VARIANTS = {
     "bf16-eager": ("tiny_checkpoint", {}),
     "w4a16-eager": ("tiny_quantized", {}),
     "mtp1-eager": ("tiny_checkpoint", {"enable_prefix_caching": False,
-                          "speculative": {"method": "mtp", "num_speculative_tokens": 1}}),
+                          "speculative": {"method": "mtp", "k": 1}}),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import compare
 import select_variant
-import sweeps
+from lib import sweeps
 import tarball
 from common import StageError, validate_json
 from conftest import ROOT

@@ -1,4 +1,4 @@
-"""Plumbing shared by every stage script.
+"""Plumbing every stage script shares: the job, its venv, records and manifests.
 
 Each stage runs in its own virtualenv (see envs/), but Snakemake's `script:` directive always
 runs the interpreter Snakemake itself runs under. `run_stage` bridges the two: under Snakemake it
@@ -59,6 +59,7 @@ def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: s
         return
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(job, handle)
+    # the script's folder first, so `lib` is this project's package in the venv too
     env = dict(os.environ, PYTHONPATH=str(Path(script).resolve().parent), PYTHONUNBUFFERED="1")
     log = open(job["log"][0], "a") if job["log"] else None
     try:
@@ -121,9 +122,16 @@ def write_json(path: str | Path, data: Any) -> None:
     """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    # a unique name in the same folder: os.replace is atomic there, and two writers never share a temp file
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
+                                     delete=False) as handle:
+        handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
+    try:
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
 
 
 def validate_json(data: Any, schema_path: str | Path) -> None:

@@ -1,4 +1,4 @@
-"""Sweeps: declared axes over a catalog variant, expanded into named variants (read by rules/common.smk).
+"""Sweeps: declared axes over a catalog variant, expanded into named variants (read by scripts/lib/config.py).
 
 A sweep names a `base` variant of the catalog and `axes` (`recipe`, `serve.<key>`, `speculative.<key>`), each
 a list of values or a mapping label -> value. Every combination becomes a variant named

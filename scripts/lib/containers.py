@@ -1,4 +1,4 @@
-"""Container helpers shared by base_image, build_image, latency_probe, quality_gate and tarball.
+"""Building, running and saving images (base_image, build_image, bake, latency_probe, quality_gate, tarball, verify).
 
 Stdlib only: imported by the main interpreter. Two builders are supported: a Docker daemon
 (Debian's 20.10 here, driven by a newer client, hence DOCKER_BUILDKIT=0) and daemonless buildah.
@@ -13,13 +13,12 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from common import StageError
+from lib.openai_client import request
+from lib.stage import StageError
 
 START_HINT = "start one with `bash setup/start-docker.sh` (as root)"
 # Defaults only: a value the user exported wins (e.g. STORAGE_DRIVER=overlay on a capable host).
@@ -92,15 +91,11 @@ def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | N
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        try:  # a per-request timeout: a server that accepts but never answers must not hang us
-            with urllib.request.urlopen(f"{base_url}/ping", timeout=max(0.2, min(5.0, remaining))) as reply:
-                if reply.status == 200:
-                    return time.monotonic() - start
-                last = f"HTTP {reply.status}"
-        except urllib.error.HTTPError as error:
-            last = f"HTTP {error.code}"
-        except (OSError, ValueError) as error:  # refused, reset, timed out while the server starts
-            last = str(getattr(error, "reason", error))
+        # a per-request timeout: a server that accepts but never answers must not hang us
+        status, text, _ = request(base_url, "/ping", timeout_s=max(0.2, min(5.0, remaining)))
+        if status == 200:
+            return time.monotonic() - start
+        last = f"HTTP {status}" if status else text  # status 0: refused, reset, timed out while it starts
         if alive is not None and not alive():
             raise StageError(f"container exited after {time.monotonic() - start:.0f} s without answering "
                              f"/ping; last container log lines:\n{logs() if logs else '(none)'}")

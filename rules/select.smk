@@ -1,0 +1,21 @@
+checkpoint select:
+    """The variant image.tar.gz is made of (select.mode fastest): the fastest compared variant that passes every
+    gate. A checkpoint: tarball's inputs are known only once this has read the measurements."""
+    input:
+        summary=rules.compare.output.json,
+        schema="schemas/selection.schema.yaml",
+    output:
+        selection=report("results/selection.json", category="Selection"),
+    params:
+        by=config["select"]["by"],
+    resources:
+        mem_mb=1000,
+        runtime=5,
+    log:
+        "logs/select/select.log",
+    benchmark:
+        "benchmarks/select/select.tsv"
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/select_variant.py"

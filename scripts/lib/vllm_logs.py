@@ -1,0 +1,13 @@
+"""What vLLM's log says about its compile cache (the bake proves a hit with it; the probe records it)."""
+
+import re
+
+# vLLM's own words when it skips compiling: the AOT artifact (torch >= 2.10) or the per-graph Inductor cache.
+CACHE_HIT = re.compile(r"Directly load (AOT compilation|the compiled graph)[^\n]*")
+CACHE_MISS = re.compile(r"Compiling model again due to a load failure[^\n]*")
+
+
+def cache_evidence(log_text: str) -> dict:
+    """What vLLM said about its compile cache on a start: hit lines and reload failures."""
+    return {"hits": [m.group(0) for m in CACHE_HIT.finditer(log_text)][:8],
+            "misses": [m.group(0) for m in CACHE_MISS.finditer(log_text)][:8]}

@@ -1,0 +1,26 @@
+"""Write a variant's serve.json: the settings the rule resolved through serving/settings.py, checked again by the
+same table the image's entrypoint uses, so a file the image would refuse is never written."""
+
+import sys
+from pathlib import Path
+
+from lib.stage import StageError, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serving.settings import SettingsError, serve_json  # noqa: E402
+
+
+def main(job) -> None:
+    settings = dict(job.params.serve)
+    try:
+        checked = serve_json({k: v for k, v in settings.items() if k != "speculative"}, settings["speculative"])
+    except SettingsError as error:
+        raise StageError(f"variant {job.wildcards.variant}: {error}") from None
+    write_json(job.output.serve, checked)
+    print(f"{job.output.serve}: speculative {checked['speculative']}")
+
+
+if __name__ == "__main__":
+    from lib.stage import run_stage
+
+    run_stage(main, globals().get("snakemake"), __file__)

@@ -1,0 +1,181 @@
+"""The one definition of a variant's serving settings: every key, its default and how it reaches vLLM.
+
+Standard library only, because it ships in the image: the entrypoint (serving/launch.py) turns serve.json into
+vLLM flags here, and the pipeline (scripts/lib/config.py), gpu_proof/driver.py and the schema's `serve` and
+`speculative` sections (kept equal by tests/test_settings.py) read the same tables. Adding a serve flag or a
+speculative method is a row here and its description in schemas/config.schema.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# How a setting reaches vLLM's api_server.
+VALUE = "value"  # --flag <value>; left out when null (vLLM's own default)
+SWITCH = "switch"  # --flag / --no-flag; left out when null
+SIZES = "sizes"  # --flag n1 n2 ...
+CHAT_DEFAULT = "chat_default"  # folded into --default-chat-template-kwargs
+MIDDLEWARE = "middleware"  # not a vLLM flag: read by serving.middleware through the environment
+RAW = "raw"  # appended to the command line as given
+
+
+@dataclass(frozen=True)
+class Setting:
+    default: object
+    kind: str
+    flag: str | None = None
+
+
+SERVE: dict[str, Setting] = {
+    "served_model_name": Setting("Qwen/Qwen3.5-4B", VALUE, "--served-model-name"),
+    "dtype": Setting("bfloat16", VALUE, "--dtype"),
+    "max_model_len": Setting(10240, VALUE, "--max-model-len"),
+    "max_num_seqs": Setting(8, VALUE, "--max-num-seqs"),
+    "max_num_batched_tokens": Setting(None, VALUE, "--max-num-batched-tokens"),
+    "gpu_memory_utilization": Setting(None, VALUE, "--gpu-memory-utilization"),
+    "enforce_eager": Setting(False, SWITCH, "--enforce-eager"),
+    "enable_prefix_caching": Setting(False, SWITCH, "--enable-prefix-caching"),
+    "enable_chunked_prefill": Setting(None, SWITCH, "--enable-chunked-prefill"),
+    "async_scheduling": Setting(None, SWITCH, "--async-scheduling"),
+    "kv_cache_dtype": Setting("auto", VALUE, "--kv-cache-dtype"),
+    "language_model_only": Setting(True, SWITCH, "--language-model-only"),
+    "gdn_prefill_backend": Setting(None, VALUE, "--gdn-prefill-backend"),
+    "cudagraph_capture_sizes": Setting(None, SIZES, "--cudagraph-capture-sizes"),
+    "default_thinking": Setting(False, CHAT_DEFAULT, "--default-chat-template-kwargs"),
+    "thinking_reserve_tokens": Setting(256, MIDDLEWARE),
+    "extra_args": Setting([], RAW),
+}
+
+# The speculative section reaches --speculative-config unchanged but for this one rename (K is the pipeline's
+# name for the depth everywhere: variant names, sweeps, plots).
+SPECULATIVE_RENAMES = {"k": "num_speculative_tokens"}
+SPECULATIVE_COMMON = ("method", "k")
+# Each method's own keys of vLLM's SpeculativeConfig that a config may set; null means vLLM's default.
+SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "mtp": ("disable_padded_drafter_batch",),
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "suffix": (
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+    "draft_model": (
+        "model",
+        "draft_tensor_parallel_size",
+        "quantization",
+        "max_model_len",
+        "revision",
+        "disable_padded_drafter_batch",
+        "parallel_drafting",
+    ),
+}
+# Every key a speculative section may hold (the schema lists exactly these).
+SPECULATIVE_KEYS = tuple(
+    dict.fromkeys(SPECULATIVE_COMMON + tuple(key for keys in SPECULATIVE_METHODS.values() for key in keys))
+)
+# Keys a method cannot do without.
+SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max",)}
+
+
+class SettingsError(ValueError):
+    """A serve.json or config value vLLM cannot take; the message names the key."""
+
+
+def resolve_serve(serve: dict) -> dict:
+    """`serve` with every default filled in; unknown keys refused by name."""
+    unknown = sorted(set(serve) - set(SERVE))
+    if unknown:
+        raise SettingsError(f"unknown serve key(s) {unknown}; known: {sorted(SERVE)}")
+    return {key: serve.get(key, setting.default) for key, setting in SERVE.items()}
+
+
+def speculative_problems(speculative: dict, where: str = "speculative") -> list[str]:
+    """What vLLM would refuse (or silently ignore) in a speculative section, each naming the key and the method."""
+    method = speculative.get("method", "none")
+    if method not in SPECULATIVE_METHODS:
+        return [f"{where}.method: unknown method {method!r}; known: {sorted(SPECULATIVE_METHODS)}"]
+    problems = []
+    k = speculative.get("k", 0)
+    if method != "none" and (not isinstance(k, int) or k < 1):
+        problems.append(f"{where}.k: method {method} needs k >= 1, got {k!r}")
+    if method == "none" and k != 0:
+        problems.append(f"{where}.k: k={k} without a speculative method (method none)")
+    takes = SPECULATIVE_METHODS[method]
+    for key, value in speculative.items():
+        if key in SPECULATIVE_COMMON or value is None:
+            continue
+        if key not in SPECULATIVE_KEYS:
+            problems.append(f"{where}.{key}: unknown speculative key; known: {list(SPECULATIVE_KEYS)}")
+        elif key not in takes:
+            problems.append(
+                f"{where}.{key}: method {method} does not take {key} (it takes: {', '.join(takes) or 'nothing'})"
+            )
+    for key in SPECULATIVE_REQUIRED.get(method, ()):
+        if speculative.get(key) is None:
+            problems.append(f"{where}.{key}: method {method} needs {key}")
+    return problems
+
+
+def speculative_config(speculative: dict | None) -> dict | None:
+    """vLLM's --speculative-config for a speculative section (None: no speculation)."""
+    speculative = speculative or {"method": "none"}
+    problems = speculative_problems(speculative)
+    if problems:
+        raise SettingsError("; ".join(problems))
+    if speculative.get("method", "none") == "none":
+        return None
+    return {SPECULATIVE_RENAMES.get(key, key): value for key, value in speculative.items() if value is not None}
+
+
+def speculative_depth(speculative: dict | None) -> int:
+    speculative = speculative or {}
+    return int(speculative.get("k") or 0) if speculative.get("method", "none") != "none" else 0
+
+
+def serve_json(serve: dict, speculative: dict) -> dict:
+    """What the image reads at /opt/ml/serve.json: resolved serve settings plus the speculative section."""
+    problems = speculative_problems(speculative)
+    if problems:
+        raise SettingsError("; ".join(problems))
+    return dict(resolve_serve(serve), speculative={k: v for k, v in speculative.items() if v is not None})
+
+
+def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:
+    """CUDA-graph batch sizes: the configured ones, else multiples of K+1 when speculating on a GPU.
+
+    A speculative decode step verifies K+1 tokens per request, so batches are always multiples of K+1;
+    vLLM's default sizes (1, 2, 4, 8, ...) would pad most of them up to the next power of two.
+    """
+    if settings.get("cudagraph_capture_sizes"):
+        return list(settings["cudagraph_capture_sizes"])
+    k = speculative_depth(settings.get("speculative"))
+    if not cuda or settings.get("enforce_eager") or k < 1:
+        return None
+    return [(k + 1) * n for n in range(1, int(settings["max_num_seqs"]) + 1)]
+
+
+def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080, cuda: bool = False) -> list[str]:
+    """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU)."""
+    speculative = settings.get("speculative")
+    resolved = resolve_serve({key: value for key, value in settings.items() if key != "speculative"})
+    args = ["--model", str(model_dir), "--host", host, "--port", str(port)]
+    for key, setting in SERVE.items():
+        value = resolved[key]
+        if setting.kind == VALUE and value is not None:
+            args += [setting.flag, str(value)]
+        elif setting.kind == SWITCH and value is not None:
+            args.append(setting.flag if value else setting.flag.replace("--", "--no-", 1))
+        elif setting.kind == CHAT_DEFAULT:
+            # Thinking off unless a request asks (chat_template_kwargs or top-level "thinking").
+            args += [setting.flag, json.dumps({"enable_thinking": bool(value)})]
+    sizes = capture_sizes(dict(resolved, speculative=speculative), cuda)
+    if sizes:
+        args += [SERVE["cudagraph_capture_sizes"].flag, *map(str, sizes)]
+    vllm_speculative = speculative_config(speculative)
+    if vllm_speculative:
+        args += ["--speculative-config", json.dumps(vllm_speculative)]
+    args += ["--middleware", "serving.middleware.ThinkingMiddleware"]
+    return args + [str(arg) for arg in resolved["extra_args"]]

@@ -1,0 +1,202 @@
+"""serving/settings.py: the one table of serve settings, the speculative pass-through, and the schema kept equal."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+from serving.settings import (  # noqa: E402
+    SERVE,
+    SPECULATIVE_KEYS,
+    SPECULATIVE_METHODS,
+    SettingsError,
+    resolve_serve,
+    serve_json,
+    speculative_config,
+    speculative_problems,
+    vllm_args,
+)
+
+SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+
+BASE = {
+    "served_model_name": "Qwen/Qwen3.5-4B",
+    "dtype": "bfloat16",
+    "max_model_len": 1024,
+    "max_num_seqs": 4,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "enable_prefix_caching": True,
+    "kv_cache_dtype": "auto",
+    "language_model_only": True,
+    "speculative": {"method": "none"},
+    "default_thinking": False,
+    "thinking_reserve_tokens": 8,
+    "extra_args": [],
+}
+
+
+def value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+# ---------- the schema and the table agree ----------
+
+
+def test_schema_serve_section_is_the_table_key_by_key_defaults_included():
+    schema = SCHEMA["$defs"]["serve"]["properties"]
+    assert list(schema) == list(SERVE), "same keys, same order"
+    for key, setting in SERVE.items():
+        assert schema[key]["default"] == setting.default, key
+
+
+def test_schema_speculative_section_lists_every_method_and_its_keys():
+    section = SCHEMA["$defs"]["speculative"]
+    assert section["properties"]["method"]["enum"] == list(SPECULATIVE_METHODS)
+    assert list(section["properties"]) == list(SPECULATIVE_KEYS)
+    for key, prop in section["properties"].items():
+        if key not in ("method", "k"):
+            assert prop["default"] is None, f"{key}: null = vLLM's own default, nothing sent"
+        methods = [m for m, keys in SPECULATIVE_METHODS.items() if key in keys]
+        if methods:
+            assert all(m in prop["description"] for m in methods), f"{key}: its description names {methods}"
+
+
+# ---------- serve.json -> vLLM flags ----------
+
+
+def test_args_basic():
+    args = vllm_args(BASE, "/opt/ml/model")
+    assert value(args, "--model") == "/opt/ml/model"
+    assert value(args, "--served-model-name") == "Qwen/Qwen3.5-4B"
+    assert (value(args, "--host"), value(args, "--port")) == ("0.0.0.0", "8080")
+    assert value(args, "--max-model-len") == "1024" and value(args, "--max-num-seqs") == "4"
+    assert "--enforce-eager" in args and "--enable-prefix-caching" in args
+    assert "--language-model-only" in args
+    assert "--speculative-config" not in args
+    assert value(args, "--middleware") == "serving.middleware.ThinkingMiddleware"
+    assert "--max-num-batched-tokens" not in args and "--gdn-prefill-backend" not in args
+    assert not any(arg.endswith("async-scheduling") for arg in args), "null: vLLM decides"
+
+
+def test_missing_keys_take_the_tables_defaults():
+    args = vllm_args({"served_model_name": "m"}, "m")
+    assert "--no-enable-prefix-caching" in args and "--language-model-only" in args
+    assert value(args, "--max-model-len") == str(SERVE["max_model_len"].default)
+
+
+def test_args_thinking_off_by_default():
+    args = vllm_args({k: v for k, v in BASE.items() if k != "default_thinking"}, "m")
+    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": False}
+    args = vllm_args({**BASE, "default_thinking": True}, "m")
+    assert json.loads(value(args, "--default-chat-template-kwargs")) == {"enable_thinking": True}
+
+
+def test_args_mtp_renames_k_and_nothing_else():
+    args = vllm_args({**BASE, "enable_prefix_caching": False, "speculative": {"method": "mtp", "k": 3}}, "m")
+    assert json.loads(value(args, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+
+
+def test_method_parameters_pass_through_unchanged():
+    spec = {"method": "ngram", "k": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    args = vllm_args({**BASE, "speculative": spec}, "m")
+    assert json.loads(value(args, "--speculative-config")) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    suffix = {"method": "suffix", "k": 20, "suffix_decoding_max_tree_depth": 32, "suffix_decoding_min_token_prob": None}
+    assert speculative_config(suffix) == {
+        "method": "suffix",
+        "num_speculative_tokens": 20,
+        "suffix_decoding_max_tree_depth": 32,
+    }
+
+
+def test_args_optional_and_extra():
+    args = vllm_args(
+        {
+            **BASE,
+            "enforce_eager": False,
+            "gpu_memory_utilization": 0.9,
+            "max_num_batched_tokens": 8192,
+            "enable_chunked_prefill": False,
+            "async_scheduling": False,
+            "kv_cache_dtype": "fp8",
+            "gdn_prefill_backend": "triton",
+            "cudagraph_capture_sizes": [1, 2, 4],
+            "extra_args": ["--seed", "0", "--disable-log-stats"],
+        },
+        "m",
+        port=9000,
+    )
+    assert "--no-enforce-eager" in args and value(args, "--port") == "9000"
+    assert value(args, "--gpu-memory-utilization") == "0.9"
+    assert value(args, "--max-num-batched-tokens") == "8192"
+    assert "--no-enable-chunked-prefill" in args and "--no-async-scheduling" in args
+    assert value(args, "--kv-cache-dtype") == "fp8" and value(args, "--gdn-prefill-backend") == "triton"
+    i = args.index("--cudagraph-capture-sizes")
+    assert args[i + 1 : i + 4] == ["1", "2", "4"]
+    assert args[-3:] == ["--seed", "0", "--disable-log-stats"]  # last, so they win
+
+
+def test_args_reject_typos():
+    with pytest.raises(SettingsError, match="unknown serve key"):
+        vllm_args({**BASE, "max_model_length": 5}, "m")
+    with pytest.raises(SettingsError, match="speculative.method"):
+        vllm_args({**BASE, "speculative": {"method": "eagle9", "k": 1}}, "m")
+
+
+def test_capture_sizes_default_to_multiples_of_k_plus_one_on_gpu():
+    mtp2 = {**BASE, "enforce_eager": False, "max_num_seqs": 4, "speculative": {"method": "mtp", "k": 2}}
+    i = vllm_args(mtp2, "m", cuda=True).index("--cudagraph-capture-sizes")
+    assert vllm_args(mtp2, "m", cuda=True)[i + 1 : i + 5] == ["3", "6", "9", "12"]
+    assert "--cudagraph-capture-sizes" not in vllm_args(mtp2, "m", cuda=False)  # CPU: no CUDA graphs
+    assert "--cudagraph-capture-sizes" not in vllm_args({**mtp2, "enforce_eager": True}, "m", cuda=True)
+    assert "--cudagraph-capture-sizes" not in vllm_args({**BASE, "enforce_eager": False}, "m", cuda=True)
+    explicit = vllm_args({**mtp2, "cudagraph_capture_sizes": [5]}, "m", cuda=True)
+    assert value(explicit, "--cudagraph-capture-sizes") == "5"
+
+
+# ---------- what a speculative section may hold ----------
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"method": "mtp", "k": 2, "prompt_lookup_max": 4}, "speculative.prompt_lookup_max: method mtp does not take"),
+        ({"method": "ngram", "k": 2, "suffix_decoding_max_tree_depth": 4}, "method ngram does not take"),
+        ({"method": "ngram", "k": 2}, "speculative.prompt_lookup_max: method ngram needs"),
+        ({"method": "draft_model", "k": 2}, "speculative.model: method draft_model needs"),
+        ({"method": "mtp", "k": 0}, "speculative.k: method mtp needs k >= 1"),
+        ({"method": "none", "k": 2}, "speculative.k: k=2 without"),
+        ({"method": "medusa", "k": 2}, "speculative.method: unknown method 'medusa'"),
+        ({"method": "mtp", "k": 2, "lookahead": 3}, "speculative.lookahead: unknown speculative key"),
+    ],
+)
+def test_speculative_problems_name_the_key_and_the_method(spec, words):
+    problems = speculative_problems(spec)
+    assert any(words in line for line in problems), problems
+
+
+def test_a_good_section_has_no_problems_and_nulls_are_not_sent():
+    for method, keys in SPECULATIVE_METHODS.items():
+        spec = {"method": method, "k": 0 if method == "none" else 2, **{key: None for key in SPECULATIVE_KEYS[2:]}}
+        spec.update({"model": "/opt/ml/draft"} if method == "draft_model" else {})
+        spec.update({"prompt_lookup_max": 4} if method == "ngram" else {})
+        assert speculative_problems(spec) == [], method
+        written = serve_json({}, spec)["speculative"]
+        assert None not in written.values()
+
+
+def test_serve_json_is_resolved_and_refuses_unknown_keys():
+    written = serve_json({"max_num_seqs": 1}, {"method": "mtp", "k": 1})
+    assert written == dict(resolve_serve({"max_num_seqs": 1}), speculative={"method": "mtp", "k": 1})
+    with pytest.raises(SettingsError, match="unknown serve key"):
+        serve_json({"max_seqs": 1}, {"method": "none", "k": 0})
