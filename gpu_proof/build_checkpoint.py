@@ -1,5 +1,5 @@
 """A full-size random-weight checkpoint with Qwen3.5-4B's exact text shapes, made on the GPU by the
-project's own builder (scripts/tiny_model.py: same tensor names, config keys, MTP layer, processor files).
+project's own builder (scripts/lib/tiny: same tensor names, config keys, MTP layer, processor files).
 
     python3 gpu_proof/build_checkpoint.py OUT_DIR RESULT_JSON [--corpus data/tiny/corpus.txt] [--seed 0]
 
@@ -20,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import tiny_model  # noqa: E402
+from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
+from lib.tiny.synthesis import build_tiny_checkpoint  # noqa: E402
+from lib.tiny.tokenizer import train_tokenizer  # noqa: E402
 
 # Qwen/Qwen3.5-4B's text model (config.json of the pinned revision).
 QWEN35_4B_DIMS = {
@@ -46,24 +48,16 @@ def tensor_groups(model_dir: Path) -> dict:
     """Parameter counts and bytes of the checkpoint, by part (read from the safetensors headers)."""
     groups: dict[str, dict] = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
-        for name, info in tiny_model.safetensors_header(shard).items():
-            if name.startswith("mtp."):
-                part = "mtp"
-            elif "visual" in name:
-                part = "vision"
-            elif "embed_tokens" in name:
-                part = "embed_tokens"
-            elif name.startswith("lm_head"):
-                part = "lm_head"
-            else:
-                part = "decoder_layers_and_norm"
+        for name, info in read_header(shard).items():
+            part = model_part(name)
+            part = "decoder_layers_and_norm" if part == "decoder" else part  # the recorded results' name
             numel = 1
             for dim in info["shape"]:
                 numel *= dim
             entry = groups.setdefault(part, {"tensors": 0, "params": 0, "bytes": 0})
             entry["tensors"] += 1
             entry["params"] += numel
-            entry["bytes"] += info["data_offsets"][1] - info["data_offsets"][0]
+            entry["bytes"] += tensor_bytes(info)
     return groups
 
 
@@ -84,13 +78,13 @@ def main() -> None:
     on_gpu = args.device.startswith("cuda")
     out = Path(args.out_dir)
     started = time.monotonic()
-    tiny_model.train_tokenizer(args.corpus, 4096, out, pad_to=args.vocab)
+    train_tokenizer(args.corpus, 4096, out, pad_to=args.vocab)
     tokenizer_s = time.monotonic() - started
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     build_start = time.monotonic()
     with torch.device(args.device):  # parameters are created and initialised on the GPU
-        saved = tiny_model.build_tiny_checkpoint(out, args.seed, out, **dims)["config"]
+        saved = build_tiny_checkpoint(out, args.seed, out, **dims)["config"]
     if on_gpu:
         torch.cuda.synchronize()
     build_s = time.monotonic() - build_start
@@ -103,7 +97,7 @@ def main() -> None:
         "kind": "checkpoint",
         "status": "ok",
         "path": str(out),
-        "builder": (f"scripts/tiny_model.py: train_tokenizer(pad_to={args.vocab}) + build_tiny_checkpoint "
+        "builder": (f"scripts/lib/tiny: train_tokenizer(pad_to={args.vocab}) + build_tiny_checkpoint "
                     f"under torch.device('{args.device}')"),
         "seed": args.seed,
         "device": torch.cuda.get_device_name(0) if on_gpu else args.device,

@@ -6,10 +6,10 @@ STATE/results (then re-packs STATE/results.tar.gz, so whatever is done survives 
   environment   GPU, driver, package versions
   checkpoint    full-size random Qwen3.5-4B-shaped checkpoint, made on the GPU (gpu_proof/build_checkpoint.py)
   bandwidth     torch device-to-device copy bandwidth (gpu_proof/bandwidth.py)
-  quantize-*    scripts/quantize.py main() with llmcompressor on CUDA (gpu_proof/quantize_variant.py)
+  quantize-*    scripts/quantize.py with llmcompressor on CUDA (gpu_proof/quantize_variant.py)
   serve-*       `python3 -m serving` (serving/launch.py -> vLLM's OpenAI server) with config.yaml's real serve
-                settings; cold start to /ping; bake_compile_cache.warm_up + deterministic_tar; a second start
-                from the baked cache; latency_probe.probe / probe_set; decode time per token against the
+                settings; cold start to /ping; lib.probe.warm_up + lib.cache_tar.deterministic_tar; a second start
+                from the baked cache; lib.probe.probe / probe_set; decode time per token against the
                 bandwidth bound
 
 A step that succeeded leaves STATE/done/<step>; a relaunch skips those (fix, resend, relaunch).
@@ -33,9 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bake_compile_cache import deterministic_tar, warm_up  # noqa: E402
-from containers import free_port, wait_for_ping  # noqa: E402
-from latency_probe import probe, probe_set  # noqa: E402
+from lib.cache_tar import deterministic_tar  # noqa: E402
+from lib.containers import free_port, wait_for_ping  # noqa: E402
+from lib.probe import probe, probe_set, warm_up  # noqa: E402
+from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
+from lib.vllm_logs import cache_evidence  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
 SITE_LLMC = os.environ.get("SITE_LLMC", "/tmp/site-llmcompressor")
@@ -383,22 +385,8 @@ def checkpoint_bytes(model_dir: Path) -> dict:
     """Tensor bytes a decode step reads, by part, from the safetensors headers of a served checkpoint."""
     parts = {"decoder": 0, "lm_head": 0, "embed_tokens": 0, "mtp": 0, "vision": 0}
     for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(shard, "rb") as handle:
-            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
-        for tensor, info in header.items():
-            if tensor == "__metadata__":
-                continue
-            size = info["data_offsets"][1] - info["data_offsets"][0]
-            if tensor.startswith("mtp."):
-                parts["mtp"] += size
-            elif "visual" in tensor:
-                parts["vision"] += size
-            elif "embed_tokens" in tensor:
-                parts["embed_tokens"] += size
-            elif tensor.startswith("lm_head"):
-                parts["lm_head"] += size
-            else:
-                parts["decoder"] += size
+        for tensor, info in read_header(shard).items():
+            parts[model_part(tensor)] += tensor_bytes(info)
     return parts
 
 
@@ -449,18 +437,8 @@ def served_command(log_path: Path) -> str | None:
 
 
 def compile_cache_evidence(log_path: Path) -> dict:
-    """What vLLM's log says about loading its compile cache (bake_compile_cache's own reading when it has one)."""
-    text = Path(log_path).read_text(errors="replace")
-    try:
-        from bake_compile_cache import cache_evidence
-    except ImportError:
-        cache_evidence = None
-    if cache_evidence is not None:
-        return cache_evidence(text)
-    import re
-
-    return {"hits": re.findall(r"Directly load[^\n]*", text)[:8],
-            "misses": re.findall(r"Compiling model again[^\n]*", text)[:8]}
+    """What vLLM's log says about loading its compile cache (the bake's own reading)."""
+    return cache_evidence(Path(log_path).read_text(errors="replace"))
 
 
 def cache_by_dir(cache: Path) -> dict:

@@ -1,5 +1,6 @@
-"""Run the project's quantize stage (scripts/quantize.py main(), llmcompressor on CUDA) on the full-size
-checkpoint, as the Snakemake rule would call it, and record its time and peak GPU memory.
+"""Run the project's quantize stage (scripts/quantize.py, llmcompressor on CUDA) on the full-size checkpoint,
+with the job the Snakemake rule would give it, and record its time and peak GPU memory. The stage runs as a
+program (`quantize.py --job`), in this process so that torch's peak-memory counters see it.
 
     PYTHONPATH=<llmcompressor bundle> python3 gpu_proof/quantize_variant.py MODEL_DIR RECIPE OUT_DIR RESULT_JSON
 
@@ -11,13 +12,13 @@ profile's 0.9 / 1.1 say nothing; the measured agreement and perplexity ratio are
 """
 
 import json
+import runpy
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # the stage's `lib` imports
 
 CALIBRATION = {"source": "text_file", "path": str(ROOT / "data" / "tiny" / "corpus.txt"), "num_samples": 32,
                "max_seq_length": 512, "seed": 42, "chat": True}
@@ -28,23 +29,24 @@ def main() -> None:
     model_dir, recipe, out_dir, result_path = sys.argv[1:5]
     import torch
 
-    import quantize
-
     out = Path(out_dir)
-    job = SimpleNamespace(
-        rule="quantize", threads=16, log=[], wildcards=SimpleNamespace(variant=Path(recipe).stem),
-        input=SimpleNamespace(model=model_dir, recipe=recipe, calibration=CALIBRATION["path"],
-                              heldout=str(ROOT / "data" / "heldout.txt"),
-                              schema=str(ROOT / "schemas" / "quantize_report.schema.yaml")),
-        output=SimpleNamespace(model=str(out / "model"), manifest=str(out / "manifest.json"),
-                               report=str(out / "report.json")),
-        params=SimpleNamespace(calibration=dict(CALIBRATION), quantize=dict(BOUNDS)),
-    )
+    job = {
+        "rule": "quantize", "threads": 16, "log": [], "wildcards": {"recipe": Path(recipe).stem},
+        "input": {"model": model_dir, "recipe": recipe, "calibration": CALIBRATION["path"],
+                  "heldout": str(ROOT / "data" / "heldout.txt"),
+                  "schema": str(ROOT / "schemas" / "quantize_report.schema.yaml")},
+        "output": {"model": str(out / "model"), "manifest": str(out / "manifest.json"),
+                   "report": str(out / "report.json")},
+        "params": {"calibration": dict(CALIBRATION), "quantize": dict(BOUNDS)},
+    }
+    job_path = out / "job.json"
+    job_path.write_text(json.dumps(job, indent=2) + "\n")
     torch.cuda.reset_peak_memory_stats()
     started = time.monotonic()
     status, error = "ok", None
     try:
-        quantize.main(job)
+        sys.argv = [str(ROOT / "scripts" / "quantize.py"), "--job", str(job_path)]
+        runpy.run_path(sys.argv[0], run_name="__main__")
     except BaseException as exc:  # recorded, then re-raised so the exit code says it failed
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         raise
@@ -57,8 +59,8 @@ def main() -> None:
             "error": error,
             "recipe": str(Path(recipe).relative_to(ROOT)) if Path(recipe).is_relative_to(ROOT) else recipe,
             "device": torch.cuda.get_device_name(0),
-            "command": "quantize.main(job) from scripts/quantize.py (gpu_proof/quantize_variant.py builds the job "
-                       "the Snakemake rule would pass)",
+            "command": "scripts/quantize.py --job job.json (gpu_proof/quantize_variant.py writes the job the "
+                       "Snakemake rule would pass)",
             "calibration": CALIBRATION | {"path": "data/tiny/corpus.txt"},
             "bounds": BOUNDS,
             "wall_s": round(wall, 1),

@@ -21,9 +21,6 @@ rule quality_gate:
         gpus=config["image"]["gpus"],
         shm_size=config["image"]["shm_size"],
         ping_timeout_s=config["image"]["ping_timeout_s"],
-        # A failing variant is recorded (passed: false), not fatal: a sweep goes on without it; `select` skips it
-        # and `tarball` refuses it.
-        stop_on_fail=False,
     resources:
         gpu=GPU,
         mem_mb=32000,

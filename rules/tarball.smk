@@ -5,7 +5,8 @@ rule tarball:
         image=selected("build_image/image.json"),
         latency=selected("latency_probe/latency.json"),
         quality=selected("quality_gate/quality.json"),
-        selection=optional(not FIXED, "results/selection.json"),
+        # No results/selection.json input: the functions above already wait for the `select` checkpoint, and a
+        # selection that names the image.tar.gz already holds (a sweep after the default run) must not re-save it.
     output:
         tarball="image.tar.gz",
         sha256="image.tar.gz.sha256",

@@ -20,8 +20,8 @@ SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # triton is the GPU compiler (~1 GB, unused by vLLM's CPU backend); torch's C++ headers serve no one
 # Triton has no CPU backend here. torch/include stays: inductor compiles C++ against it at start-up.
-DEFAULT_EXCLUDE = ("triton", "triton-*.dist-info")
-DEFAULT_SMOKE = "import torch, vllm; print(vllm.__version__, torch.__version__)"
+SITE_EXCLUDE = ("triton", "triton-*.dist-info")
+SMOKE_TEST = "import torch, vllm; print(vllm.__version__, torch.__version__)"
 
 
 def venv_site_packages(venv_marker: str | Path) -> Path:
@@ -63,7 +63,7 @@ def _excluded(rel: str, patterns) -> bool:
     return any(fnmatch.fnmatch(rel, pattern) for pattern in patterns)
 
 
-def copy_site_packages(src: Path, dst: Path, exclude=DEFAULT_EXCLUDE) -> None:
+def copy_site_packages(src: Path, dst: Path, exclude=SITE_EXCLUDE) -> None:
     """Copy src to dst leaving out paths (relative to src, glob patterns) in exclude."""
     def ignore(directory, names):
         rel_dir = Path(directory).relative_to(src)
@@ -111,7 +111,7 @@ def import_rootfs(rootfs: Path, ref: str, builder: str, workdir: Path) -> None:
 def main(job) -> None:
     params = job.params
     started = time.monotonic()
-    builder = detect_builder(getattr(params, "builder", "auto"))
+    builder = detect_builder(params.builder)
     # input `venv` makes run_stage re-run this (stdlib-only) script in that venv; `serve_venv` does not
     marker = getattr(job.input, "serve_venv", None) or job.input.venv
     site = venv_site_packages(marker)
@@ -128,11 +128,11 @@ def main(job) -> None:
             raise StageError(f"the venv is {py} but Debian {params.suite} ships {found}: "
                              "make the serve-cpu venv with that Python or pick a matching suite")
         t = time.monotonic()
-        copy_site_packages(site, rootfs / SITE.lstrip("/"), tuple(getattr(params, "exclude", DEFAULT_EXCLUDE)))
+        copy_site_packages(site, rootfs / SITE.lstrip("/"), SITE_EXCLUDE)
         shutil.copy2(marker, rootfs / "opt" / "venv" / "pip-freeze.txt")
         print(f"copied {site}: {time.monotonic() - t:.0f} s", flush=True)
         version = chroot_python(rootfs, "import platform; print(platform.python_version())")
-        smoke = chroot_python(rootfs, getattr(params, "smoke", DEFAULT_SMOKE))  # fail here, not in a container
+        smoke = chroot_python(rootfs, SMOKE_TEST)  # fail here, not in a container
         print(f"smoke test in rootfs: {smoke}", flush=True)
         t = time.monotonic()
         import_rootfs(rootfs, params.tag, builder, work)

@@ -231,13 +231,13 @@ def ensure_docker_base(base: dict) -> dict:
 def main(job) -> None:
     params, inputs = job.params, job.input
     started = time.monotonic()
-    builder = detect_builder(getattr(params, "builder", "auto"))
-    reproducible = bool(getattr(params, "reproducible", True))
+    builder = detect_builder(params.builder)
+    reproducible = bool(params.reproducible)
     if builder == "docker" and reproducible and not buildah_works():
         raise StageError("image.reproducible builds with buildah, which is not usable here (apt-get install "
                          "buildah), or set image.reproducible: false to use Docker's own builder (every build "
                          "then gives a new image ID)")
-    base = resolve_base(getattr(inputs, "base", None), getattr(params, "base_ref", None), builder)
+    base = resolve_base(getattr(inputs, "base", None), params.base_ref, builder)
     labels = image_labels(dict(params.provenance), base["ref"], inputs.recipe, inputs.weights_manifest,
                           inputs.quantized_manifest, getattr(inputs, "serve_freeze", None) or None,
                           Path(inputs.dockerfile).resolve().parent)

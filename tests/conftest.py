@@ -12,7 +12,23 @@ sys.path.insert(0, str(ROOT / "scripts"))
 LAST = ("test_sweep_e2e.py",)
 
 
+# Fixtures that build venvs, images or pipeline outputs, or need a Docker daemon: only e2e tests may use them, so
+# `pytest -m "not e2e"` stays quick and needs none of it.
+HEAVY_FIXTURES = {"tiny_venvs", "tiny_run", "tiny_sweep", "tiny_checkpoint", "tiny_quantized", "tiny_base_image",
+                  "docker_daemon"}
+
+
 def pytest_collection_modifyitems(session, config, items):
+    light = [item.nodeid for item in items if item.get_closest_marker("e2e") is None
+             and HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if light:
+        raise pytest.UsageError("tests that use a venv, Docker or a pipeline run must be marked e2e:\n  "
+                                + "\n  ".join(light))
+    early = [item.nodeid for item in items
+             if item.path.name not in LAST and "tiny_sweep" in getattr(item, "fixturenames", ())]
+    if early:
+        raise pytest.UsageError("the sweep replaces image.tar.gz: only modules in conftest.LAST may use tiny_sweep:"
+                                "\n  " + "\n  ".join(early))
     items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
 TINY = ["--configfile", "config/tiny.yaml"]
 
@@ -37,9 +53,21 @@ def tiny_venvs():
 
 @pytest.fixture(scope="session")
 def tiny_run():
-    """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification)."""
+    """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification). Run once per
+    session: every e2e module reads its outputs instead of running stages again."""
     result = snakemake("--cores", "2", *TINY)
     return result
+
+
+TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tiny_run):
+    """The tiny sweep over the default run (README: "...and ship the fastest"): it reuses tiny_run's variant and
+    quantized checkpoint and adds the others. It replaces image.tar.gz with the selected variant's, so only modules
+    in LAST may use it."""
+    return snakemake("--cores", "2", *TINY_SWEEP)
 
 
 def _tiny_config() -> dict:

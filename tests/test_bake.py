@@ -1,13 +1,15 @@
-"""bake_compile_cache's pure parts: reading vLLM's cache verdict and the cold-start record."""
+"""The bake's pure parts: reading vLLM's cache verdict, the cold-start record, the deterministic cache tar."""
 
 import io
 import tarfile
 
 import pytest
 
-from bake_compile_cache import cache_evidence, coldstart_record, deterministic_tar
-from common import validate_json
+from bake_compile_cache import coldstart_record
 from conftest import ROOT
+from lib.cache_tar import deterministic_tar
+from lib.stage import validate_json
+from lib.vllm_logs import cache_evidence
 
 HIT = ("(EngineCore pid=88) INFO 11-22 14:02:11 [decorators.py:322] Directly load AOT compilation from path "
        "/opt/ml/cache/vllm/torch_compile_cache/torch_aot_compile/3f2a/rank_0_0/model")

@@ -11,8 +11,8 @@ from types import SimpleNamespace as NS
 import pytest
 
 import build_image
-import containers
-from common import StageError
+from lib import containers
+from lib.stage import StageError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -60,7 +60,7 @@ def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
     result = subprocess.run([sys.executable, "-c", RULES_AS_PARSED, *TINY[1:]], cwd=ROOT, capture_output=True,
                             text=True, check=True)
     rules = json.loads(result.stdout.strip().splitlines()[-1])
-    listed = set(re.findall(r"^(\w+)", snakemake("--list-rules", *TINY).stdout, re.M))  # a docstring's lines are indented
+    listed = set(re.findall(r"^(\w+)", snakemake("--list-rules", *TINY).stdout, re.M))  # docstrings are indented
     assert {rule["name"] for rule in rules} == listed  # the API saw what the command line sees
     running = [rule for rule in rules if not rule["target_only"]]
     assert len(running) >= 12 and [r["name"] for r in rules if r["target_only"]] == ["all"]

@@ -1,4 +1,5 @@
-"""download stage: hub pinning/failure handling, the synthetic tiny checkpoint and its chat template.
+"""download and train_tiny: hub pinning/failure handling, the synthetic tiny checkpoint, its chat template and
+its training.
 
 Quick tests run under plain python3 (no torch). Building the tiny checkpoint runs the stage in the
 compress venv through a subprocess (built by the pipeline's venv rule); loading it in transformers
@@ -16,8 +17,11 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import download
-import tiny_model
-from common import StageError, sha256_file
+import train_tiny
+from lib.safetensors import read_header
+from lib.stage import StageError, sha256_file
+from lib.tiny import synthesis, training
+from lib.tiny import tokenizer as tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
@@ -97,26 +101,56 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     assert not checkpoint.with_name("checkpoint.partial").exists()
 
 
-def test_record_validates_and_training_needs_its_generator(tmp_path, monkeypatch):
-    real = download.build_synthetic
-    monkeypatch.setattr(download, "build_synthetic", lambda tiny, corpus, dest, generator=None: (
-        (dest / "config.json").write_text("{}"), {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1,
-                                                   "examples": 3, "seconds": 0.5, "first_loss": 8.0,
-                                                   "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5,
-                                                   "heldout_examples": 3})[1])
-    j = job(tmp_path, source="synthetic", tiny={"seed": 0}, corpus=CORPUS)
-    j.output.record = str(tmp_path / "weights" / "m" / "download.json")
+TRAINING = {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1, "examples": 3, "seconds": 0.5,
+            "first_loss": 8.0, "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5, "heldout_examples": 3}
+
+
+def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_record(tmp_path, monkeypatch):
+    def fake_build(tiny, corpus, dest, generator=None):
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(download, "build_synthetic", fake_build)
+    j = job(tmp_path / "untrained", source="synthetic", tiny={"seed": 0}, corpus=CORPUS)
+    j.output.record = str(tmp_path / "untrained" / "weights" / "m" / "download.json")
     download.main(j)
     record = json.loads(Path(j.output.record).read_text())
-    assert record["source"] == "synthetic" and record["training"]["final_loss"] == 1.0 and record["files"] == 1
-    with pytest.raises(StageError, match="generator"):
-        real({"train": {"steps": 5}}, str(CORPUS), tmp_path / "x")
+    assert record["source"] == "synthetic" and record["training"] is None and record["files"] == 1
+
+    def fake_train(synthesized, dest, seed, settings, generator):
+        (dest / "config.json").write_text((synthesized / "config.json").read_text())
+        (dest / "model.safetensors").write_bytes(b"trained")
+        return dict(TRAINING)
+
+    monkeypatch.setattr(train_tiny, "train", fake_train)
+    out = tmp_path / "weights" / "m"
+    trained = SimpleNamespace(
+        rule="train_tiny", log=[], threads=1,
+        input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator="unused"),
+        params=SimpleNamespace(seed=0, train={"steps": 2}),
+        output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
+                               record=str(out / "download.json")))
+    train_tiny.main(trained)
+    final = json.loads((out / "download.json").read_text())
+    assert final["training"] == TRAINING and final["files"] == 2 and final["seconds"] >= record["seconds"]
+    assert set(json.loads((out / "manifest.json").read_text())) == {"config.json", "model.safetensors"}
+
+
+def test_train_tiny_refuses_a_synthesized_checkpoint_of_another_seed(tmp_path):
+    synthesized, trained = tmp_path / "a", tmp_path / "b"
+    for folder, mtp in ((synthesized, b"seed 0"), (trained, b"seed 1")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(folder.name.encode())  # training may change this one
+        (folder / "model-mtp.safetensors").write_bytes(mtp)
+    with pytest.raises(StageError, match="model-mtp.safetensors.*seed or dims"):
+        train_tiny.check_untrained_parts(synthesized, trained)
+    (trained / "model-mtp.safetensors").write_bytes(b"seed 0")
+    train_tiny.check_untrained_parts(synthesized, trained)
 
 
 def test_training_conversations_stay_out_of_the_test_splits():
-    generator = download.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
+    generator = training.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
     tests = generator.test_docs()
-    plan = download.training_plan({"steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
+    plan = training.training_plan({"steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
                                    "examples": 90, "heldout_examples": 9, "threads": 1, "warmup_steps": 1}, generator)
     assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
     assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
@@ -132,9 +166,9 @@ def test_training_conversations_stay_out_of_the_test_splits():
 
 def test_batches_group_similar_lengths_and_cover_every_example():
     lengths = [5, 100] * 40 + [50] * 16
-    plan = tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)
+    plan = training.batch_order(lengths, batch_size=8, steps=12, seed=3)
     assert len(plan) == 12 and all(len(b) == 8 for b in plan)
-    assert plan == tiny_model.batch_order(lengths, batch_size=8, steps=12, seed=3)  # seeded
+    assert plan == training.batch_order(lengths, batch_size=8, steps=12, seed=3)  # seeded
     first_epoch = [i for b in plan[:12] for i in b]
     assert sorted(first_epoch) == list(range(96))  # 96 examples = exactly 12 full batches, each once
     padded = sum(max(lengths[i] for i in b) * len(b) for b in plan)
@@ -147,7 +181,7 @@ def render(messages, **kwargs):
     """Render the template as transformers does (same sandbox and options)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-    return env.from_string(tiny_model.CHAT_TEMPLATE).render(messages=messages, **kwargs)
+    return env.from_string(tiny_tokenizer.CHAT_TEMPLATE).render(messages=messages, **kwargs)
 
 
 USER = [{"role": "user", "content": "What is 2 plus 2?"}]
@@ -185,8 +219,8 @@ def test_chat_template_history_system_tools_and_images():
 
 
 def test_tiny_config_shape():
-    ids = {token: 1000 + i for i, (token, _) in enumerate(tiny_model.SPECIAL_TOKENS)}
-    config = tiny_model.tiny_config(ids, 1088)
+    ids = {token: 1000 + i for i, (token, _) in enumerate(tiny_tokenizer.SPECIAL_TOKENS)}
+    config = synthesis.tiny_config(ids, 1088)
     text = config["text_config"]
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
@@ -195,7 +229,7 @@ def test_tiny_config_shape():
     assert sum(rope["mrope_section"]) * 2 == text["head_dim"] * rope["partial_rotary_factor"]
     assert config["image_token_id"] == ids["<|image_pad|>"] and config["video_token_id"] == ids["<|video_pad|>"]
     assert config["vision_config"]["out_hidden_size"] == text["hidden_size"]
-    assert tiny_model.round_up(2648, 64) == 2688 and tiny_model.round_up(2688, 64) == 2688
+    assert synthesis.round_up(2648, 64) == 2688 and synthesis.round_up(2688, 64) == 2688
 
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
@@ -205,19 +239,36 @@ SHORT_TRAINING = {"steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "
                   "examples": 12, "heldout_examples": 3, "threads": 2}
 
 
+def run_in_venv(script: str, stage_job: SimpleNamespace, job_file: Path) -> None:
+    """A stage as run_stage re-runs it: `python scripts/<stage>.py --job job.json` in the compress venv."""
+    job_file.write_text(json.dumps({k: vars(v) if isinstance(v, SimpleNamespace) else v
+                                    for k, v in vars(stage_job).items()}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), TOKENIZERS_PARALLELISM="false")
+    subprocess.run([str(COMPRESS), str(ROOT / "scripts" / script), "--job", str(job_file)],
+                   check=True, env=env, cwd=ROOT, timeout=600)
+
+
 def run_stage_in_venv(tmp_path, name, train=None):
-    j = job(tmp_path / name, source="synthetic", tiny={"seed": 0, "vocab_size": 4096, "train": train or {}},
+    """download, and with `train` train_tiny after it, as the tiny profile's rules run them. Returns the final
+    checkpoint and manifest; the final record is <tmp_path>/<name>/weights/m/download.json."""
+    folder = tmp_path / name
+    j = job(folder / "untrained" if train else folder, source="synthetic", tiny={"seed": 0, "vocab_size": 4096},
             corpus=CORPUS)
+    j.output.record = str(Path(j.output.manifest).with_name("download.json"))
     if train:
         j.input.generator = str(GENERATOR)
-        j.output.record = str(tmp_path / name / "download.json")
-    spec = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}
-    job_file = tmp_path / f"{name}.json"
-    job_file.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), TOKENIZERS_PARALLELISM="false")
-    subprocess.run([str(COMPRESS), str(ROOT / "scripts" / "download.py"), "--job", str(job_file)],
-                   check=True, env=env, cwd=ROOT, timeout=600)
-    return Path(j.output.checkpoint), Path(j.output.manifest)
+    run_in_venv("download.py", j, tmp_path / f"{name}.json")
+    if not train:
+        return Path(j.output.checkpoint), Path(j.output.manifest)
+    out = folder / "weights" / "m"
+    trained = SimpleNamespace(
+        rule="train_tiny", log=[], threads=2,
+        input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator=str(GENERATOR)),
+        params=SimpleNamespace(seed=0, train=train),
+        output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
+                               record=str(out / "download.json")))
+    run_in_venv("train_tiny.py", trained, tmp_path / f"{name}-train.json")
+    return Path(trained.output.checkpoint), Path(trained.output.manifest)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +278,7 @@ def built(tmp_path_factory, tiny_venvs):
 
 
 def headers(checkpoint):
-    return {path.name: tiny_model.safetensors_header(path) for path in sorted(checkpoint.glob("*.safetensors"))}
+    return {path.name: read_header(path) for path in sorted(checkpoint.glob("*.safetensors"))}
 
 
 @pytest.mark.e2e
@@ -243,7 +294,7 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
 def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
     (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_TRAINING) for name in "ab")
     assert json.loads(manifest_a.read_text()) == json.loads(manifest_b.read_text())
-    record = json.loads((tmp_path / "a" / "download.json").read_text())
+    record = json.loads((tmp_path / "a" / "weights" / "m" / "download.json").read_text())
     assert record["training"]["steps"] == 3 and record["training"]["final_loss"] < record["training"]["first_loss"]
     # training changed the weights (an untrained build is the seed-0 random model)
     untrained, _ = run_stage_in_venv(tmp_path, "c")
@@ -258,7 +309,7 @@ def test_manifest_covers_all_files(built):
     assert set(manifest) == files and all(isinstance(v, str) and len(v) == 64 for v in manifest.values())
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-            tiny_model.INDEX_FILE, tiny_model.MTP_FILE} <= files
+            synthesis.INDEX_FILE, synthesis.MTP_FILE} <= files
 
 
 @pytest.mark.e2e
@@ -271,13 +322,13 @@ def test_config_and_tokens(built):
     assert (text["hidden_size"], text["intermediate_size"], text["head_dim"], text["linear_value_head_dim"]) == (256, 512, 128, 128)
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     added = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    assert [t for t, _ in tiny_model.SPECIAL_TOKENS] == list(added)
+    assert [t for t, _ in tiny_tokenizer.SPECIAL_TOKENS] == list(added)
     assert text["vocab_size"] % 64 == 0 and max(added.values()) < text["vocab_size"]
     assert config["image_token_id"] == added["<|image_pad|>"]
     assert config["vision_start_token_id"] == added["<|vision_start|>"]
     generation = json.loads((checkpoint / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [added["<|im_end|>"], added["<|endoftext|>"]]
-    assert (checkpoint / "chat_template.jinja").read_text() == tiny_model.CHAT_TEMPLATE
+    assert (checkpoint / "chat_template.jinja").read_text() == tiny_tokenizer.CHAT_TEMPLATE
     assert json.loads((checkpoint / "processor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
 
 
@@ -285,12 +336,12 @@ def test_config_and_tokens(built):
 def test_mtp_tensors_have_vllm_names_and_are_indexed(built):
     (checkpoint, _), _ = built
     tensors = headers(checkpoint)
-    assert set(tensors[tiny_model.MTP_FILE]) == MTP_NAMES
-    assert not any(name.startswith("mtp.") for f, t in tensors.items() if f != tiny_model.MTP_FILE for name in t)
-    index = json.loads((checkpoint / tiny_model.INDEX_FILE).read_text())
+    assert set(tensors[synthesis.MTP_FILE]) == MTP_NAMES
+    assert not any(name.startswith("mtp.") for f, t in tensors.items() if f != synthesis.MTP_FILE for name in t)
+    index = json.loads((checkpoint / synthesis.INDEX_FILE).read_text())
     assert index["weight_map"] == {name: f for f, t in tensors.items() for name in t}
     h = 256
-    mtp = tensors[tiny_model.MTP_FILE]
+    mtp = tensors[synthesis.MTP_FILE]
     assert mtp["mtp.fc.weight"]["shape"] == [h, 2 * h]
     assert mtp["mtp.layers.0.self_attn.q_proj.weight"]["shape"] == [2 * 4 * 128, h]  # query + output gate
 

@@ -161,7 +161,7 @@ def test_decode_bound_counts_mtp_drafts_and_context():
 
 @pytest.mark.e2e  # the compress venv (torch, transformers)
 def test_checkpoint_builder_runs_on_the_current_tiny_model_api(tmp_path, tiny_venvs):
-    """The device-side builder uses scripts/tiny_model.py; a change there broke it once on the H100
+    """The device-side builder uses scripts/lib/tiny; a change there broke it once on the H100
     (build_tiny_checkpoint began returning {"config", "training"}). Same script, small dims, on CPU."""
     import subprocess
 

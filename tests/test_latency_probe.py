@@ -1,4 +1,4 @@
-"""latency_probe's pure parts against a fake server: prompt building, acceptance from /metrics, statistics."""
+"""The probe's pure parts (lib/probe.py, latency_probe's plot) against a fake server: prompt building, acceptance from /metrics, statistics."""
 
 import json
 import threading
@@ -7,7 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import latency_probe
-from common import StageError
+from lib import probe
+from lib.stage import StageError
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} %(drafts)s
@@ -52,7 +53,7 @@ def fake_server():
 
 def test_build_prompt_gives_exactly_n_tokens_from_cycled_pieces(fake_server):
     base_url, state = fake_server
-    prompt = latency_probe.build_prompt(base_url, "m", ["a bb ccc ", "dddd "], 7)
+    prompt = probe.build_prompt(base_url, "m", ["a bb ccc ", "dddd "], 7)
     assert [len(word) for word in prompt.split()] == [1, 2, 3, 4, 1, 2, 3]
     assert state["tokenized"] == ["a bb ccc ", "dddd "]  # each distinct piece tokenized once, never the whole
 
@@ -60,40 +61,40 @@ def test_build_prompt_gives_exactly_n_tokens_from_cycled_pieces(fake_server):
 def test_build_prompt_refuses_text_without_tokens(fake_server):
     base_url, _ = fake_server
     with pytest.raises(StageError, match="no tokens"):
-        latency_probe.build_prompt(base_url, "m", ["   "], 3)
+        probe.build_prompt(base_url, "m", ["   "], 3)
 
 
 def test_acceptance_length_from_counter_deltas(fake_server):
     base_url, state = fake_server
     state.update(drafts=10.0, accepted=4.0)
-    before = latency_probe.spec_counters(base_url)
+    before = probe.spec_counters(base_url)
     assert before == {"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_accepted_tokens": 4.0}
     state.update(drafts=30.0, accepted=34.0)
-    assert latency_probe.mean_acceptance_length(before, latency_probe.spec_counters(base_url)) == pytest.approx(2.5)
-    assert latency_probe.mean_acceptance_length(before, before) is None  # no speculation, no number
+    assert probe.mean_acceptance_length(before, probe.spec_counters(base_url)) == pytest.approx(2.5)
+    assert probe.mean_acceptance_length(before, before) is None  # no speculation, no number
 
 
 def test_summary_statistics_and_speedup():
     runs = [{"latency_ms": ms, "ttft_ms": 10.0, "itl_ms": 2.0, "output_tokens": 8} for ms in (100, 200, 300, 400)]
-    summary = latency_probe.summarize({"name": "short", "prompt_tokens": 64, "output_tokens": 8,
+    summary = probe.summarize({"name": "short", "prompt_tokens": 64, "output_tokens": 8,
                                        "baseline_ms": 500.0}, runs)
     assert summary["median_ms"] == 250 and summary["speedup"] == pytest.approx(2.0)
     assert summary["p90_ms"] == pytest.approx(370.0) and summary["p99_ms"] == pytest.approx(397.0)
-    no_baseline = latency_probe.summarize({"name": "s", "prompt_tokens": 1, "output_tokens": 8}, runs)
+    no_baseline = probe.summarize({"name": "s", "prompt_tokens": 1, "output_tokens": 8}, runs)
     assert no_baseline["speedup"] is None
 
 
 def test_varied_paragraphs_refuse_an_empty_file(tmp_path):
     (tmp_path / "empty.txt").write_text("\n \n")
     with pytest.raises(StageError, match="no text"):
-        latency_probe.varied_paragraphs(str(tmp_path / "empty.txt"))
+        probe.varied_paragraphs(str(tmp_path / "empty.txt"))
     (tmp_path / "two.txt").write_text("One.\n\nTwo.\n")
-    assert latency_probe.varied_paragraphs(str(tmp_path / "two.txt")) == ["One. ", "Two. "]
+    assert probe.varied_paragraphs(str(tmp_path / "two.txt")) == ["One. ", "Two. "]
 
 
 def test_plot_draws_both_prompt_sets(tmp_path):
     runs = [{"latency_ms": ms, "ttft_ms": 10.0, "itl_ms": 2.0, "output_tokens": 8} for ms in (100, 200, 300)]
-    categories = [dict(latency_probe.summarize({"name": name, "prompt_tokens": 64, "output_tokens": 8,
+    categories = [dict(probe.summarize({"name": name, "prompt_tokens": 64, "output_tokens": 8,
                                                 "baseline_ms": 500.0}, runs), mean_acceptance_length=1.5)
                   for name in ("short", "long")]
     result = {"categories": categories, "varied": {"categories": categories, "mean_speedup": 2.5}}

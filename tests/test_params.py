@@ -32,12 +32,13 @@ def rule_params() -> dict[str, set[str]]:
     """script file name -> the params its rule sets, read from rules/*.smk (one rule or checkpoint per file)."""
     found = {}
     for smk in (ROOT / "rules").glob("*.smk"):
-        for block in re.split(r"^(?:rule|checkpoint) ", smk.read_text(), flags=re.M)[1:]:
-            script = re.search(r'^    script:\n\s+"\.\./scripts/([\w]+\.py)"', block, re.M)
+        # A rule may sit inside an `if` (indented): match at any indentation.
+        for block in re.split(r"^\s*(?:rule|checkpoint) ", smk.read_text(), flags=re.M)[1:]:
+            script = re.search(r'^\s+script:\n\s+"\.\./scripts/(\w+\.py)"', block, re.M)
             if not script:
                 continue
-            params = re.search(r"^    params:\n((?:        .*\n|\s*\n)+)", block, re.M)
-            names = set(re.findall(r"^        (\w+)=", params.group(1), re.M)) if params else set()
+            params = re.search(r"^( +)params:\n((?:\1    .*\n|\s*\n)+)", block, re.M)
+            names = set(re.findall(r"^ +(\w+)=", params.group(2), re.M)) if params else set()
             found[script.group(1)] = names
     return found
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common import validate_json
+from lib.stage import validate_json
 from conftest import ROOT, TINY as TINY_ARGS, snakemake
 
 pytestmark = pytest.mark.e2e
@@ -55,7 +55,7 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
 
 
 def test_manifests_match_the_files(tiny_run):
-    from common import checkpoint_files, sha256_file
+    from lib.stage import checkpoint_files, sha256_file
 
     for folder, manifest in [(ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
                               ROOT / "weights" / TINY["model"]["name"] / "manifest.json"),

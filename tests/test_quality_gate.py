@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common import StageError, validate_json
+from lib.stage import StageError, validate_json
 from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
                           scores_copy_path, sse_to_completion, warnings_for)
 
@@ -298,7 +298,7 @@ import contextlib, json, sys, types
 from pathlib import Path
 from types import SimpleNamespace
 sys.path.insert(0, {scripts!r})
-from common import StageError
+from lib.stage import StageError
 import quality_gate
 
 # an offline host must name the dataset it lacks, before any server is started
@@ -318,7 +318,7 @@ except StageError as error:
 def run_container(image, **kwargs):
     print("RUN-CONTAINER " + json.dumps([image, kwargs]))
     yield SimpleNamespace(base_url={base_url!r}, alive=lambda: True, logs=lambda: "(fake)")
-sys.modules["containers"] = types.SimpleNamespace(
+sys.modules["lib.containers"] = types.SimpleNamespace(
     run_container=run_container, free_port=lambda: 1, wait_for_ping=lambda url, timeout, **kw: 0.5)
 tmp = Path({tmp!r})
 (tmp / "image.json").write_text(json.dumps({{"ref": "docker.io/library/fake:1"}}))

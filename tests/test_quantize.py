@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common import StageError, validate_json
-from quantize import (_as_chat, check_heldout, check_output, checkpoint_modules, expected_weight_bytes,
-                      load_calibration_texts, plan_targets, read_recipe, safetensors_header)
+from lib.quantize_checks import (check_heldout, check_output, checkpoint_modules, expected_weight_bytes, plan_targets,
+                                 read_recipe)
+from lib.safetensors import checkpoint_header
+from lib.stage import StageError, validate_json
+from quantize import _as_chat, load_calibration_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -267,7 +269,7 @@ def written(tmp_path):
         (out / name).write_text(text if name != "config.json" else '{"quantization_config": {}}')
     (source / ".snakemake_timestamp").write_text("")
     targeted = {PACKED: {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}}
-    expected = expected_weight_bytes(safetensors_header(source), targeted)
+    expected = expected_weight_bytes(checkpoint_header(source), targeted)
     return source, out, targeted, expected
 
 
@@ -391,7 +393,7 @@ def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     report = json.loads((out / "report.json").read_text())
     validate_json(report, REPORT_SCHEMA)
     model = out / "model"
-    header = safetensors_header(model)
+    header = checkpoint_header(model)
     packed = sorted(n[: -len(".weight_scale")] for n in header if n.endswith(".weight_scale"))
     assert report["quantized_modules"] == len(packed) == report["checks"]["expected_quantized_modules"] == count
     assert report["status"] == ("quantized" if count else "not quantized")
@@ -404,7 +406,7 @@ def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     assert heldout["top1_agreement"] >= TINY["quantize"]["min_top1_agreement"]
     assert heldout["ppl_ratio"] <= TINY["quantize"]["max_ppl_ratio"]
     weights = sum(i["bytes"] for i in header.values())
-    source = sum(i["bytes"] for i in safetensors_header(tiny_checkpoint).values())
+    source = sum(i["bytes"] for i in checkpoint_header(tiny_checkpoint).values())
     if count:
         qconfig = json.loads((model / "config.json").read_text())["quantization_config"]
         assert qconfig["config_groups"]["group_0"]["weights"]["num_bits"] == bits
@@ -459,7 +461,7 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
     shutil.copytree(runs("w8a16") / "model", broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
-    code = ("import sys; from common import StageError; from quantize import load_model\n"
+    code = ("import sys; from lib.stage import StageError; from lib.quantize_checks import load_model\n"
             f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
             "except StageError as e: print(e); sys.exit(3)\n")
     result = subprocess.run([str(tiny_venvs["compress"]), "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -5,23 +5,17 @@ and measures two more variants. It replaces image.tar.gz with the selected varia
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
-from common import validate_json
-from conftest import ROOT, TINY, snakemake
+from lib.stage import validate_json
+from conftest import ROOT, TINY_SWEEP, snakemake
 
 pytestmark = pytest.mark.e2e
 
-SWEEP = [*TINY, "config/tiny-sweep.yaml"]
+SWEEP = TINY_SWEEP  # the sweep runs once, in conftest's session fixture tiny_sweep
 VARIANTS = {"tiny-bf16-mtp1", "tiny-awq-mtp1", "tiny-awq-k2"}
 RESULTS = ROOT / "results"
-
-
-@pytest.fixture(scope="module")
-def tiny_sweep(tiny_run):
-    return snakemake("--cores", "2", *SWEEP)
 
 
 def test_summary_covers_every_variant_with_both_speedups(tiny_sweep):

@@ -9,7 +9,7 @@ import compare
 import select_variant
 from lib import sweeps
 import tarball
-from common import StageError, validate_json
+from lib.stage import StageError, validate_json
 from conftest import ROOT
 
 BASE = {"recipe": "recipes/awq-w4a16-g32-broad.yaml", "serve": {"max_num_seqs": 8, "dtype": "bfloat16"},

@@ -7,7 +7,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 import tarball
-from common import StageError
+from lib.stage import StageError
 
 
 def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 import build_image
-import containers
 import verify_image
-from common import StageError, sha256_file, validate_json
 from conftest import ROOT, TINY, snakemake
+from lib import containers, docker_archive
+from lib.stage import StageError, sha256_file, validate_json
 
 REF = "docker.io/library/qwen35-tiny:tiny-awq-mtp1"
 ENV = ["PATH=/usr/bin:/bin", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "HF_DATASETS_OFFLINE=1"]
@@ -73,7 +73,7 @@ def make_archive(path: Path, *, tags=("qwen35-tiny:tiny-awq-mtp1",), env=ENV, la
 def test_a_good_archive_passes_and_is_recorded(tmp_path):
     path = tmp_path / "image.tar.gz"
     image_id = make_archive(path)
-    record = verify_image.verify_archive(path, REF, LABELS, image_id)
+    record = docker_archive.verify_archive(path, REF, LABELS, image_id)
     assert record["archive_sha256"] == sha256_file(path)
     assert record["image_id"] == image_id
     assert record["labels"] == LABELS
@@ -107,7 +107,7 @@ def test_each_failed_check_is_named(tmp_path, changes, message):
     path = tmp_path / "image.tar.gz"
     image_id = make_archive(path, **changes)
     with pytest.raises(StageError) as error:
-        verify_image.verify_archive(path, REF, LABELS, image_id)
+        docker_archive.verify_archive(path, REF, LABELS, image_id)
     assert message in str(error.value)
     assert str(error.value).count("\n  - ") == 1, str(error.value)  # that check, and only it, failed
 
@@ -116,22 +116,22 @@ def test_a_corrupted_layer_names_both_digests(tmp_path):
     path = tmp_path / "image.tar.gz"
     make_archive(path, corrupt=0)
     with pytest.raises(StageError, match=r"layer 0 \(.*\) has digest sha256:\w+, but the config's diff_id is"):
-        verify_image.verify_archive(path, REF, LABELS)
+        docker_archive.verify_archive(path, REF, LABELS)
 
 
 def test_all_failures_are_reported_together(tmp_path):
     path = tmp_path / "image.tar.gz"
     make_archive(path, tags=("x:y",), env=["PATH=/bin"], labels={})
     with pytest.raises(StageError) as error:
-        verify_image.verify_archive(path, REF, LABELS)
-    assert str(error.value).count("\n  - ") == 1 + len(verify_image.OFFLINE_ENV) + len(LABELS)  # tag, env, labels
+        docker_archive.verify_archive(path, REF, LABELS)
+    assert str(error.value).count("\n  - ") == 1 + len(docker_archive.OFFLINE_ENV) + len(LABELS)  # tag, env, labels
 
 
 def test_another_image_id_fails(tmp_path):
     path = tmp_path / "image.tar.gz"
     make_archive(path)
     with pytest.raises(StageError, match="is not the built image's id sha256:beef"):
-        verify_image.verify_archive(path, REF, LABELS, "sha256:beef")
+        docker_archive.verify_archive(path, REF, LABELS, "sha256:beef")
 
 
 def test_a_truncated_archive_fails_clearly(tmp_path):
@@ -139,7 +139,7 @@ def test_a_truncated_archive_fails_clearly(tmp_path):
     make_archive(path)
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(StageError, match="not a readable gzipped tar archive"):
-        verify_image.verify_archive(path, REF, LABELS)
+        docker_archive.verify_archive(path, REF, LABELS)
 
 
 @pytest.mark.parametrize("entry", ["HF_TOKEN=hf_" + "a1B2" * 8, "GITHUB=ghp_" + "Z9" * 18, "AWS=AKIAABCDEFGHIJKLMNOP",
@@ -148,7 +148,7 @@ def test_a_secret_in_the_env_fails_without_being_printed(tmp_path, entry):
     path = tmp_path / "image.tar.gz"
     make_archive(path, env=[*ENV, entry])
     with pytest.raises(StageError) as error:
-        verify_image.verify_archive(path, REF, LABELS)
+        docker_archive.verify_archive(path, REF, LABELS)
     key, _, value = entry.partition("=")
     assert f"env {key} looks like it holds a secret" in str(error.value)
     assert value not in str(error.value)
@@ -159,7 +159,7 @@ def test_a_secret_in_a_label_fails(tmp_path):
     path = tmp_path / "image.tar.gz"
     make_archive(path, labels=labels)
     with pytest.raises(StageError, match="label io.qwen35-serve.note looks like it holds a secret"):
-        verify_image.verify_archive(path, REF, labels)
+        docker_archive.verify_archive(path, REF, labels)
 
 
 def test_the_dockerfile_sets_every_label_from_its_arg():
@@ -316,7 +316,7 @@ def test_smoke_image_without_running(monkeypatch, mode, daemon, outcome):
 
 def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_server):
     path = tmp_path / "image.tar.gz"
-    record = verify_image.verify_archive(path, REF, LABELS, make_archive(path))
+    record = docker_archive.verify_archive(path, REF, LABELS, make_archive(path))
     schema = ROOT / "schemas" / "verify.schema.yaml"
     validate_json(dict(record, smoke={"ran": False, "reason": "no Docker daemon answers"}), schema)
     endpoints, _ = verify_image.smoke_endpoints(fake_server, "m")
@@ -353,7 +353,7 @@ def test_the_buildah_build_is_stamped_1970(monkeypatch, tmp_path):
 TINY_CONFIG = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 VARIANT = TINY_CONFIG["variant"]
 RECIPE_STEM = Path(TINY_CONFIG["variants"][VARIANT]["recipe"]).stem  # quantize runs once per recipe
-# Independent of verify_image.SECRET_PATTERNS on purpose: this test must not share a bug with the code it checks.
+# Independent of docker_archive.SECRET_PATTERNS on purpose: this test must not share a bug with the code it checks.
 TOKEN_LIKE = [r"hf_[A-Za-z0-9]{16,}", r"ghp_[A-Za-z0-9]{16,}", r"AKIA[0-9A-Z]{16}", r"(?i)token=", r"(?i)password"]
 
 
@@ -369,7 +369,7 @@ def test_tiny_image_is_verified_with_its_provenance(tiny_verified):
     record = tiny_verified
     assert record["repo_tags"] == [f"{TINY_CONFIG['image']['name']}:{VARIANT}"]
     assert record["archive_sha256"] == (ROOT / "image.tar.gz.sha256").read_text().split()[0]
-    assert set(record["files"]) == set(verify_image.REQUIRED_FILES) and record["cache_files"] > 0
+    assert set(record["files"]) == set(docker_archive.REQUIRED_FILES) and record["cache_files"] > 0
     labels = record["labels"]
     assert set(build_image.LABEL_ARGS.values()) <= set(labels)
     assert labels["io.qwen35-serve.variant"] == VARIANT

@@ -1,5 +1,5 @@
 """Learning-curve experiment for the tiny profile's training (issue #5): trains the tiny model with the
-pipeline's own code (download.training_plan, tiny_model.build_tiny_checkpoint) and reports the training record
+pipeline's own code (lib.tiny.training.training_plan, lib.tiny.synthesis.build_tiny_checkpoint) and reports the training record
 and greedy transformers answers on the committed tiny_mc / tiny_mc_think test splits (a quick proxy for the
 gate, which scores through vLLM and lm-eval). `--device cuda` runs it on a GPU (not deterministic).
 
@@ -12,7 +12,9 @@ import json, sys, time, importlib.util, argparse
 from pathlib import Path
 ROOT = Path(sys.argv[1]).resolve()
 sys.path.insert(0, str(ROOT / "scripts"))
-import tiny_model, download
+from lib.tiny.synthesis import build_tiny_checkpoint
+from lib.tiny.tokenizer import train_tokenizer
+from lib.tiny.training import load_generator, training_plan
 ap = argparse.ArgumentParser()
 ap.add_argument("root"); ap.add_argument("out")
 ap.add_argument("--steps", type=int, default=5); ap.add_argument("--batch", type=int, default=16)
@@ -21,10 +23,10 @@ ap.add_argument("--device", default="cpu"); ap.add_argument("--threads", type=in
 ap.add_argument("--dims", default="{}"); ap.add_argument("--warmup", type=int, default=10)
 ap.add_argument("--eval", type=int, default=0); ap.add_argument("--cot", type=int, default=0); ap.add_argument("--seed", type=int, default=0)
 a = ap.parse_args()
-gen = download.load_generator(ROOT / "data/tiny/tasks/generate.py")
+gen = load_generator(ROOT / "data/tiny/tasks/generate.py")
 train = {"steps": a.steps, "lr": a.lr, "warmup_steps": a.warmup, "batch_size": a.batch, "seed": a.seed, "data_seed": 1000 + a.seed,
          "examples": a.examples, "heldout_examples": 60, "threads": a.threads}
-plan = download.training_plan(train, gen); plan["device"] = a.device
+plan = training_plan(train, gen); plan["device"] = a.device
 import re as _re
 # per task: how its prompt lists the options, and the reasoned answer to train instead
 COT = {"tiny_mc": (r"^([ABCD])\. (.*)$", "{word} is {q}. The answer is ({letter})."),
@@ -43,9 +45,9 @@ if a.cot:
     plan["heldout"] = [_cot(c) for c in plan["heldout"]]
     print("EXAMPLE", [c["answer"] for c in plan["conversations"][:3]], flush=True)
 out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-tiny_model.train_tokenizer(ROOT / "data/tiny/corpus.txt", 4096, out, extra_text=gen.tokenizer_text())
+train_tokenizer(ROOT / "data/tiny/corpus.txt", 4096, out, extra_text=gen.tokenizer_text())
 t0 = time.time()
-res = tiny_model.build_tiny_checkpoint(out, 0, out, train=plan, **json.loads(a.dims))
+res = build_tiny_checkpoint(out, 0, out, train=plan, **json.loads(a.dims))
 print("TRAIN", json.dumps(res["training"]), "wall", round(time.time() - t0, 1), flush=True)
 if a.eval:
     import torch, re

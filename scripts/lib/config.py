@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
-import yaml
 
 from lib import sweeps
+from lib.schema import SCHEMA_PATH
+from lib.schema import load as schema
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from serving import settings as serve_settings  # noqa: E402
 
-SCHEMA_PATH = ROOT / "schemas" / "config.schema.yaml"
 # Folders under results/ that are not variants.
 RESERVED_NAMES = {"base_image", "quantize", "plots"}
 
@@ -35,10 +35,6 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str], source: str = ""):
         self.problems = problems
         super().__init__(f"invalid configuration{f' ({source})' if source else ''}:\n  " + "\n  ".join(problems))
-
-
-def schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
 def schema_problems(config: dict, note: str = "") -> list[str]:

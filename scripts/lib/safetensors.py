@@ -21,3 +21,16 @@ def checkpoint_header(directory: str | Path) -> dict[str, dict]:
     """Tensor name -> {dtype, shape, bytes}, over every shard of a checkpoint folder (no tensor is read)."""
     return {name: {"dtype": info["dtype"], "shape": info["shape"], "bytes": tensor_bytes(info)}
             for shard in sorted(Path(directory).glob("*.safetensors")) for name, info in read_header(shard).items()}
+
+
+def model_part(tensor: str) -> str:
+    """Which part of a Qwen3.5 checkpoint a tensor belongs to: decoder, lm_head, embed_tokens, mtp or vision."""
+    if tensor.startswith("mtp."):
+        return "mtp"
+    if "visual" in tensor:
+        return "vision"
+    if "embed_tokens" in tensor:
+        return "embed_tokens"
+    if tensor.startswith("lm_head"):
+        return "lm_head"
+    return "decoder"

@@ -22,7 +22,7 @@ def load_generator(path: str | Path):
 
 def training_plan(train: dict, generator) -> dict | None:
     """train_model's arguments from the config's `model.tiny.train` (None when steps is 0: a random model)."""
-    if int(train.get("steps", 0)) <= 0:
+    if int(train["steps"]) <= 0:
         return None
     tests = generator.test_docs()
     conversations = generator.train_conversations(int(train["data_seed"]), int(train["examples"]), tests)
