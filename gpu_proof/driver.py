@@ -9,7 +9,7 @@ STATE/results (then re-packs STATE/results.tar.gz, so whatever is done survives 
   quantize-*    scripts/quantize.py with llmcompressor on CUDA (gpu_proof/quantize_variant.py)
   serve-*       `python3 -m serving` (serving/launch.py -> vLLM's OpenAI server) with config.yaml's real serve
                 settings; cold start to /ping; lib.probe.warm_up + lib.cache_tar.deterministic_tar; a second start
-                from the baked cache; lib.probe.probe / probe_set; decode time per token against the
+                from the baked cache; lib.probe.probe; decode time per token against the
                 bandwidth bound
 
 A step that succeeded leaves STATE/done/<step>; a relaunch skips those (fix, resend, relaunch).
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from lib.cache_tar import deterministic_tar  # noqa: E402
 from lib.containers import free_port, wait_for_ping  # noqa: E402
-from lib.probe import probe, probe_set, warm_up  # noqa: E402
+from lib.probe import probe, warm_up  # noqa: E402
 from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 
@@ -296,15 +296,12 @@ class Driver:
         settings_probe = self.probe_settings()
         model_name = settings["served_model_name"]
         started = time.monotonic()
-        if spec["sets"] == "both":
-            result = probe(base, model_name, settings_probe, str(ROOT / settings_probe["varied_text"]), log=self.log)
-        else:
-            result = probe_set(base, model_name, settings_probe, [settings_probe["sentence"]], log=self.log)
-            result["varied"] = None
+        if spec["sets"] != "both":  # the competition's set only
+            settings_probe = dict(settings_probe, sets=["repeated"])
+        result = probe(base, model_name, settings_probe, str(ROOT / settings_probe["varied_text"]), log=self.log)
         result.update(warmup=settings_probe["warmup"], runs=settings_probe["runs"],
                       ignore_eos=settings_probe["ignore_eos"], seconds=round(time.monotonic() - started, 1),
-                      prompt_sets="repeated sentence and varied text" if spec["sets"] == "both"
-                      else "repeated sentence only")
+                      prompt_sets=", ".join(result["prompt_sets"]))  # a string, as in the committed records
         record["probe"] = result
         record["decode"] = self.decode_analysis(record, spec)
         self.record(name, record)

@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-from lib import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config_lib.py
+from lib import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config.py
 
 # Schema (naming every bad key), cross-field and file checks, sweep expansion: before any job runs.
 try:
@@ -35,18 +35,12 @@ if "host_share" not in workflow.global_resources:
     workflow.register_resource("host_share", 100)
 
 
-def tiny_training_inputs():
-    """The generator of the tiny model's training conversations and the test splits it keeps out of them."""
-    generator = Path(TINY_TRAIN["generator"])
-    return {"generator": str(generator), "test_splits": sorted(str(p) for p in generator.parent.glob("*.test.jsonl"))}
-
-
-def project_files(folder):
-    """Files under a project folder as inputs; bytecode caches come and go and must not trigger reruns."""
-    return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-
-
+project_files = pipeline_config.project_files
 SERVING_FILES = project_files("serving")
+
+
+def tiny_training_inputs():
+    return pipeline_config.tiny_training_inputs(TINY_TRAIN)
 
 
 wildcard_constraints:

@@ -16,6 +16,7 @@ if TRAINED:
         params:
             seed=config["model"]["tiny"]["seed"],
             train=TINY_TRAIN,
+            sentence=config["probe"]["sentence"],  # the latency probe's repeated sentence, among the repeated-text examples
         threads: TINY_TRAIN["threads"]  # fixes torch's thread count: the training is deterministic for a given count
         resources:
             mem_mb=16000,

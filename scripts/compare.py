@@ -2,7 +2,9 @@
 and draw the comparison: speedup vs each quality score (Pareto front marked), latency per category, K sweeps.
 
 Two speedups per category: against the config's baseline_ms (the competition's A10G numbers) and against a BF16
-variant measured on this host by the same probe (the reference), when one is compared.
+variant measured on this host by the same probe (the reference), when one is compared. Both come for every prompt set
+the probe timed (lib.probe.PROMPT_SETS: the competition's repeated sentence, varied text, fresh prompts), side by
+side: the competition's set is what select ranks by, the fresh set what a new user sees.
 """
 
 import csv
@@ -12,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from lib.gate import failed_tasks
+from lib.probe import COMPETITION_SET, PROMPT_SETS, prompt_sets
 from lib.stage import StageError, validate_json, write_json
 
 
@@ -62,6 +65,43 @@ def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> set[st
     return front
 
 
+def category_row(category: dict, reference_median: float | None) -> dict:
+    return {
+        "median_ms": category["median_ms"], "p90_ms": category["p90_ms"],
+        "ttft_median_ms": category["ttft_median_ms"], "itl_median_ms": category["itl_median_ms"],
+        "speedup_vs_baseline": category["speedup"],
+        "speedup_vs_reference": reference_median / category["median_ms"] if reference_median else None,
+        "mean_acceptance_length": category["mean_acceptance_length"],
+        "prefix_cache_hit_rate": (category.get("prefix_cache") or {}).get("hit_rate"),
+    }
+
+
+def geomean(values) -> float:
+    return math.exp(statistics.mean(math.log(v) for v in values))
+
+
+def set_rows(latency: dict, reference_latency: dict | None) -> dict[str, dict | None]:
+    """Per prompt set (None where not probed): its categories' rows and the set's means."""
+    sets = prompt_sets(latency)
+    reference_sets = prompt_sets(reference_latency) if reference_latency else {}
+    out: dict[str, dict | None] = {}
+    for name in PROMPT_SETS:
+        if name not in sets:
+            out[name] = None
+            continue
+        ref = {c["name"]: c["median_ms"] for c in reference_sets[name]["categories"]} if name in reference_sets else {}
+        categories = {c["name"]: category_row(c, ref.get(c["name"])) for c in sets[name]["categories"]}
+        hit_rates = [c["prefix_cache_hit_rate"] for c in categories.values()]
+        out[name] = {"categories": categories, "summary": {
+            "mean_speedup_vs_baseline": sets[name]["mean_speedup"],
+            "mean_speedup_vs_reference": mean_or_none(c["speedup_vs_reference"] for c in categories.values()),
+            "geomean_latency_ms": geomean(c["median_ms"] for c in categories.values()),
+            "mean_acceptance_length": mean_or_none(c["mean_acceptance_length"] for c in categories.values()),
+            "prefix_cache_hit_rate": mean_or_none(hit_rates),
+        }}
+    return out
+
+
 def build_summary(variants: list[dict], latencies: list[dict], qualities: list[dict],
                   quantize_reports: dict[str, dict], explicit_reference: str | None) -> dict:
     """The summary record (schemas/summary.schema.yaml); variants, latencies and qualities are in one order."""
@@ -74,27 +114,9 @@ def build_summary(variants: list[dict], latencies: list[dict], qualities: list[d
     rows = []
     for variant, latency, quality in zip(variants, latencies, qualities):
         name, reference = variant["name"], reference_of[variant["name"]]
-        ref_medians = {c["name"]: c["median_ms"] for c in latency_of[reference]["categories"]} if reference else {}
-        ref_varied = ({c["name"]: c["median_ms"] for c in latency_of[reference]["varied"]["categories"]}
-                      if reference else {})
-        per_category = {}
-        for category in latency["categories"]:
-            ref = ref_medians.get(category["name"])
-            per_category[category["name"]] = {
-                "median_ms": category["median_ms"], "p90_ms": category["p90_ms"],
-                "ttft_median_ms": category["ttft_median_ms"], "itl_median_ms": category["itl_median_ms"],
-                "speedup_vs_baseline": category["speedup"],
-                "speedup_vs_reference": ref / category["median_ms"] if ref else None,
-                "mean_acceptance_length": category["mean_acceptance_length"],
-            }
-        varied = {}
-        for category in latency["varied"]["categories"]:
-            ref = ref_varied.get(category["name"])
-            varied[category["name"]] = {"median_ms": category["median_ms"],
-                                        "speedup_vs_reference": ref / category["median_ms"] if ref else None,
-                                        "mean_acceptance_length": category["mean_acceptance_length"]}
+        sets = set_rows(latency, latency_of[reference] if reference else None)
+        competition = sets[COMPETITION_SET]
         report = quantize_reports[variant["recipe_key"]]
-        medians = [c["median_ms"] for c in per_category.values()]
         rows.append({
             "variant": name,
             "recipe": variant["recipe"],
@@ -105,12 +127,13 @@ def build_summary(variants: list[dict], latencies: list[dict], qualities: list[d
             "speculative": variant["speculative"],
             "max_num_seqs": variant["serve"]["max_num_seqs"],
             "reference": reference,
-            "latency": per_category,
-            "varied_latency": varied,
-            "mean_speedup_vs_baseline": latency["mean_speedup"],
-            "mean_speedup_vs_reference": mean_or_none(c["speedup_vs_reference"] for c in per_category.values()),
-            "geomean_latency_ms": math.exp(statistics.mean(math.log(m) for m in medians)),
-            "mean_acceptance_length": mean_or_none(c["mean_acceptance_length"] for c in per_category.values()),
+            "latency": competition["categories"],
+            "varied_latency": sets["varied"]["categories"] if sets["varied"] else None,
+            "fresh_latency": sets["fresh"]["categories"] if sets["fresh"] else None,
+            **competition["summary"],
+            "prompt_sets": {set_name: rows_of["summary"] if rows_of else None for set_name, rows_of in sets.items()},
+            "fresh_vs_competition": (competition["summary"]["geomean_latency_ms"]
+                                     / sets["fresh"]["summary"]["geomean_latency_ms"] if sets["fresh"] else None),
             "quality": {t["name"]: t["score"] for t in quality["tasks"]},
             "gate_passed": bool(quality["passed"]),
             "gate_failures": failed_tasks(quality["tasks"]),
@@ -122,17 +145,31 @@ def build_summary(variants: list[dict], latencies: list[dict], qualities: list[d
         front = pareto_front({r["variant"]: (r["quality"].get(task), s) for r, s in zip(rows, speed)})
         for row in rows:
             row["pareto"][task] = row["variant"] in front
+    probed = [name for name in PROMPT_SETS if any(row["prompt_sets"][name] for row in rows)]
     return {"categories": categories, "tasks": tasks, "reference": explicit_reference, "speed_axis": label,
-            "variants": rows}
+            "competition_set": COMPETITION_SET, "prompt_sets": probed, "variants": rows}
 
 
 def speed_axis(rows: list[dict]) -> tuple[str, list[float]]:
-    """What 'faster' is plotted as: speedup vs the config baselines, else vs the BF16 reference, else 1/latency."""
+    """What 'faster' is plotted as: speedup vs the config baselines, else vs the BF16 reference, else 1/latency
+    (on the competition's prompt set)."""
     if all(r["mean_speedup_vs_baseline"] is not None for r in rows):
         return "mean speedup vs baseline_ms", [r["mean_speedup_vs_baseline"] for r in rows]
     if all(r["mean_speedup_vs_reference"] is not None for r in rows):
         return "mean speedup vs BF16 (same host)", [r["mean_speedup_vs_reference"] for r in rows]
     return "1000 / geomean latency (1/s)", [1000 / r["geomean_latency_ms"] for r in rows]
+
+
+def set_speed(row: dict, set_name: str, label: str) -> float | None:
+    """The row's speed on one prompt set, on the axis speed_axis chose (None where that set was not probed)."""
+    values = row["prompt_sets"][set_name]
+    if values is None:
+        return None
+    if label.startswith("mean speedup vs baseline"):
+        return values["mean_speedup_vs_baseline"]
+    if label.startswith("mean speedup vs BF16"):
+        return values["mean_speedup_vs_reference"]
+    return 1000 / values["geomean_latency_ms"]
 
 
 def fmt(value, spec=".2f") -> str:
@@ -141,18 +178,39 @@ def fmt(value, spec=".2f") -> str:
     return format(value, spec) if isinstance(value, float) else str(value)
 
 
+def per_set(row: dict, sets: list[str], key: str, spec=".2f") -> str:
+    """'1.20 / 1.05 / 0.98': one value per prompt set, in `sets` order."""
+    return " / ".join(fmt((row["prompt_sets"][name] or {}).get(key), spec) for name in sets)
+
+
+CATEGORY_KEYS = ("median_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_reference", "mean_acceptance_length",
+                 "prefix_cache_hit_rate")
+SET_KEYS = ("mean_speedup_vs_baseline", "mean_speedup_vs_reference", "geomean_latency_ms", "mean_acceptance_length",
+            "prefix_cache_hit_rate")
+
+
 def csv_rows(summary: dict) -> list[dict]:
+    """One row per variant; the competition's set's columns unprefixed (as before), every set's with its name."""
     out = []
     for row in summary["variants"]:
         flat = {k: row[k] for k in ("variant", "recipe_key", "weight_bits", "model_bytes", "max_num_seqs", "reference",
                                     "mean_speedup_vs_baseline", "mean_speedup_vs_reference", "geomean_latency_ms",
-                                    "mean_acceptance_length", "gate_passed")}
+                                    "mean_acceptance_length", "prefix_cache_hit_rate", "fresh_vs_competition",
+                                    "gate_passed")}
         flat["speculative_method"], flat["speculative_k"] = row["speculative"]["method"], row["speculative"]["k"]
         for category in summary["categories"]:
-            values = row["latency"][category]
-            for key in ("median_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_reference", "mean_acceptance_length"):
-                flat[f"{category}_{key}"] = values[key]
-            flat[f"varied_{category}_median_ms"] = row["varied_latency"][category]["median_ms"]
+            for key in CATEGORY_KEYS:
+                flat[f"{category}_{key}"] = row["latency"][category][key]
+        for set_name in PROMPT_SETS:
+            values = row["prompt_sets"][set_name] or {}
+            for key in SET_KEYS:
+                flat[f"{set_name}_{key}"] = values.get(key)
+            if set_name == COMPETITION_SET:
+                continue
+            categories = row[f"{set_name}_latency"] or {}
+            for category in summary["categories"]:
+                for key in CATEGORY_KEYS:
+                    flat[f"{set_name}_{category}_{key}"] = (categories.get(category) or {}).get(key)
         for task in summary["tasks"]:
             flat[f"{task}_score"] = row["quality"][task]
             flat[f"{task}_pareto"] = row["pareto"][task]
@@ -160,24 +218,49 @@ def csv_rows(summary: dict) -> list[dict]:
     return out
 
 
+SET_NOTES = {
+    "repeated": "the competition's prompts, one sentence repeated (select ranks by it)",
+    "varied": "varied natural text, one prompt per category reused by its runs",
+    "fresh": "a new prompt for every request, so no reuse across requests can help: what a new user sees",
+}
+
+
 def markdown(summary: dict) -> str:
-    cats, tasks = summary["categories"], summary["tasks"]
-    header = (["variant", "recipe", "bits", "weights MB", "spec", "seqs", "speedup vs baseline", "speedup vs BF16"]
-              + [f"{c} median ms" for c in cats] + ["accept len"] + tasks + ["gate"])
+    cats, tasks, sets = summary["categories"], summary["tasks"], summary["prompt_sets"]
+    names = " / ".join(sets)
+    header = (["variant", "recipe", "bits", "weights MB", "spec", "seqs", f"speedup vs baseline ({names})",
+               f"speedup vs BF16 ({names})"] + [f"{c} median ms" for c in cats] + [f"accept len ({names})"]
+              + tasks + ["gate"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
         spec = row["speculative"]
         cells = [row["variant"], row["recipe_key"], str(row["weight_bits"]), f"{row['model_bytes'] / 1e6:.1f}",
                  "none" if spec["method"] == "none" else f"{spec['method']} K={spec['k']}", str(row["max_num_seqs"]),
-                 fmt(row["mean_speedup_vs_baseline"]), fmt(row["mean_speedup_vs_reference"])]
+                 per_set(row, sets, "mean_speedup_vs_baseline"), per_set(row, sets, "mean_speedup_vs_reference")]
         cells += [fmt(row["latency"][c]["median_ms"], ".0f") for c in cats]
-        cells.append(fmt(row["mean_acceptance_length"]))
+        cells.append(per_set(row, sets, "mean_acceptance_length"))
         cells += [fmt(row["quality"][t], ".3f") + (" *" if row["pareto"][t] else "") for t in tasks]
         cells.append("pass" if row["gate_passed"] else "FAIL: " + "; ".join(row["gate_failures"]))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Speedup vs baseline: mean over categories of the config's baseline_ms / median (competition-style "
-              "prompts). Speedup vs BF16: against the unquantized variant measured here (`reference` in "
-              "summary.json). * = on the Pareto front of speed and that score."]
+    lines += ["", "Speedup vs baseline: mean over categories of the config's baseline_ms / median. Speedup vs BF16: "
+              "against the unquantized variant measured here (`reference` in summary.json). Both per prompt set: "
+              + "; ".join(f"{name}: {SET_NOTES[name]}" for name in sets)
+              + ". Medians: the competition's set. * = on the Pareto front of speed (competition's set) and that "
+              "score.", "", "Per prompt set (prefix-cache hit rate: vllm:prefix_cache_hits / queries over the timed "
+              "runs, - when prefix caching is off):", ""]
+    header = (["variant", "prompt set"] + [f"{c} median ms" for c in cats]
+              + ["speedup vs baseline", "speedup vs BF16", "accept len", "prefix-cache hits"])
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in summary["variants"]:
+        for set_name in sets:
+            values = row["prompt_sets"][set_name]
+            if values is None:
+                continue
+            categories = row["latency"] if set_name == COMPETITION_SET else row[f"{set_name}_latency"]
+            cells = [row["variant"], set_name] + [fmt(categories[c]["median_ms"], ".0f") for c in cats]
+            cells += [fmt(values["mean_speedup_vs_baseline"]), fmt(values["mean_speedup_vs_reference"]),
+                      fmt(values["mean_acceptance_length"]), fmt(values["prefix_cache_hit_rate"], ".0%")]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,20 +299,49 @@ def plot_speedup_vs_quality(summary: dict, path) -> None:
 
 
 def plot_latency_per_category(summary: dict, path) -> None:
+    """One panel per prompt set (median per category and variant, whisker p90; one y scale) and one with every
+    variant's speed on each set side by side: the gap between the competition's prompts and fresh ones."""
     plt = pyplot()
-    rows, cats = summary["variants"], summary["categories"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cats) * max(1, len(rows)) / 2), 4.5))
+    rows, cats, sets = summary["variants"], summary["categories"], summary["prompt_sets"]
+    panel_width = max(7.0, 1.6 * len(cats) * max(1, len(rows)) / 2)
+    fig, axes = plt.subplots(len(sets) + 1, 1, figsize=(panel_width, 3.6 * (len(sets) + 1)), squeeze=False)
+    axes = axes[:, 0]
     width = 0.8 / max(1, len(rows))
-    for i, row in enumerate(rows):
-        xs = [c + (i - (len(rows) - 1) / 2) * width for c in range(len(cats))]
-        medians = [row["latency"][c]["median_ms"] for c in cats]
-        upper = [row["latency"][c]["p90_ms"] - m for c, m in zip(cats, medians)]
-        ax.bar(xs, medians, width, yerr=[[0] * len(cats), upper], capsize=2, label=row["variant"])
-    ax.set_xticks(range(len(cats)), cats)
-    ax.set_ylabel("median latency, ms (whisker: p90)")
-    ax.set_title("Latency per category (competition-style prompts)")
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
+    top = 0.0
+    for ax, set_name in zip(axes, sets, strict=False):  # the last axis is the gap panel
+        for i, row in enumerate(rows):
+            categories = row["latency"] if set_name == COMPETITION_SET else row[f"{set_name}_latency"]
+            if not categories:
+                continue
+            xs = [c + (i - (len(rows) - 1) / 2) * width for c in range(len(cats))]
+            medians = [categories[c]["median_ms"] for c in cats]
+            upper = [categories[c]["p90_ms"] - m for c, m in zip(cats, medians, strict=True)]
+            top = max(top, max(m + u for m, u in zip(medians, upper, strict=True)))
+            ax.bar(xs, medians, width, yerr=[[0] * len(cats), upper], capsize=2, label=row["variant"], color=f"C{i}")
+        ax.set_xticks(range(len(cats)), cats)
+        ax.set_title(f"{set_name} prompts" + (" (the competition's; select ranks by them)"
+                                              if set_name == COMPETITION_SET else ""), fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in axes[:len(sets)]:
+        ax.set_ylim(0, top * 1.08 if top else 1)
+    for ax in axes[:len(sets)]:
+        ax.set_ylabel("median ms (whisker: p90)")
+    axes[0].legend(fontsize=7, ncol=2)
+    gap = axes[-1]
+    label, _ = speed_axis(rows)
+    set_width = 0.8 / len(sets)
+    for j, set_name in enumerate(sets):
+        xs = [i + (j - (len(sets) - 1) / 2) * set_width for i in range(len(rows))]
+        values = [set_speed(row, set_name, label) for row in rows]
+        shown = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]
+        gap.bar([x for x, _ in shown], [v for _, v in shown], set_width, label=set_name, hatch=["", "//", ".."][j % 3],
+                color=f"C{len(rows) + j}")
+    gap.set_xticks(range(len(rows)), [row["variant"] for row in rows], rotation=20, ha="right", fontsize=7)
+    gap.set_ylabel(label)
+    gap.set_title("speed per prompt set: the gap between the competition's prompts and fresh ones", fontsize=10)
+    gap.legend(fontsize=7)
+    gap.grid(axis="y", alpha=0.3)
+    fig.suptitle("Latency per category and prompt set")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -257,7 +369,10 @@ def plot_k_sweep(summary: dict, path) -> None:
         left.text(0.5, 0.5, "no K sweep among the compared variants", ha="center", va="center")
     for key, rows in groups.items():
         ks = [r["speculative"]["k"] for r in rows]
-        left.plot(ks, [r["mean_acceptance_length"] for r in rows], marker="o", label=key)
+        for set_name, style in zip(PROMPT_SETS, ("-", "--", ":"), strict=True):
+            values = [(r["prompt_sets"][set_name] or {}).get("mean_acceptance_length") for r in rows]
+            if any(v is not None for v in values):
+                left.plot(ks, values, marker="o", ls=style, label=f"{key}: {set_name}")
         for category in summary["categories"]:
             right.plot(ks, [r["latency"][category]["median_ms"] for r in rows], marker="o", label=f"{key}: {category}")
     if groups:

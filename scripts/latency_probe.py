@@ -3,37 +3,47 @@
 import json
 from pathlib import Path
 
-from lib.probe import probe
+from lib.probe import probe, prompt_sets
 from lib.stage import validate_json, write_json
 
 
+SET_LABELS = {"repeated": "repeated sentence (competition)", "varied": "varied text", "fresh": "fresh prompts"}
+
+
 def plot(result: dict, title: str, path) -> None:
-    """Median latency per category for both prompt sets (whisker: p90), the config baseline and the speedup."""
+    """Median latency per category for every prompt set probed (whisker: p90), the config baseline, and per bar the
+    speedup, MTP acceptance length and prefix-cache hit rate."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a build host
     import matplotlib.pyplot as plt
 
+    sets = prompt_sets(result)
     names = [c["name"] for c in result["categories"]]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for offset, (label, categories) in zip((-0.2, 0.2), [("repeated sentence", result["categories"]),
-                                                         ("varied text", result["varied"]["categories"])]):
+    width = 0.8 / len(sets)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, prompt_set) in enumerate(sets.items()):
+        categories = prompt_set["categories"]
         medians = [c["median_ms"] for c in categories]
         upper = [c["p90_ms"] - c["median_ms"] for c in categories]
-        xs = [i + offset for i in range(len(names))]
-        ax.bar(xs, medians, 0.4, yerr=[[0] * len(xs), upper], capsize=3, label=label)
-        for x, c in zip(xs, categories):
+        xs = [x + (i - (len(sets) - 1) / 2) * width for x in range(len(names))]
+        speedup = f", {prompt_set['mean_speedup']:.2f}x" if prompt_set.get("mean_speedup") else ""
+        ax.bar(xs, medians, width, yerr=[[0] * len(xs), upper], capsize=3, label=SET_LABELS[name] + speedup)
+        for x, c in zip(xs, categories, strict=True):
             note = f"{c['speedup']:.2f}x" if c["speedup"] else ""
             if c["mean_acceptance_length"]:
                 note += f"\nacc {c['mean_acceptance_length']:.2f}"
-            ax.annotate(note, (x, c["median_ms"]), ha="center", va="bottom", fontsize=7,
+            hit_rate = (c.get("prefix_cache") or {}).get("hit_rate")
+            if hit_rate is not None:
+                note += f"\nhit {hit_rate:.0%}"
+            ax.annotate(note, (x, c["median_ms"]), ha="center", va="bottom", fontsize=6,
                         textcoords="offset points", xytext=(0, 2))
     baselines = [c["baseline_ms"] for c in result["categories"]]
     if all(baselines):
         ax.scatter(range(len(names)), baselines, marker="_", s=600, color="black", zorder=3, label="baseline_ms")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("median latency, ms (whisker: p90)")
-    ax.set_title(f"{title}: speedup vs baseline_ms, MTP acceptance length")
+    ax.set_title(f"{title}: speedup vs baseline_ms, MTP acceptance, prefix-cache hits")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

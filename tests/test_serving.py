@@ -318,6 +318,9 @@ qa = torch.randint(-8, 8, (out, inp), dtype=torch.int8); zp = torch.randint(-8, 
 w = dequantize(pack_to_int32(qa, 4), scale, pack_to_int32(zp, 4, packed_dim=0), scalar_types.uint4, inp)
 ref = ((qa.float() - zp.float().repeat_interleave(g, 1)) * scale.float().repeat_interleave(g, 1)).bfloat16()
 assert torch.equal(w, ref)
+g_idx = torch.randint(0, inp // g, (inp,), dtype=torch.int32)  # activation order: any column in any group
+w = dequantize(pack_to_int32(q, 4), scale, None, scalar_types.uint4b8, inp, g_idx)
+assert torch.equal(w, (q.float() * scale.float()[:, g_idx.long()]).bfloat16())
 from serving.spec_expand_fix import expand
 out = torch.full((4,), -7, dtype=torch.int32)
 expand(out, torch.tensor([20, 5], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 0, 0)
@@ -333,6 +336,73 @@ print("ok")
 def test_cpu_plugins_math():
     r = subprocess.run([str(SERVE_PY), "-c", DEQUANT_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+# What the int4 plugin does follows from one fact of the serve venv on this CPU: vLLM loads `_C` (with the int4
+# GEMM `cpu_gemm_wna16`) on a CPU with AVX-512 BF16 and `_C_AVX2` (without it) elsewhere. The check below runs
+# both ways on any x86 CPU: as vLLM loads its kernels here, and with the AVX2 library forced (what a CPU without
+# AVX-512 gets), so the fallback is exercised on an AVX-512 host too.
+INT4_CHECK = r"""
+import sys, types, torch
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "avx2":
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+import vllm._custom_ops  # noqa: F401  (loads the platform's kernels, as the plugin's own check does)
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
+from vllm.scalar_type import scalar_types
+import serving.int4_fallback as plugin
+has_op = hasattr(torch.ops._C, "cpu_gemm_wna16")
+plugin.register()
+patched = getattr(K, "_dequant_fallback", False)
+assert patched == (not has_op), (has_op, patched)
+if patched:  # the patched kernel on a layer as vLLM leaves it after loading computes the dense matmul
+    torch.manual_seed(0)
+    out, inp, g = 64, 96, 32
+    q = torch.randint(-8, 8, (out, inp), dtype=torch.int8)
+    scale = torch.rand(out, inp // g, dtype=torch.bfloat16) + 0.1
+    kernel = K.__new__(K)
+    kernel.w_q_name, kernel.w_s_name, kernel.w_zp_name, kernel.w_gidx_name = "weight_packed", "weight_scale", None, None
+    kernel.config = types.SimpleNamespace(zero_points=False, has_g_idx=False, weight_type=scalar_types.uint4b8)
+    layer = torch.nn.Module()
+    layer.weight_packed = torch.nn.Parameter(pack_to_int32(q, 4), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.input_size_per_partition = inp
+    kernel.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight_packed") and not hasattr(layer, "weight_scale")
+    x = torch.randn(3, inp, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, (q.float() * scale.float().repeat_interleave(g, 1)).bfloat16())
+    assert torch.equal(kernel.apply_weights(layer, x), ref)
+print(f"has_op={has_op} fallback={patched}")
+"""
+
+
+def int4_check(kernels: str) -> dict:
+    r = subprocess.run([str(SERVE_PY), "-c", INT4_CHECK, str(ROOT), kernels], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("has_op=")][-1]  # vLLM may log to stdout too
+    return dict(field.split("=") for field in line.split())
+
+
+_INT4_GEMM = {}
+
+
+def serve_venv_has_int4_gemm() -> bool:
+    """Whether vLLM in the serve venv has its int4 GEMM on this CPU (AVX-512 BF16: yes; AVX2 only: no)."""
+    if not _INT4_GEMM:
+        _INT4_GEMM["native"] = int4_check("native")["has_op"] == "True"
+    return _INT4_GEMM["native"]
+
+
+@pytest.mark.e2e
+def test_int4_fallback_stays_out_where_the_op_exists_and_serves_where_it_does_not():
+    native = int4_check("native")
+    assert native["fallback"] == str(native["has_op"] != "True")
+    _INT4_GEMM["native"] = native["has_op"] == "True"
+    avx2 = int4_check("avx2")  # vLLM's AVX2 kernel library never has the op: the fallback takes over
+    assert avx2 == {"has_op": "False", "fallback": "True"}
 
 
 # ---------- real servers (one at a time) ----------
@@ -509,7 +579,10 @@ def test_metrics_and_plugin(server):
         drafted = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens_total")]
         assert drafted and float(drafted[0].split()[-1]) > 0, drafted
     if variant.startswith("w4a16"):
-        assert "int4 fallback: no cpu_gemm_wna16" in log.read_text()
+        # The plugin dequantizes only where vLLM has no int4 GEMM on this CPU (AVX2); with AVX-512 the op serves.
+        fell_back = "int4 fallback: no cpu_gemm_wna16" in log.read_text()
+        assert fell_back == (not serve_venv_has_int4_gemm()), fell_back
+        assert "Using CPUWNA16LinearKernel" in log.read_text()  # vLLM's own int4 kernel class either way
 
 
 def test_rewrite_leaves_a_malformed_chat_template_kwargs_to_vllm():

@@ -89,14 +89,26 @@ def test_compared_variants_resolve_sweeps_and_names():
 CATEGORIES = [("short", 2582.0), ("medium", 5441.0), ("long", 6576.0)]
 
 
-def latency(scale: float, acceptance: float | None) -> dict:
-    def categories(factor):
-        return [{"name": name, "prompt_tokens": 64, "output_tokens_requested": 8, "output_tokens_mean": 8, "runs": 3,
-                 "median_ms": base * scale * factor, "p90_ms": base * scale * factor * 1.1, "p99_ms": base * scale * 1.2,
-                 "ttft_median_ms": 10.0, "itl_median_ms": 2.0, "baseline_ms": base, "speedup": 1 / (scale * factor),
-                 "latencies_ms": [base * scale], "mean_acceptance_length": acceptance} for name, base in CATEGORIES]
-    return {"categories": categories(1.0), "mean_speedup": 1 / scale, "varied": {"categories": categories(1.2),
-                                                                                 "mean_speedup": 1 / (scale * 1.2)}}
+def latency(scale: float, acceptance: float | None, fresh: float = 1.3, sets=("varied", "fresh")) -> dict:
+    """A latency.json: the competition's set at `scale` of the baselines, varied text 1.2x and fresh prompts `fresh`x
+    slower (acceptance 0.25 lower on fresh prompts); only the prompt sets in `sets` besides the competition's."""
+    def prompt_set(factor, accept):
+        categories = [{
+            "name": name, "prompt_tokens": 64, "output_tokens_requested": 8, "output_tokens_mean": 8, "runs": 3,
+            "median_ms": base * scale * factor, "p90_ms": base * scale * factor * 1.1, "p99_ms": base * scale * 1.2,
+            "ttft_median_ms": 10.0, "itl_median_ms": 2.0, "baseline_ms": base, "speedup": 1 / (scale * factor),
+            "latencies_ms": [base * scale], "mean_acceptance_length": accept,
+            "spec_decode": {"drafts": 10, "accepted_tokens": 10 * (accept - 1) if accept else 0},
+            "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None}, "prompt_tokens_served": [64, 64, 64],
+            "first_run_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]} for name, base in CATEGORIES]
+        return {"prompts": "made up", "categories": categories, "mean_speedup": 1 / (scale * factor),
+                "mean_acceptance_length": accept, "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None}}
+
+    fresh_acceptance = acceptance - 0.25 if acceptance else None
+    return dict(prompt_set(1.0, acceptance), varied=prompt_set(1.2, acceptance) if "varied" in sets else None,
+                fresh=prompt_set(fresh, fresh_acceptance) if "fresh" in sets else None,
+                prompt_sets=["repeated", *sets], image="x", image_id="sha256:x", cold_start_s=1.0, warmup=1,
+                ignore_eos=True)
 
 
 def quality(score: float, threshold: float = 0.1) -> dict:
@@ -118,7 +130,8 @@ def variant(name, key, k, seqs=8):
 def fabricated_summary():
     variants = [variant("bf16-k1", "bf16", 1), variant("awq-k1", "awq-w4a16-g32-broad", 1),
                 variant("awq-k2", "awq-w4a16-g32-broad", 2), variant("awq-k2-bad", "awq-w4a16-g32-broad", 2, seqs=4)]
-    latencies = [latency(1.0, 1.5), latency(0.5, 1.5), latency(0.4, 2.0), latency(0.1, 2.0)]
+    # awq-k2 is the fastest passing variant on the competition's prompts, awq-k1 on fresh ones
+    latencies = [latency(1.0, 1.5), latency(0.5, 1.5, fresh=1.1), latency(0.4, 2.0, fresh=1.5), latency(0.1, 2.0)]
     qualities = [quality(0.9), quality(0.7), quality(0.6), quality(0.05)]
     return compare.build_summary(variants, latencies, qualities, QUANTIZE, None)
 
@@ -141,6 +154,53 @@ def test_summary_speedups_reference_and_pareto():
     assert rows["awq-k2-bad"]["gate_passed"] is False and rows["awq-k2-bad"]["gate_failures"] == ["mc 0.05 < 0.1"]
 
 
+def test_the_latency_records_made_up_here_are_what_the_probe_writes():
+    validate_json(latency(0.5, 1.5), ROOT / "schemas" / "latency.schema.yaml")
+    validate_json(latency(0.5, None, sets=()), ROOT / "schemas" / "latency.schema.yaml")
+
+
+def test_summary_puts_every_prompt_sets_speedups_side_by_side():
+    summary = fabricated_summary()
+    assert summary["prompt_sets"] == ["repeated", "varied", "fresh"] and summary["competition_set"] == "repeated"
+    rows = {r["variant"]: r for r in summary["variants"]}
+    awq = rows["awq-k2"]
+    # the competition's set is the unprefixed one select ranks by
+    competition = awq["prompt_sets"]["repeated"]["mean_speedup_vs_baseline"]
+    assert competition == awq["mean_speedup_vs_baseline"] == pytest.approx(2.5)
+    assert awq["prompt_sets"]["varied"]["mean_speedup_vs_baseline"] == pytest.approx(2.5 / 1.2)
+    assert awq["prompt_sets"]["fresh"]["mean_speedup_vs_baseline"] == pytest.approx(2.5 / 1.5)
+    # vs BF16 on the same prompt set: bf16 is 1.3x slower on fresh prompts, awq-k2 1.5x
+    assert awq["prompt_sets"]["fresh"]["mean_speedup_vs_reference"] == pytest.approx(1.3 / (0.4 * 1.5))
+    assert awq["fresh_latency"]["short"]["speedup_vs_reference"] == pytest.approx(1.3 / 0.6)
+    assert awq["prompt_sets"]["fresh"]["mean_acceptance_length"] == pytest.approx(1.75)
+    assert awq["fresh_vs_competition"] == pytest.approx(1 / 1.5)
+    assert awq["prompt_sets"]["fresh"]["prefix_cache_hit_rate"] is None  # prefix caching off
+    text = compare.markdown(summary)
+    assert "speedup vs baseline (repeated / varied / fresh)" in text
+    assert "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | mtp K=2 | 8 | 2.50 / 2.08 / 1.67 | 2.50 / 2.50 / 2.17 |" in text
+    assert "| awq-k2 | fresh | 1549 | 3265 | 3946 | 1.67 |" in text  # the per-set table
+    csv_row = compare.csv_rows(summary)[2]
+    assert csv_row["fresh_mean_speedup_vs_baseline"] == pytest.approx(2.5 / 1.5)
+    assert csv_row["fresh_short_median_ms"] == pytest.approx(2582 * 0.6)
+    assert "varied_long_mean_acceptance_length" in csv_row
+
+
+def test_summary_without_the_other_prompt_sets():
+    summary = compare.build_summary([variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
+                                    [latency(1.0, None, sets=()), latency(0.5, None, sets=("fresh",))],
+                                    [quality(1), quality(1)], QUANTIZE, None)
+    validate_json(summary, ROOT / "schemas" / "summary.schema.yaml")
+    assert summary["prompt_sets"] == ["repeated", "fresh"]
+    a, b = summary["variants"]
+    assert a["prompt_sets"]["fresh"] is None and a["fresh_latency"] is None and a["fresh_vs_competition"] is None
+    assert b["prompt_sets"]["fresh"]["mean_speedup_vs_reference"] is None  # the reference has no fresh set
+    rows = compare.csv_rows(summary)
+    assert list(rows[0]) == list(rows[1]) and rows[0]["fresh_short_median_ms"] is None
+    assert "| a | bf16 | 16 | 0.0 | mtp K=1 | 8 | 1.00 / - | 1.00 / - |" in compare.markdown(summary)
+    selection = select_variant.choose(summary, "mean_speedup")
+    assert selection["variant"] == "b" and "1.538 on fresh prompts" in selection["reason"]
+
+
 def test_explicit_reference_wins():
     summary = compare.build_summary([variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
                                     [latency(1.0, None), latency(0.5, None)], [quality(1), quality(1)], QUANTIZE, "b")
@@ -155,7 +215,8 @@ def test_pareto_front():
 def test_markdown_csv_and_plots(tmp_path):
     summary = fabricated_summary()
     text = compare.markdown(summary)
-    assert text.count("\n| ") == 4 and "FAIL: mc 0.05 < 0.1" in text and "mtp K=2" in text
+    assert text.count("\n| ") == 4 + 1 + 4 * 3  # a row per variant; the per-set table: header, variants x sets
+    assert "FAIL: mc 0.05 < 0.1" in text and "mtp K=2" in text
     rows = compare.csv_rows(summary)
     assert rows[1]["short_speedup_vs_reference"] == pytest.approx(2.0) and "mc_pareto" in rows[0]
     assert set(compare.k_groups(summary)) == {"awq-w4a16-g32-broad mtp seqs8"}
@@ -173,7 +234,14 @@ def test_select_picks_the_fastest_variant_that_passes():
     validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
     assert selection["variant"] == "awq-k2"  # awq-k2-bad is faster but failed the gate
     assert "next: awq-k1" in selection["reason"] and "failed the gate: awq-k2-bad" in selection["reason"]
-    assert select_variant.choose(fabricated_summary(), "geomean_latency_ms")["variant"] == "awq-k2"
+    # ranked by the competition's prompts; the reason gives the fresh-prompt speed and who would win on it
+    assert ("mean speedup 2.500 on the competition's repeated prompts, 1.667 on fresh prompts"
+            in selection["reason"]), selection["reason"]
+    assert "on fresh prompts awq-k1 would be the fastest" in selection["reason"]
+    candidates = {c["variant"]: c for c in selection["candidates"]}
+    assert candidates["awq-k1"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2 / 1.1)
+    by_latency = select_variant.choose(fabricated_summary(), "geomean_latency_ms")
+    assert by_latency["variant"] == "awq-k2" and "ms on fresh prompts" in by_latency["reason"]
 
 
 def test_select_refuses_when_nothing_passes_or_speedups_are_missing():

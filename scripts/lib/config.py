@@ -1,7 +1,7 @@
 """The pipeline's configuration: checked, completed and derived once, before any job runs.
 
 rules/common.smk calls `load(config, root)` and reads what the rules need from the returned `Pipeline`; every
-check lives here so that it is unit-tested (tests/test_config_lib.py) rather than reachable only through
+check lives here so that it is unit-tested (tests/test_config.py) rather than reachable only through
 `snakemake -n`. Serve and speculative settings are checked against serving/settings.py, their one home.
 """
 
@@ -175,6 +175,17 @@ def selection_problems(config: dict) -> list[str]:
             f"{config['select']['mode']}, which picks the variant from the measurements)"
         )
     return problems
+
+
+def project_files(folder: str) -> list[str]:
+    """Files under a project folder as rule inputs; bytecode caches come and go and must not trigger reruns."""
+    return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def tiny_training_inputs(train: dict) -> dict:
+    """The generator of the tiny model's training conversations and the test splits it keeps out of them."""
+    generator = Path(train["generator"])
+    return {"generator": str(generator), "test_splits": sorted(str(p) for p in generator.parent.glob("*.test.jsonl"))}
 
 
 @dataclass

@@ -1,6 +1,23 @@
 """Timing a served model the way the competition does: exact-length prompts, one streamed request at a time,
-MTP acceptance from /metrics. The latency probe measures with it; the bake warms the same shapes up."""
+MTP acceptance and prefix-cache hits from /metrics. The latency probe measures with it; the bake warms the same
+shapes up.
 
+Three prompt sets (probe.sets), each timed over every category:
+
+- repeated: the competition's prompts, one sentence repeated; what select ranks by. A speculator that copies
+  from the prompt (and a prefix cache, since the same prompt comes back every run) gains more here than it will
+  on real traffic.
+- varied: natural text of varied paragraphs (probe.varied_text), one prompt per category reused by its warm-ups and
+  runs: copying the prompt stops paying, reuse across requests still can.
+- fresh: the same text, but every warm-up and every timed run gets a prompt of its own, starting at a different
+  paragraph, and no two prompts of the whole probe share their first FRESH_LEAD_TOKENS tokens, so no cached KV
+  block (vLLM's blocks are at least 16 tokens) can serve a later request: what a new user sees.
+
+Every prompt is exactly prompt_tokens tokens as the server tokenizes it (exact_prompt); each record keeps the count
+the server reported (prompt_tokens_served).
+"""
+
+import random
 import statistics
 import time
 from pathlib import Path
@@ -8,13 +25,31 @@ from pathlib import Path
 from lib.openai_client import get_text, post_json, stream_post
 from lib.stage import StageError
 
+PROMPT_SETS = ("repeated", "varied", "fresh")
+COMPETITION_SET = "repeated"  # the competition's prompts: what select ranks by
+FRESH_SEED = 0
+FRESH_LEAD_TOKENS = 16  # vLLM's smallest KV block: prompts differing in these share no cached block
 
-def build_prompt(base_url: str, model: str, pieces: list[str], n_tokens: int) -> str:
+SET_DESCRIPTIONS = {
+    "repeated": "the competition's style: probe.sentence repeated to prompt_tokens; one prompt per category, "
+                "reused by its warm-ups and timed runs",
+    "varied": "probe.varied_text paragraphs in file order, cycled to prompt_tokens; one prompt per category, "
+              "reused by its warm-ups and timed runs",
+    "fresh": f"a prompt of its own for every warm-up and timed run: probe.varied_text paragraphs from a start "
+             f"paragraph drawn without replacement (random.Random({FRESH_SEED}) shuffle of the paragraphs), then in "
+             f"file order, cycled to prompt_tokens; no two prompts of the probe (any set) share their first "
+             f"{FRESH_LEAD_TOKENS} tokens, so no prefix-cache block can be reused (prompt_starts: the start "
+             f"paragraphs, warm-ups first)",
+}
+
+
+def prompt_tokens(base_url: str, model: str, pieces: list[str], n_tokens: int,
+                  cache: dict[str, list[int]] | None = None) -> list[int]:
     """Exactly n_tokens of the served tokenizer's tokens, from `pieces` in turn (cycled when too few).
 
-    Each piece is tokenized on its own, so no request ever exceeds the server's max_model_len."""
+    Each piece is tokenized on its own (once per `cache`), so no request ever exceeds the server's max_model_len."""
     tokens: list[int] = []
-    cache: dict[str, list[int]] = {}
+    cache = {} if cache is None else cache
     while len(tokens) < n_tokens:
         for piece in pieces:
             if piece not in cache:
@@ -25,27 +60,71 @@ def build_prompt(base_url: str, model: str, pieces: list[str], n_tokens: int) ->
             tokens += cache[piece]
             if len(tokens) >= n_tokens:
                 break
-    return post_json(base_url, "/detokenize", {"model": model, "tokens": tokens[:n_tokens]})["prompt"]
+    return tokens[:n_tokens]
+
+
+def detokenize(base_url: str, model: str, tokens: list[int]) -> str:
+    return post_json(base_url, "/detokenize", {"model": model, "tokens": tokens})["prompt"]
+
+
+def tokenize(base_url: str, model: str, text: str) -> list[int]:
+    return post_json(base_url, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})["tokens"]
+
+
+def exact_prompt(base_url: str, model: str, tokens_of, n_tokens: int, tries: int = 6) -> tuple[str, list[int]]:
+    """(text, its tokens): a text the server tokenizes to exactly n_tokens tokens, from tokens_of(k) (k source
+    tokens). Pieces tokenized one by one join differently in one text (". " + "The" is ". The": the repeated sentence
+    lost a token a repetition), so the server's own tokens of the joined text are cut to n_tokens, from more source
+    tokens when the join came out short."""
+    k = n_tokens
+    for _ in range(tries):
+        ids = tokenize(base_url, model, detokenize(base_url, model, tokens_of(k)))
+        for _ in range(3):
+            if len(ids) < n_tokens:
+                break
+            text = detokenize(base_url, model, ids[:n_tokens])
+            again = tokenize(base_url, model, text)
+            if len(again) == n_tokens:
+                return text, again
+            ids = again
+        k += max(n_tokens - len(ids), 0) + 8
+    raise StageError(f"found no prompt text of exactly {n_tokens} tokens in {tries} tries")
+
+
+def build_prompt(base_url: str, model: str, pieces: list[str], n_tokens: int,
+                 cache: dict[str, list[int]] | None = None) -> str:
+    """A text of exactly n_tokens tokens as the server counts them, made of `pieces` in turn (see prompt_tokens)."""
+    return exact_prompt(base_url, model, lambda k: prompt_tokens(base_url, model, pieces, k, cache), n_tokens)[0]
 
 
 def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
-    """One streamed /v1/completions request: end-to-end latency, time to first token, tokens produced."""
+    """One streamed /v1/completions request: end-to-end latency, time to first token, tokens produced, and the
+    generated token ids (vLLM's return_token_ids: each chunk carries its own ids, the first one the prompt's;
+    a few bytes a chunk, so every request asks for them and the timed runs stay alike)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
     first = None
     usage = None
+    token_ids: list[int] = []
     for chunk in stream_post(base_url, "/v1/completions", body):
-        if first is None and any(choice.get("text") for choice in chunk.get("choices", [])):
-            first = time.perf_counter()
+        for choice in chunk.get("choices", []):
+            ids = choice.get("token_ids")
+            if ids:
+                token_ids += ids
+            if first is None and (choice.get("text") or ids):
+                first = time.perf_counter()
         usage = chunk.get("usage") or usage
     end = time.perf_counter()
     output_tokens = (usage or {}).get("completion_tokens", 0)
     if first is None or output_tokens == 0:
         raise StageError("the server streamed no tokens for a /v1/completions request")
+    if token_ids and len(token_ids) != output_tokens:
+        raise StageError(f"the server streamed {len(token_ids)} token ids for {output_tokens} completion tokens")
     itl = (end - first) / (output_tokens - 1) if output_tokens > 1 else 0.0
     return {"latency_ms": (end - start) * 1e3, "ttft_ms": (first - start) * 1e3, "itl_ms": itl * 1e3,
-            "output_tokens": output_tokens}
+            "output_tokens": output_tokens, "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            "token_ids": token_ids or None}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -73,11 +152,12 @@ def summarize(category: dict, runs: list[dict]) -> dict:
 
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")  # in tokens
 
 
-def spec_counters(base_url: str) -> dict[str, float]:
-    """vLLM's speculative-decoding counters from /metrics, summed over label sets (absent without speculation)."""
-    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+def counters(base_url: str, names=SPEC_COUNTERS + PREFIX_COUNTERS) -> dict[str, float]:
+    """vLLM counters from /metrics, summed over label sets (0 when absent: no speculation, no prefix caching)."""
+    totals = dict.fromkeys(names, 0.0)
     for line in get_text(base_url, "/metrics").splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
         if name in totals:
@@ -85,11 +165,30 @@ def spec_counters(base_url: str) -> dict[str, float]:
     return totals
 
 
+def spec_counters(base_url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from /metrics, summed over label sets (absent without speculation)."""
+    return counters(base_url, SPEC_COUNTERS)
+
+
 def mean_acceptance_length(before: dict, after: dict) -> float | None:
     """Tokens a verify step yields on average: 1 + accepted drafts per draft round (None if nothing drafted)."""
     drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
     return 1 + accepted / drafts if drafts > 0 else None
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict:
+    return {"drafts": after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"],
+            "accepted_tokens": (after["vllm:spec_decode_num_accepted_tokens"]
+                                - before["vllm:spec_decode_num_accepted_tokens"])}
+
+
+def prefix_cache_delta(before: dict, after: dict) -> dict:
+    """Prompt tokens looked up in vLLM's prefix cache and found there; hit_rate None when nothing was looked up
+    (prefix caching off)."""
+    queries = after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"]
+    hits = after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None}
 
 
 def varied_paragraphs(path: str) -> list[str]:
@@ -100,30 +199,138 @@ def varied_paragraphs(path: str) -> list[str]:
     return paragraphs
 
 
-def probe_set(base_url: str, model: str, probe_settings: dict, pieces: list[str], log=print) -> dict:
-    """Every category, with prompts made of `pieces` (see build_prompt)."""
+class FreshPrompts:
+    """Prompts that never repeat: each starts at a paragraph no other prompt started at, and its first
+    FRESH_LEAD_TOKENS tokens differ from every other prompt's (those of `reserved`, the other sets', too)."""
+
+    def __init__(self, base_url: str, model: str, paragraphs: list[str], reserved: list[list[int]],
+                 cache: dict[str, list[int]] | None = None):
+        self.base_url, self.model, self.paragraphs = base_url, model, paragraphs
+        self.cache = {} if cache is None else cache
+        self.starts = list(range(len(paragraphs)))
+        random.Random(FRESH_SEED).shuffle(self.starts)
+        self.leads = {tuple(tokens[:FRESH_LEAD_TOKENS]) for tokens in reserved if tokens}
+
+    def take(self, n_tokens: int) -> tuple[int, str]:
+        """(start paragraph, text of exactly n_tokens tokens) of the next prompt."""
+        while self.starts:
+            start = self.starts.pop(0)
+            pieces = self.paragraphs[start:] + self.paragraphs[:start]
+            text, tokens = exact_prompt(self.base_url, self.model, lambda k, pieces=pieces: prompt_tokens(
+                self.base_url, self.model, pieces, k, self.cache), n_tokens)
+            lead = tuple(tokens[:FRESH_LEAD_TOKENS])
+            # a shorter lead (a prompt under FRESH_LEAD_TOKENS) clashes with any lead it begins
+            if not any(other[:len(lead)] == lead[:len(other)] for other in self.leads):
+                self.leads.add(lead)
+                return start, text
+        raise StageError(f"the fresh prompt set ran out of start paragraphs ({len(self.paragraphs)} in "
+                         f"probe.varied_text, fewer with distinct first {FRESH_LEAD_TOKENS} tokens): it needs one per "
+                         f"warm-up and timed run of every category; give probe.varied_text more paragraphs")
+
+    def prompts(self, n_tokens: int, count: int) -> tuple[list[int], list[str]]:
+        taken = [self.take(n_tokens) for _ in range(count)]
+        return [start for start, _ in taken], [text for _, text in taken]
+
+
+def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, description: str, log=print) -> dict:
+    """Every category, timed one request at a time. prompts_of(category) -> (extra fields for the category record,
+    one prompt per warm-up then per timed run)."""
     categories = []
+    totals = []
     for category in probe_settings["categories"]:
-        prompt = build_prompt(base_url, model, pieces, category["prompt_tokens"])
-        run = lambda: timed_completion(base_url, model, prompt, category["output_tokens"], probe_settings["ignore_eos"])
-        for _ in range(probe_settings["warmup"]):
-            run()
-        before = spec_counters(base_url)
-        runs = [run() for _ in range(probe_settings["runs"])]
-        categories.append(dict(summarize(category, runs),
-                               mean_acceptance_length=mean_acceptance_length(before, spec_counters(base_url))))
-        log(f"{category['name']}: median {categories[-1]['median_ms']:.0f} ms over {len(runs)} runs, "
-            f"mean acceptance length {categories[-1]['mean_acceptance_length']}")
+        extra, prompts = prompts_of(category)
+        warmup, max_tokens = probe_settings["warmup"], category["output_tokens"]
+        for prompt in prompts[:warmup]:
+            timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
+        before = counters(base_url)
+        runs = [timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
+                for prompt in prompts[warmup:]]
+        after = counters(base_url)
+        totals.append((before, after))
+        categories.append(dict(
+            summarize(category, runs), **extra,
+            prompt_tokens_served=[r["prompt_tokens"] for r in runs],
+            mean_acceptance_length=mean_acceptance_length(before, after),
+            spec_decode=spec_decode_delta(before, after), prefix_cache=prefix_cache_delta(before, after),
+            first_run_token_ids=runs[0]["token_ids"]))
+        c = categories[-1]
+        log(f"{category['name']}: median {c['median_ms']:.0f} ms over {len(runs)} runs, mean acceptance length "
+            f"{c['mean_acceptance_length']}, prefix-cache hit rate {c['prefix_cache']['hit_rate']}")
     speedups = [c["speedup"] for c in categories if c["speedup"] is not None]
-    return {"categories": categories, "mean_speedup": statistics.mean(speedups) if speedups else None}
+    drafts = sum(c["spec_decode"]["drafts"] for c in categories)
+    accepted = sum(c["spec_decode"]["accepted_tokens"] for c in categories)
+    queries = sum(c["prefix_cache"]["queries"] for c in categories)
+    hits = sum(c["prefix_cache"]["hits"] for c in categories)
+    return {"prompts": description, "categories": categories,
+            "mean_speedup": statistics.mean(speedups) if speedups else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
+            "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None}}
+
+
+def same_prompt(base_url: str, model: str, probe_settings: dict, pieces: list[str], cache=None):
+    """prompts_of for a set whose warm-ups and runs of a category all send one prompt made of `pieces`."""
+    count = probe_settings["warmup"] + probe_settings["runs"]
+    return lambda category: ({}, [build_prompt(base_url, model, pieces, category["prompt_tokens"], cache)] * count)
+
+
+def probe_set(base_url: str, model: str, probe_settings: dict, pieces: list[str], log=print,
+              description: str | None = None) -> dict:
+    """Every category, with one prompt per category made of `pieces` (see build_prompt)."""
+    return run_set(base_url, model, probe_settings, same_prompt(base_url, model, probe_settings, pieces),
+                   description or "one prompt per category from the given text, reused by its warm-ups and runs", log)
+
+
+def fresh_set(base_url: str, model: str, probe_settings: dict, paragraphs: list[str], log=print) -> dict:
+    cache: dict[str, list[int]] = {}
+    longest = max(c["prompt_tokens"] for c in probe_settings["categories"])
+    lead = min(FRESH_LEAD_TOKENS, longest)
+    # the repeated and varied sets' prompts begin with these (the server's tokens of their first 2 x lead tokens)
+    reserved = [tokenize(base_url, model, build_prompt(base_url, model, pieces, min(2 * lead, longest), cache))[:lead]
+                for pieces in ([probe_settings["sentence"]], paragraphs)]
+    fresh = FreshPrompts(base_url, model, paragraphs, reserved, cache)
+    count = probe_settings["warmup"] + probe_settings["runs"]
+
+    def prompts_of(category):
+        starts, prompts = fresh.prompts(category["prompt_tokens"], count)
+        return {"prompt_starts": starts}, prompts
+
+    return run_set(base_url, model, probe_settings, prompts_of, SET_DESCRIPTIONS["fresh"], log)
+
+
+def prompt_sets(result: dict) -> dict[str, dict]:
+    """The prompt sets a latency record (or a probe result) holds, by name, in PROMPT_SETS order: the competition's
+    set is the record's top level (`categories`, `mean_speedup`, ...), the others are `varied` and `fresh`
+    (null or absent when not probed)."""
+    out = {COMPETITION_SET: result}
+    for name in PROMPT_SETS[1:]:
+        if result.get(name):
+            out[name] = result[name]
+    return out
 
 
 def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log=print) -> dict:
-    """The competition's prompts (one sentence repeated) and varied text: a large gap means prompt copying."""
+    """Every set of probe.sets (default all three, see the module's docstring). The competition's set is the top
+    level of the result; `varied` and `fresh` are None when not probed."""
+    sets = list(probe_settings.get("sets") or PROMPT_SETS)
+    unknown = sorted(set(sets) - set(PROMPT_SETS))
+    if unknown or COMPETITION_SET not in sets:
+        raise StageError(f"probe.sets {sets}: must name '{COMPETITION_SET}' (what select ranks by) and only "
+                         f"{', '.join(PROMPT_SETS)}")
     log("prompt set: repeated sentence (competition style)")
-    result = probe_set(base_url, model, probe_settings, [probe_settings["sentence"]], log)
-    log(f"prompt set: varied text ({varied_path})")
-    result["varied"] = probe_set(base_url, model, probe_settings, varied_paragraphs(varied_path), log)
+    result = run_set(base_url, model, probe_settings,
+                     same_prompt(base_url, model, probe_settings, [probe_settings["sentence"]]),
+                     SET_DESCRIPTIONS["repeated"], log)
+    paragraphs = varied_paragraphs(varied_path) if len(sets) > 1 else []
+    result["varied"] = result["fresh"] = None
+    if "varied" in sets:
+        log(f"prompt set: varied text ({varied_path})")
+        result["varied"] = run_set(base_url, model, probe_settings,
+                                   same_prompt(base_url, model, probe_settings, paragraphs),
+                                   SET_DESCRIPTIONS["varied"], log)
+    if "fresh" in sets:
+        log(f"prompt set: fresh prompts, one per request ({varied_path})")
+        result["fresh"] = fresh_set(base_url, model, probe_settings, paragraphs, log)
+    result["prompt_sets"] = [name for name in PROMPT_SETS if name in sets]
     return result
 
 

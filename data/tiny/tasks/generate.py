@@ -261,6 +261,35 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
     return out
 
 
+# ---- repeated text (raw, no chat template): the latency probe's prompts are one sentence repeated -------------
+# A model that continues the repetition lets a prompt-copying drafter (and the MTP layer) be measured for real.
+REPEAT_WORDS = sorted({w for words in CATEGORIES.values() for w in words}
+                      | {w for topic in IFEVAL_TOPICS for w in topic.split()[1:]}
+                      | set("the a old new small big quiet busy slow fast green warm cold bright dark little "
+                            "walks runs sees finds keeps sings waits jumps sleeps reads paints carries opens "
+                            "near over under behind beside along across into from with by at "
+                            "hill river road house window garden forest field morning evening boat city".split()))
+
+
+def repeat_sentence(rng: random.Random) -> str:
+    """A made-up sentence (4-14 random words), so copying it is learnt from the context, not remembered."""
+    words = [rng.choice(REPEAT_WORDS) for _ in range(rng.randint(4, 14))]
+    return " ".join(words).capitalize() + ". "
+
+
+def repeated_texts(seed: int, count: int, sentences: list[str] = (), share: float = 0.25,
+                   repeats: int = 40) -> list[dict]:
+    """`count` raw texts of one sentence repeated `repeats` times (the trainer cuts them to its length): a `share`
+    of them repeat one of `sentences` (the latency probe's), the rest a made-up sentence. {task, sentence, text}."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        own = sentences and int((i + 1) * share) > int(i * share)
+        sentence = sentences[i % len(sentences)] if own else repeat_sentence(rng)
+        out.append({"task": "repeat", "sentence": sentence, "text": sentence * repeats})
+    return out
+
+
 def tokenizer_text(repeats: int = 8) -> str:
     """The tasks' fixed wording (instructions, prompt scaffolding, the trained answers' words), repeated so
     byte-level BPE merges it: added to the tiny tokenizer's corpus when the model is trained."""

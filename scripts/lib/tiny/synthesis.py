@@ -139,7 +139,7 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
                           **dims) -> dict:
     """Seeded random Qwen3_5ForConditionalGeneration (bf16 safetensors) plus tokenizer, processor,
     generation config and the MTP layer, in out_dir, briefly trained when `train` is given (train_model's
-    arguments). Same seed, tokenizer and training -> same bytes. Returns {"config", "training"}."""
+    arguments; its `mtp`, when given, trains the MTP layer afterwards: lib/tiny/mtp.train_and_measure). Same seed, tokenizer and training -> same bytes. Returns {"config", "training"}."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -155,7 +155,17 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
     mtp = _mtp_tensors(config["text_config"], seed)
     stats = None
     if train:
-        stats = train_model(model, tokenizer, **train)  # the MTP layer stays random (not trained)
+        train = dict(train)
+        mtp_plan = train.pop("mtp", None)
+        stats = train_model(model, tokenizer, **train)
+        if mtp_plan:  # Qwen's MTP objective on the same sequences, the trained main model frozen
+            from lib.tiny.mtp import train_and_measure
+
+            mtp, stats["mtp"] = train_and_measure(
+                model, tokenizer, mtp, conversations=train["conversations"], texts=train.get("texts", []),
+                text_max_len=train.get("text_max_len", 192), seed=train["seed"], threads=train["threads"], **mtp_plan)
+        stats["mtp_first_loss"] = stats["mtp"]["first_loss"] if mtp_plan else None
+        stats["mtp_final_loss"] = stats["mtp"]["final_loss"] if mtp_plan else None
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out_dir)
     if Path(tokenizer_dir).resolve() != out_dir.resolve():

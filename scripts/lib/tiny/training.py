@@ -20,17 +20,49 @@ def load_generator(path: str | Path):
     return module
 
 
-def training_plan(train: dict, generator) -> dict | None:
-    """train_model's arguments from the config's `model.tiny.train` (None when steps is 0: a random model)."""
+def training_plan(train: dict, generator, sentences: list[str] = ()) -> dict | None:
+    """train_model's arguments from the config's `model.tiny.train` (None when steps is 0: a random model), with
+    the MTP layer's (`mtp`, None when mtp_steps is 0). `sentences`: the latency probe's repeated sentence(s), a
+    share of the repeated-text examples."""
     if int(train["steps"]) <= 0:
         return None
     tests = generator.test_docs()
-    conversations = generator.train_conversations(int(train["data_seed"]), int(train["examples"]), tests)
-    heldout = generator.train_conversations(int(train["data_seed"]) + 1, int(train["heldout_examples"]), tests,
-                                            exclude=conversations)
-    return {"conversations": conversations, "heldout": heldout, "steps": int(train["steps"]),
+    seed = int(train["data_seed"])
+    conversations = generator.train_conversations(seed, int(train["examples"]), tests)
+    heldout = generator.train_conversations(seed + 1, int(train["heldout_examples"]), tests, exclude=conversations)
+    texts = generator.repeated_texts(seed, int(train["repeat_examples"]), list(sentences))
+    plan = {"conversations": conversations, "heldout": heldout, "texts": texts,
+            "text_max_len": int(train["repeat_max_tokens"]), "steps": int(train["steps"]),
             "lr": float(train["lr"]), "batch_size": int(train["batch_size"]), "seed": int(train["seed"]),
-            "threads": int(train["threads"]), "warmup_steps": int(train["warmup_steps"])}
+            "threads": int(train["threads"]), "warmup_steps": int(train["warmup_steps"]), "mtp": None}
+    if int(train["mtp_steps"]) > 0:
+        n = int(train["mtp_eval_prompts"])
+        # held-out prompts: the probe's sentence(s) first, then made-up sentences never trained on
+        made_up = [t for t in generator.repeated_texts(seed + 1, n + len(sentences))
+                   if t["sentence"] not in {x["sentence"] for x in texts}]
+        plan["mtp"] = {"steps": int(train["mtp_steps"]), "lr": float(train["mtp_lr"]),
+                       "batch_size": int(train["mtp_batch_size"]), "k": int(train["mtp_k"]),
+                       "heldout_texts": (generator.repeated_texts(seed, len(sentences), list(sentences), share=1.0)
+                                         + made_up)[:n],
+                       "heldout_conversations": heldout[:n]}
+    return plan
+
+
+def encode_texts(tokenizer, texts: list[dict], max_len: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(first sentence's ids, the rest) per raw repeated text (no chat template: the probe sends a bare prompt),
+    cut to a seeded length between max_len / 3 and max_len tokens; the loss is on the repetitions."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for text in texts:
+        ids = tokenizer(text["text"], add_special_tokens=False)["input_ids"]
+        first = len(tokenizer(text["sentence"].rstrip(), add_special_tokens=False)["input_ids"])
+        if len(ids) < max_len:
+            raise ValueError(f"repeated text of {len(ids)} tokens < {max_len}: {text['sentence']!r}")
+        cut = rng.randint(max(max_len // 3, first + 2), max_len)
+        out.append((ids[:first], ids[first:cut]))
+    return out
 
 
 def encode_conversations(tokenizer, conversations: list[dict], max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -83,8 +115,9 @@ def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, wind
 
 def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[dict], steps: int,
                 lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
-                warmup_steps: int = 20, device: str = "cpu") -> dict:
-    """Supervised fine-tuning of the random model on `conversations` (loss on the answers only), seeded and
+                warmup_steps: int = 20, device: str = "cpu", texts: list[dict] = (), text_max_len: int = 192) -> dict:
+    """Supervised fine-tuning of the random model on `conversations` (loss on the answers only) and raw `texts`
+    of a repeated sentence (encode_texts: loss on the repetitions), seeded and
     deterministic on CPU (fixed threads, deterministic kernels, fixed data order); returns what it measured.
 
     AdamW with linear warm-up and cosine decay; `heldout` conversations (not trained on) give a teacher-forced
@@ -98,7 +131,7 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     torch.set_num_threads(int(threads))
     torch.use_deterministic_algorithms(device == "cpu")
     torch.manual_seed(seed)
-    train = encode_conversations(tokenizer, conversations, max_len)
+    train = encode_conversations(tokenizer, conversations, max_len) + encode_texts(tokenizer, texts, text_max_len, seed)
     held = encode_conversations(tokenizer, heldout, max_len)
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.float().to(device).train()
@@ -129,7 +162,7 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     model.to("cpu").eval()
     tail = losses[-min(20, len(losses)):]
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
-            "examples": len(train), "seconds": round(seconds, 1), "first_loss": round(losses[0], 4),
+            "examples": len(train) - len(texts), "repeat_examples": len(texts), "seconds": round(seconds, 1), "first_loss": round(losses[0], 4),
             "final_loss": round(sum(tail) / len(tail), 4), "heldout_answer_token_accuracy": round(accuracy, 4),
             "heldout_examples": len(held)}
 
