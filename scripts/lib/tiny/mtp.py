@@ -59,7 +59,7 @@ def load_tensors(mtp, tensors: dict) -> None:
 
 
 def to_tensors(mtp) -> dict:
-    """The module's weights under the checkpoint's names, bf16, contiguous, sorted (what model-mtp.safetensors holds)."""
+    """The module's weights under the checkpoint's names, bf16, contiguous, sorted (model-mtp.safetensors' layout)."""
     import torch
 
     return {PREFIX + name: t.detach().to(torch.bfloat16).contiguous()
@@ -233,7 +233,7 @@ def acceptance(model, mtp, prompts: list[list[int]], continuations: list[list[in
 
     accepted = {k: [] for k in range(1, k_max + 1)}
     by_len: dict[int, list[int]] = {}
-    for i, (p, c) in enumerate(zip(prompts, continuations)):
+    for i, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
         by_len.setdefault((len(p), len(c)), []).append(i)
     with torch.no_grad():
         for (p_len, c_len), rows in sorted(by_len.items()):  # one batch per shape
@@ -265,8 +265,8 @@ def heldout_sets(model, tokenizer, texts: list[dict], conversations: list[dict])
     prompts = [i[:PROMPT_TOKENS] for i in ids]
     continued = greedy_continue(model, prompts, NEW_TOKENS)
     exact = []
-    for ref, got in zip(ids, continued):
-        same = [a == b for a, b in zip(ref[PROMPT_TOKENS:PROMPT_TOKENS + NEW_TOKENS], got)]
+    for ref, got in zip(ids, continued, strict=True):
+        same = [a == b for a, b in zip(ref[PROMPT_TOKENS:PROMPT_TOKENS + NEW_TOKENS], got, strict=True)]
         exact.append(same.index(False) if False in same else len(same))
     chat = [p for p, _ in encode_conversations(tokenizer, conversations, 512)]
     answers = [a[:a.index(im_end) + 1] if im_end in a else a for a in greedy_continue(model, chat, ANSWER_TOKENS)]

@@ -139,7 +139,8 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
                           **dims) -> dict:
     """Seeded random Qwen3_5ForConditionalGeneration (bf16 safetensors) plus tokenizer, processor,
     generation config and the MTP layer, in out_dir, briefly trained when `train` is given (train_model's
-    arguments; its `mtp`, when given, trains the MTP layer afterwards: lib/tiny/mtp.train_and_measure). Same seed, tokenizer and training -> same bytes. Returns {"config", "training"}."""
+    arguments; its `mtp`, when given, trains the MTP layer afterwards: lib/tiny/mtp.train_and_measure). Same seed,
+    tokenizer and training -> same bytes. Returns {"config", "training"}."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration

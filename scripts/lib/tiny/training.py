@@ -162,7 +162,8 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     model.to("cpu").eval()
     tail = losses[-min(20, len(losses)):]
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
-            "examples": len(train) - len(texts), "repeat_examples": len(texts), "seconds": round(seconds, 1), "first_loss": round(losses[0], 4),
+            "examples": len(train) - len(texts), "repeat_examples": len(texts), "seconds": round(seconds, 1),
+            "first_loss": round(losses[0], 4),
             "final_loss": round(sum(tail) / len(tail), 4), "heldout_answer_token_accuracy": round(accuracy, 4),
             "heldout_examples": len(held)}
 
