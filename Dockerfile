@@ -38,6 +38,7 @@ ARG WEIGHTS_REVISION
 ARG WEIGHTS_MANIFEST_SHA256
 ARG QUANTIZED_MANIFEST_SHA256
 ARG VLLM_VERSION
+ARG GPU_ARCH
 LABEL org.opencontainers.image.title="${TITLE}" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
@@ -48,4 +49,5 @@ LABEL org.opencontainers.image.title="${TITLE}" \
       io.qwen35-serve.weights.revision="${WEIGHTS_REVISION}" \
       io.qwen35-serve.weights.manifest.sha256="${WEIGHTS_MANIFEST_SHA256}" \
       io.qwen35-serve.quantized.manifest.sha256="${QUANTIZED_MANIFEST_SHA256}" \
-      io.qwen35-serve.vllm.version="${VLLM_VERSION}"
+      io.qwen35-serve.vllm.version="${VLLM_VERSION}" \
+      io.qwen35-serve.gpu_arch="${GPU_ARCH}"

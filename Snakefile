@@ -24,10 +24,12 @@ include: "rules/bake_compile_cache.smk"
 include: "rules/build_image.smk"
 include: "rules/latency_probe.smk"
 include: "rules/quality_gate.smk"
+include: "rules/lossless.smk"
 include: "rules/tarball.smk"
 include: "rules/verify_image.smk"
 include: "rules/compare.smk"
 include: "rules/select.smk"
+include: "rules/submit.smk"
 
 
 localrules:
@@ -35,6 +37,8 @@ localrules:
     serve_config,
     compare,
     select,
+    lossless,
+    submit,
 
 
 rule all:

@@ -28,6 +28,7 @@ rule build_image:
         base=optional(LOCAL_BASE, rules.base_image.output.image),
         model=quantized("model"),
         cache=rules.bake_compile_cache.output.cache,
+        coldstart=rules.bake_compile_cache.output.coldstart,  # the GPU architecture the cache was baked on
         serve=rules.serve_config.output.serve,
         serving=SERVING_FILES,
         dockerfile="Dockerfile",
@@ -44,6 +45,8 @@ rule build_image:
         reproducible=config["image"]["reproducible"],
         base_ref=config["image"]["base"],
         provenance=lambda wildcards: PIPELINE.provenance(wildcards.variant),
+        gpu_arch=config["image"]["gpu_arch"],
+        allow_arch_mismatch=config["image"]["allow_arch_mismatch"],
     resources:
         mem_mb=8000,
         runtime=30,

@@ -100,3 +100,20 @@ def selected_image_record(wildcards):
             f"ask for results/{selected_variant()}/verify_image/verify.json"
         )
     return f"results/{wildcards.variant}/build_image/image.json"
+
+
+# The lossless check's reference (rules/lossless.smk): a compared twin's probe, else the variant's own image.
+def lossless_reference(wildcards):
+    twin = PIPELINE.lossless_twin(wildcards.variant)
+    if twin:
+        return f"results/{twin}/latency_probe/latency.json"
+    if PIPELINE.speculates(wildcards.variant):
+        return f"results/{wildcards.variant}/lossless/reference.json"
+    return []
+
+
+def lossless_reference_kind(wildcards):
+    twin = PIPELINE.lossless_twin(wildcards.variant)
+    if twin:
+        return f"twin {twin}"
+    return "own image, speculation off" if PIPELINE.speculates(wildcards.variant) else None

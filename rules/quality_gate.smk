@@ -12,6 +12,7 @@ rule quality_gate:
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         tasks=config["quality"]["tasks"],
         limit=config["quality"]["limit"],
+        margin_stderr=config["quality"]["margin_stderr"],
         reference_variant=REFERENCE_VARIANT,
         # A param, not an input: recovery is reported, never gated, and an input would rerun every gate of a
         # sweep once the reference variant's own gate finishes later.

@@ -3,6 +3,8 @@ checkpoint select:
     gate. A checkpoint: tarball's inputs are known only once this has read the measurements."""
     input:
         summary=rules.compare.output.json,
+        # in COMPARED order: a variant whose greedy ids differ without speculation is skipped (rules/lossless.smk)
+        lossless=expand("results/{variant}/lossless/lossless.json", variant=COMPARED),
         schema="schemas/selection.schema.yaml",
     output:
         selection=report("results/selection.json", category="Selection"),

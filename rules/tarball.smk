@@ -5,6 +5,7 @@ rule tarball:
         image=selected("build_image/image.json"),
         latency=selected("latency_probe/latency.json"),
         quality=selected("quality_gate/quality.json"),
+        lossless=selected("lossless/lossless.json"),  # greedy ids equal without speculation (rules/lossless.smk)
         # No results/selection.json input: the functions above already wait for the `select` checkpoint, and a
         # selection that names the image.tar.gz already holds (a sweep after the default run) must not re-save it.
     output:

@@ -11,6 +11,8 @@ rule verify_image:
         report=report("results/{variant}/verify_image/verify.json", category="Image", labels={"variant": "{variant}"}),
     params:
         verify_run=config["image"]["verify_run"],
+        gpu_arch=config["image"]["gpu_arch"],
+        allow_arch_mismatch=config["image"]["allow_arch_mismatch"],
         run=PIPELINE.run_settings(),
         model_name=lambda wildcards: config["variants"][wildcards.variant]["serve"]["served_model_name"],
     resources:

@@ -28,15 +28,19 @@ def container_env(base: dict | None) -> dict:
     return {"PYTHONPATH": ":".join(paths)}
 
 
-def coldstart_record(empty_s: float, baked_s: float, evidence: dict, bake_s: float, packed: dict, image: str) -> dict:
-    return {"cold_start_empty_cache_s": round(empty_s, 1), "cold_start_baked_cache_s": round(baked_s, 1),
+def coldstart_record(empty_s: float, baked_s: float, evidence: dict, bake_s: float, packed: dict, image: str,
+                     gpu: dict) -> dict:
+    """gpu: {name, compute_capability, arch} of the bake container (lib.containers.container_gpu); build_image
+    refuses a cache baked for another architecture than image.gpu_arch."""
+    return {"gpu": {k: gpu[k] for k in ("name", "compute_capability", "arch")},
+            "cold_start_empty_cache_s": round(empty_s, 1), "cold_start_baked_cache_s": round(baked_s, 1),
             "saved_s": round(empty_s - baked_s, 1), "cache_hit": bool(evidence["hits"]) and not evidence["misses"],
             "cache_hit_evidence": evidence["hits"], "cache_load_failures": evidence["misses"],
             "bake_s": round(bake_s, 1), "cache_files": packed["files"], "cache_bytes": packed["bytes"], "image": image}
 
 
 def main(job) -> None:
-    from lib.containers import run_container
+    from lib.containers import container_gpu, run_container
 
     out_dir = Path(job.output.cache).parent
     cache_dir = out_dir / "cache"
@@ -63,6 +67,8 @@ def main(job) -> None:
     started = time.monotonic()
     with start("bake") as container:
         empty_s = container.wait_ready(run["ping_timeout_s"])
+        gpu = container_gpu(container, run["gpus"])
+        print(f"bake container computes on: {gpu['name'] or 'the CPU'} ({gpu['arch']})", flush=True)
         warm_up(container.base_url, model, job.params.categories, job.params.sentence)
         print(container.logs(tail=100000)[-20000:])
     # The image starts exactly like this: same base, layout and serve.json, the cache now filled.
@@ -82,7 +88,7 @@ def main(job) -> None:
                          "dead weight in the image. Set image.require_cache_hit: false to ship it anyway.")
     packed = deterministic_tar(cache_dir, Path(job.output.cache))
     shutil.rmtree(cache_dir)
-    record = coldstart_record(empty_s, baked_s, evidence, bake_s, packed, base_ref)
+    record = coldstart_record(empty_s, baked_s, evidence, bake_s, packed, base_ref, gpu)
     validate_json(record, job.input.schema)
     write_json(job.output.coldstart, record)
 

@@ -40,6 +40,7 @@ LABEL_ARGS = {
     "WEIGHTS_MANIFEST_SHA256": "io.qwen35-serve.weights.manifest.sha256",
     "QUANTIZED_MANIFEST_SHA256": "io.qwen35-serve.quantized.manifest.sha256",
     "VLLM_VERSION": "io.qwen35-serve.vllm.version",
+    "GPU_ARCH": "io.qwen35-serve.gpu_arch",
 }
 # Opt-in (image.label_build_date): a date makes every rebuild a different image.
 CREATED_LABEL = "org.opencontainers.image.created"
@@ -118,9 +119,32 @@ def _sha256(path: str | Path) -> str:
     return "sha256:" + sha256_file(path)
 
 
+def bake_arch(coldstart_path: str | Path, gpu_arch: str | None, allow_mismatch: bool) -> str:
+    """The architecture the compile cache was baked for (bake_compile_cache's record), refused when it is not the
+    serving GPU's (image.gpu_arch) unless image.allow_arch_mismatch: vLLM would recompile at every start."""
+    record = json.loads(Path(coldstart_path).read_text())
+    gpu = record.get("gpu")
+    if not isinstance(gpu, dict) or not gpu.get("arch"):
+        raise StageError(f"{coldstart_path} records no GPU architecture (baked before bake_compile_cache recorded "
+                         "it); rerun with `-R bake_compile_cache`")
+    baked = gpu["arch"]
+    if gpu_arch is None or baked == gpu_arch:
+        return baked
+    seen = f"{gpu['name']} ({baked}, compute capability {gpu['compute_capability']})" if gpu["name"] else baked
+    if not allow_mismatch:
+        raise StageError(f"the compile cache in {coldstart_path} was baked on {seen}, but image.gpu_arch is "
+                         f"{gpu_arch}: the image would recompile at every start on its GPU. Bake on a {gpu_arch} GPU "
+                         f"(`-R bake_compile_cache` on such a host), or set image.gpu_arch: {baked}, or "
+                         "image.allow_arch_mismatch: true to build it anyway")
+    print(f"WARNING: the compile cache was baked on {seen}, not image.gpu_arch {gpu_arch}; building anyway "
+          f"(image.allow_arch_mismatch: true); label io.qwen35-serve.gpu_arch={baked}", flush=True)
+    return baked
+
+
 def image_labels(provenance: dict, base_ref: str, recipe: str, weights_manifest: str, quantized_manifest: str,
-                 serve_freeze: str | None, repo: Path, now: datetime | None = None) -> dict[str, str]:
-    """Label key -> value. provenance holds the config-derived values (rule params)."""
+                 serve_freeze: str | None, repo: Path, now: datetime | None = None, *, gpu_arch: str) -> dict[str, str]:
+    """Label key -> value. provenance holds the config-derived values (rule params); gpu_arch is the architecture
+    the compile cache was baked for (bake_arch)."""
     labels = {
         LABEL_ARGS["TITLE"]: provenance["title"],
         LABEL_ARGS["VERSION"]: provenance["variant"],
@@ -133,6 +157,7 @@ def image_labels(provenance: dict, base_ref: str, recipe: str, weights_manifest:
         LABEL_ARGS["WEIGHTS_MANIFEST_SHA256"]: _sha256(weights_manifest),
         LABEL_ARGS["QUANTIZED_MANIFEST_SHA256"]: _sha256(quantized_manifest),
         LABEL_ARGS["VLLM_VERSION"]: vllm_version(serve_freeze),
+        LABEL_ARGS["GPU_ARCH"]: gpu_arch,
     }
     if provenance.get("build_date"):
         labels[CREATED_LABEL] = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -237,10 +262,11 @@ def main(job) -> None:
         raise StageError("image.reproducible builds with buildah, which is not usable here (apt-get install "
                          "buildah), or set image.reproducible: false to use Docker's own builder (every build "
                          "then gives a new image ID)")
+    arch = bake_arch(inputs.coldstart, params.gpu_arch, params.allow_arch_mismatch)
     base = resolve_base(getattr(inputs, "base", None), params.base_ref, builder)
     labels = image_labels(dict(params.provenance), base["ref"], inputs.recipe, inputs.weights_manifest,
                           inputs.quantized_manifest, getattr(inputs, "serve_freeze", None) or None,
-                          Path(inputs.dockerfile).resolve().parent)
+                          Path(inputs.dockerfile).resolve().parent, gpu_arch=arch)
     out = Path(job.output.image)
     context = out.parent / "context"
     built_with = "buildah" if builder == "buildah" or reproducible else "docker"

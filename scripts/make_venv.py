@@ -60,6 +60,16 @@ def no_deps_requirements(requirements: Path) -> list[str]:
             if line.startswith(NO_DEPS_PREFIX) and line[len(NO_DEPS_PREFIX):].strip()]
 
 
+# A line `#! local-build <name>==<version>` is built from its source archive after the rest and installed with
+# --no-deps: a package PyPI has no usable wheel of (scripts/lib/local_builds.py holds each recipe and its reasons).
+LOCAL_BUILD_PREFIX = "#! local-build "
+
+
+def local_build_requirements(requirements: Path) -> list[str]:
+    return [line[len(LOCAL_BUILD_PREFIX):].strip() for line in requirements.read_text().splitlines()
+            if line.startswith(LOCAL_BUILD_PREFIX) and line[len(LOCAL_BUILD_PREFIX):].strip()]
+
+
 def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: Path) -> None:
     unknown = sorted(set(repairs) - set(REPAIRS))
     if unknown:
@@ -71,6 +81,10 @@ def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: 
     no_deps = no_deps_requirements(requirements)
     if no_deps:
         _pip(venv, "install", "--no-input", "--no-deps", *no_deps)
+    for requirement in local_build_requirements(requirements):
+        from lib import local_builds
+
+        local_builds.build(venv, requirement)
     for name in repairs:
         REPAIRS[name](venv)
     freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True,

@@ -12,12 +12,14 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
 from lib.gate import failed_tasks
 from lib.schema import defaults_of as schema_defaults
 from lib.openai_client import get_json, sse_events
+from lib.progress import Heartbeat, elapsed
 from lib.stage import StageError, validate_json, write_json
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "quality.schema.yaml"
@@ -137,6 +139,51 @@ def _streaming_chat_class():
     return StreamingChatCompletion
 
 
+class GateProgress:
+    """What the gate has done, for its progress lines: tasks finished and requests answered in the current one."""
+
+    def __init__(self, names: list[str], clock=time.monotonic):
+        self.names, self.clock = names, clock
+        self.done, self.requests, self.current = 0, 0, None
+        self.task_started = clock()
+        self.lock = threading.Lock()
+
+    def start(self, name: str) -> None:
+        with self.lock:
+            self.current, self.requests, self.task_started = name, 0, self.clock()
+
+    def answered(self) -> None:
+        with self.lock:
+            self.requests += 1
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done += 1
+
+    def line(self, seconds: float) -> str:
+        with self.lock:
+            return (f"[quality_gate] {self.done}/{len(self.names)} tasks done; task {self.current}: {self.requests} "
+                    f"requests answered in {elapsed(self.clock() - self.task_started)}; {elapsed(seconds)} in all")
+
+
+def counting(model_class, progress: GateProgress):
+    """model_class whose every answered request (sync or async, streamed or not) is counted in `progress`."""
+
+    class Counting(model_class):
+        def model_call(self, *args, **kwargs):
+            answer = super().model_call(*args, **kwargs)
+            progress.answered()
+            return answer
+
+        async def amodel_call(self, *args, **kwargs):
+            answer = await super().amodel_call(*args, **kwargs)
+            progress.answered()
+            return answer
+
+    Counting.__name__ = Counting.__qualname__ = f"Counting{model_class.__name__}"
+    return Counting
+
+
 def _dataset_error(name: str, error: BaseException) -> str:
     found = re.search(r"Couldn't reach '([^']+)'", str(error))
     what = f"dataset {found.group(1)}" if found else "its dataset"
@@ -210,43 +257,57 @@ def _number(value) -> float | None:
 def run_lm_eval(base_url: str, tasks: list[dict], *, model_name: str, num_concurrent: int = 8,
                 limit: float | int | None = None, tasks_dir: str | None = None, timeout_s: int = 3600,
                 samples_dir: str | Path | None = None, manager=None) -> dict[str, dict]:
-    """Run every task against an OpenAI-compatible server; return {name: {score, stderr, n, seconds, ...}}."""
+    """Run every task against an OpenAI-compatible server; return {name: {score, stderr, n, seconds, ...}}.
+    While it runs, a line every PROGRESS_INTERVAL_S (lib/progress.py) says how many tasks are done and how many
+    requests the current one has had answered."""
+    manager = manager or task_manager(tasks_dir)
+    scores = {}
+    requests = build_task_requests(tasks, base_url=base_url, model_name=model_name,
+                                   num_concurrent=num_concurrent, limit=limit, timeout_s=timeout_s)
+    progress = GateProgress([r["name"] for r in requests])
+    with Heartbeat(progress.line):
+        for request in requests:
+            progress.start(request["name"])
+            scores[request["name"]] = _run_task(request, manager, progress, samples_dir)
+            progress.finish()
+    return scores
+
+
+def _run_task(request: dict, manager, progress: GateProgress, samples_dir: str | Path | None) -> dict:
+    """One task through lm_eval.simple_evaluate; its score record."""
     import lm_eval
     from lm_eval.models.openai_completions import LocalChatCompletion
 
-    manager = manager or task_manager(tasks_dir)
-    scores = {}
-    for request in build_task_requests(tasks, base_url=base_url, model_name=model_name,
-                                       num_concurrent=num_concurrent, limit=limit, timeout_s=timeout_s):
-        print(f"[quality_gate] {request['name']}: lm_eval.simple_evaluate(model=local-chat-completions"
-              f"{' (streaming)' if request['stream'] else ''}, model_args={request['model_args']}, "
-              f"tasks=[{request['task']!r}], {request['evaluate_kwargs']})", flush=True)
-        model_class = _streaming_chat_class() if request["stream"] else LocalChatCompletion
-        start = time.monotonic()
-        output = lm_eval.simple_evaluate(model=model_class(**request["model_args"]), tasks=[request["task"]],
-                                         task_manager=manager, log_samples=True, **request["evaluate_kwargs"])
-        seconds = time.monotonic() - start
-        result = (output or {}).get("results", {}).get(request["task"], {})
-        samples = (output or {}).get("samples", {})
-        metric = request["metric_key"].split(",")[0]
-        stderr = _number(result.get(request["stderr_key"]))
-        stderr_source = "lm-eval"
-        if stderr is None and request["task"] in samples:
-            stderr, stderr_source = _stderr_from_samples(samples[request["task"]], metric), "samples"
-        n = output.get("n-samples", {}) if output else {}
-        scores[request["name"]] = {
-            "score": _number(result.get(request["metric_key"])),
-            "stderr": stderr,
-            "stderr_source": stderr_source if stderr is not None else None,
-            "n_docs": sum(v.get("effective", 0) for k, v in n.items()) if n else None,
-            "seconds": round(seconds, 1),
-            "available_metrics": sorted(k for k in result if "_stderr" not in k and k != "alias"),
-        }
-        print(f"[quality_gate] {request['name']}: {request['metric_key']} = {scores[request['name']]['score']} "
-              f"(stderr {stderr}) in {seconds:.0f} s", flush=True)
-        if samples_dir:
-            _write_samples(Path(samples_dir) / f"{request['name']}.jsonl", samples)
-    return scores
+    print(f"[quality_gate] {request['name']}: lm_eval.simple_evaluate(model=local-chat-completions"
+          f"{' (streaming)' if request['stream'] else ''}, model_args={request['model_args']}, "
+          f"tasks=[{request['task']!r}], {request['evaluate_kwargs']})", flush=True)
+    model_class = counting(_streaming_chat_class() if request["stream"] else LocalChatCompletion, progress)
+    start = time.monotonic()
+    output = lm_eval.simple_evaluate(model=model_class(**request["model_args"]), tasks=[request["task"]],
+                                     task_manager=manager, log_samples=True, **request["evaluate_kwargs"])
+    seconds = time.monotonic() - start
+    result = (output or {}).get("results", {}).get(request["task"], {})
+    samples = (output or {}).get("samples", {})
+    metric = request["metric_key"].split(",")[0]
+    stderr = _number(result.get(request["stderr_key"]))
+    stderr_source = "lm-eval"
+    if stderr is None and request["task"] in samples:
+        stderr, stderr_source = _stderr_from_samples(samples[request["task"]], metric), "samples"
+    n = output.get("n-samples", {}) if output else {}
+    score = {
+        "score": _number(result.get(request["metric_key"])),
+        "stderr": stderr,
+        "stderr_source": stderr_source if stderr is not None else None,
+        "n_docs": sum(v.get("effective", 0) for k, v in n.items()) if n else None,
+        "seconds": round(seconds, 1),
+        "requests": progress.requests,
+        "available_metrics": sorted(k for k in result if "_stderr" not in k and k != "alias"),
+    }
+    print(f"[quality_gate] {request['name']}: {request['metric_key']} = {score['score']} (stderr {stderr}), "
+          f"{progress.requests} requests in {seconds:.0f} s", flush=True)
+    if samples_dir:
+        _write_samples(Path(samples_dir) / f"{request['name']}.jsonl", samples)
+    return score
 
 
 def _write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
@@ -263,33 +324,52 @@ def _write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
                                         default=str) + "\n")
 
 
-def evaluate_gate(scores: dict[str, dict], tasks: list[dict],
-                  reference: dict[str, float] | None = None) -> tuple[bool, list[dict]]:
-    """Compare each task's score with its threshold; a missing score fails. `reference` ({task name: score}
-    of the reference variant, e.g. BF16) adds recovery = score / reference score; it never changes the verdict."""
+def evaluate_gate(scores: dict[str, dict], tasks: list[dict], reference: dict[str, float] | None = None,
+                  margin_stderr: float = 0.0) -> tuple[bool, list[dict]]:
+    """Compare each task's score with its threshold; a missing score fails. A task passes when
+    gated_score = score - margin_stderr x stderr >= threshold (a task without a stderr: the score alone).
+    `reference` ({task name: score} of the reference variant, e.g. BF16) adds recovery = score / reference score;
+    it never changes the verdict."""
+    if not isinstance(margin_stderr, (int, float)) or isinstance(margin_stderr, bool) or margin_stderr < 0:
+        raise StageError(f"quality.margin_stderr must be a number >= 0, not {margin_stderr!r}")
     rows = []
     for task in normalize_tasks(tasks):
         got = scores.get(task["name"], {})
         score, stderr = got.get("score"), got.get("stderr")
         margin = None if score is None else score - task["threshold"]
-        passed = margin is not None and margin >= 0
+        gated = None if score is None else score - margin_stderr * (stderr or 0.0)
+        passed = gated is not None and gated >= task["threshold"]
         close = margin is not None and stderr is not None and abs(margin) < 2 * stderr
         ref = (reference or {}).get(task["name"])
         recovery = score / ref if score is not None and isinstance(ref, (int, float)) and ref > 0 else None
         rows.append({
             "name": task["name"], "task": task["task"], "metric": task["metric"], "filter": task["filter"],
             "score": score, "stderr": stderr, "threshold": task["threshold"], "margin": margin,
-            "passed": passed, "within_2_stderr": close, "reference_score": ref, "recovery": recovery,
+            "margin_stderr": float(margin_stderr), "gated_score": gated, "passed": passed, "within_2_stderr": close, "reference_score": ref, "recovery": recovery,
         })
     return all(row["passed"] for row in rows), rows
 
 
-def format_table(rows: list[dict], reference_name: str | None = None) -> str:
+def limit_note(limit: float | int | None) -> str | None:
+    """How a limited gate names itself (table and stderr); None for the full task sets."""
+    if lm_eval_limit(limit) is None:
+        return None
+    part = f"{limit:g} of each task's docs" if limit < 1 else f"the first {int(limit)} docs of each task"
+    return (f"LIMITED RUN: quality.limit {limit:g} ({part}), a quick check, not the full gate; "
+            "set quality.limit: null to gate on every doc")
+
+
+def format_table(rows: list[dict], reference_name: str | None = None, limit: float | int | None = None) -> str:
+    """The gate's table; under it the rule a task passed by (with the margin used) and, for a limited run, a note.
+    With quality.margin_stderr > 0 a column shows score - margin x stderr, the number compared with the threshold."""
     def num(value):
         return "-" if value is None else f"{value:.4f}"
 
+    margin_stderr = max((row.get("margin_stderr") or 0.0 for row in rows), default=0.0)
     recovery_header = f"recovery vs {reference_name}" if reference_name else "recovery"
     header = ["task", "metric", "score", "stderr", "threshold", "margin", recovery_header, "result"]
+    if margin_stderr:
+        header.insert(6, f"score-{margin_stderr:g}xse")
     body = []
     for row in rows:
         margin = "-" if row["margin"] is None else f"{row['margin']:+.4f}"
@@ -299,11 +379,18 @@ def format_table(rows: list[dict], reference_name: str | None = None) -> str:
             result += " (WARN: |margin| < 2 stderr)"
         if row["score"] is None:
             result += " (no score)"
-        body.append([row["name"], f"{row['metric']},{row['filter']}", num(row["score"]), num(row["stderr"]),
-                     num(float(row["threshold"])), margin, recovery, result])
+        cells = [row["name"], f"{row['metric']},{row['filter']}", num(row["score"]), num(row["stderr"]),
+                 num(float(row["threshold"])), margin, recovery, result]
+        if margin_stderr:
+            cells.insert(6, num(row.get("gated_score")))
+        body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"pass: score - {margin_stderr:g} x stderr >= threshold (quality.margin_stderr {margin_stderr:g})")
+    note = limit_note(limit)
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 
@@ -311,6 +398,17 @@ def warnings_for(rows: list[dict]) -> list[str]:
     """One line per task whose verdict is within two standard errors of flipping."""
     return [f"WARNING: {r['name']} margin {r['margin']:+.4f} is under two standard errors (2 x {r['stderr']:.4f}): "
             "another sample of the same size could flip its verdict" for r in rows if r["within_2_stderr"]]
+
+
+def limit_warnings(rows: list[dict], limit: float | int | None) -> list[str]:
+    """A limited run: one line per task whose standard error is larger than its distance to the threshold, i.e.
+    whose verdict the limited sample cannot settle."""
+    if lm_eval_limit(limit) is None:
+        return []
+    return [f"WARNING: quality.limit {limit:g}: task {r['name']}'s standard error {r['stderr']:.4f} is larger than "
+            f"its margin {r['margin']:+.4f} to the threshold {float(r['threshold']):.4f}: this limited sample cannot "
+            "tell pass from fail; rerun with quality.limit: null (every doc) before trusting the verdict"
+            for r in rows if r["margin"] is not None and r["stderr"] is not None and r["stderr"] > abs(r["margin"])]
 
 
 def load_reference(path: str | Path | None, variant: str | None) -> dict | None:
@@ -337,6 +435,9 @@ def main(job) -> None:
     log_dir = scores_copy_path(job.log[0]).parent if job.log else None
     samples_dir = Path(job.log[0]).with_suffix(".samples") if job.log else None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    note = limit_note(p.limit)
+    if note:
+        print(f"[quality_gate] {note}", file=sys.stderr, flush=True)
 
     manager = task_manager(p.tasks_dir)
     requests = build_task_requests(tasks, base_url="http://unused", model_name=p.model_name,
@@ -345,7 +446,8 @@ def main(job) -> None:
     check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
     with run_container(image, port=free_port(), gpus=bool(p.gpus), shm_size=p.shm_size,
                        name_prefix="quality-gate") as container:
-        ping_s = wait_for_ping(container.base_url, p.ping_timeout_s, alive=container.alive, logs=container.logs)
+        ping_s = wait_for_ping(container.base_url, p.ping_timeout_s, alive=container.alive, logs=container.logs,
+                               what=f"the quality gate's container of {image}")
         print(f"[quality_gate] {image} answered /ping after {ping_s:.0f} s", flush=True)
         check_server(container.base_url, tasks, p.model_name)
         try:
@@ -359,9 +461,10 @@ def main(job) -> None:
                              f"last container log lines:\n{container.logs()}") from error
 
     reference = load_reference(p.reference_scores or None, p.reference_variant)
-    passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None)
-    print(format_table(rows, reference["variant"] if reference else None), flush=True)
-    for line in warnings_for(rows):
+    passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None, p.margin_stderr)
+    print(format_table(rows, reference["variant"] if reference else None, p.limit), flush=True)
+    note = limit_note(p.limit)
+    for line in ([note] if note else []) + warnings_for(rows) + limit_warnings(rows, p.limit):
         print(line, file=sys.stderr, flush=True)
     import lm_eval
 
@@ -370,6 +473,8 @@ def main(job) -> None:
         "model_name": p.model_name,
         "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
         "limit": p.limit,
+        "limited": lm_eval_limit(p.limit) is not None,
+        "margin_stderr": float(p.margin_stderr),
         "num_concurrent": p.num_concurrent,
         "passed": passed,
         "seconds": round(time.monotonic() - start, 1),

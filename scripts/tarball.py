@@ -40,8 +40,18 @@ def require_passed_gate(quality_path: str) -> None:
                          "not saved")
 
 
+def require_lossless(lossless_path: str) -> None:
+    """lossless records a variant whose greedy outputs change with speculation (a sweep goes on without it); it
+    must never be shipped."""
+    lossless = json.loads(Path(lossless_path).read_text())
+    if not lossless["passed"]:
+        raise StageError(f"variant {lossless['variant']} is not lossless ({lossless['method']}, K={lossless['k']}, "
+                         f"against {lossless['reference']}): {'; '.join(lossless['failures'])}: not saved")
+
+
 def main(job) -> None:
     require_passed_gate(job.input.quality)
+    require_lossless(job.input.lossless)
     image = load_image_record(job.input.image)
     out = Path(job.output.tarball)
     started = time.monotonic()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lib.containers import docker_answers, image_exists, run, run_container
-from lib.docker_archive import load_image_record, verify_archive
+from lib.docker_archive import gpu_arch_problems, load_image_record, verify_archive
 from lib.openai_client import request
 from lib.stage import StageError, validate_json, write_json
 
@@ -130,6 +130,9 @@ def smoke_image(archive: str | Path, image_id: str, mode: str, run_settings: dic
 def main(job) -> None:
     image = load_image_record(job.input.image)
     record = verify_archive(job.input.tarball, image["ref"], image["labels"], image["id"])
+    arch_problems = gpu_arch_problems(record["labels"], job.params.gpu_arch, job.params.allow_arch_mismatch)
+    if arch_problems:
+        raise StageError(f"{job.input.tarball} failed verification:\n  - " + "\n  - ".join(arch_problems))
     recorded = Path(job.input.sha256).read_text().split()[0]
     if recorded != record["archive_sha256"]:
         raise StageError(f"{job.input.tarball} has sha256 {record['archive_sha256']} but {job.input.sha256} "

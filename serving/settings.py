@@ -78,6 +78,18 @@ SPECULATIVE_KEYS = tuple(
 )
 # Keys a method cannot do without.
 SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max",)}
+# Methods measured unsafe with enable_prefix_caching on Qwen3.5, and why; the config refuses them together
+# (scripts/lib/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
+# passing with prefix caching on, on the hardware it will serve on.
+PREFIX_CACHING_UNSAFE: dict[str, str] = {
+    "mtp": "measured: MTP with prefix caching kills vLLM's engine on Qwen3.5, and on CPU the mamba prefix-cache "
+           "alignment needs Triton",
+    "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
+             "mamba prefix-cache alignment needs Triton)",
+    "suffix": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU "
+              "the mamba prefix-cache alignment needs Triton)",
+    "draft_model": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
+}
 
 
 class SettingsError(ValueError):

@@ -17,19 +17,21 @@ MISS = ("(EngineCore pid=88) WARNING 11-22 13:40:02 [decorators.py:334] Compilin
         "from /opt/ml/cache/vllm/torch_compile_cache/x/model, reason: 'function' object has no attribute "
         "'finalize_loading'")
 PACKED = {"files": 12, "bytes": 3456}
+CPU = {"name": None, "compute_capability": None, "arch": "cpu"}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "sm_90"}
 
 
 def test_a_direct_load_is_a_hit():
     evidence = cache_evidence(f"noise\n{HIT}\nmore noise\n")
     assert evidence == {"hits": [HIT[HIT.index("Directly"):]], "misses": []}
-    record = coldstart_record(80.4, 45.2, evidence, 200.0, PACKED, "base")
+    record = coldstart_record(80.4, 45.2, evidence, 200.0, PACKED, "base", H100)
     validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
     assert record["cache_hit"] and record["saved_s"] == 35.2
 
 
 @pytest.mark.parametrize("log", [MISS, f"{HIT}\n{MISS}", "no word about the cache"])
 def test_a_reload_failure_or_silence_is_no_hit(log):
-    record = coldstart_record(80.0, 79.0, cache_evidence(log), 200.0, PACKED, "base")
+    record = coldstart_record(80.0, 79.0, cache_evidence(log), 200.0, PACKED, "base", CPU)
     validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
     assert record["cache_hit"] is False
     assert bool(record["cache_load_failures"]) == ("load failure" in log)
@@ -51,3 +53,53 @@ def test_the_cache_tar_is_the_same_bytes_for_the_same_tree(tmp_path):
     assert (tmp_path / "a" / "cache.tar").read_bytes() == (tmp_path / "b" / "cache.tar").read_bytes()
     with tarfile.open(fileobj=io.BytesIO((tmp_path / "a" / "cache.tar").read_bytes())) as archive:
         assert {m.mtime for m in archive.getmembers()} == {0}
+
+
+# ---- the GPU the cache was baked on ---------------------------------------------------------------------------
+
+class FakeContainer:
+    """A running container whose `docker exec` answers from a table (command name -> (exit code, output))."""
+
+    def __init__(self, answers):
+        self.name, self.answers, self.ran = "bake-1", answers, []
+
+    def exec(self, cmd, timeout_s=60):
+        from subprocess import CompletedProcess
+
+        self.ran.append(cmd[0])
+        code, out = self.answers.get(cmd[0], (127, f"{cmd[0]}: not found"))
+        return CompletedProcess(cmd, code, out if code == 0 else "", "" if code == 0 else out)
+
+
+def test_the_record_names_the_gpu_and_the_schema_checks_it():
+    from lib.stage import StageError
+
+    record = coldstart_record(80.0, 40.0, cache_evidence(HIT), 200.0, PACKED, "base", H100)
+    assert record["gpu"] == H100
+    schema = ROOT / "schemas" / "coldstart.schema.yaml"
+    for bad in ({**H100, "arch": "hopper"}, {**H100, "compute_capability": "nine"}):
+        with pytest.raises(StageError, match="gpu"):
+            validate_json({**record, "gpu": bad}, schema)
+    with pytest.raises(StageError, match="gpu"):
+        validate_json({k: v for k, v in record.items() if k != "gpu"}, schema)
+
+
+def test_the_gpu_is_read_in_the_container_nvidia_smi_first_then_torch():
+    from lib import containers
+    from lib.stage import StageError
+
+    smi = FakeContainer({"nvidia-smi": (0, "NVIDIA A10G, 8.6\n")})
+    assert containers.container_gpu(smi, gpus=True) == {"name": "NVIDIA A10G", "compute_capability": "8.6",
+                                                        "arch": "sm_86"}
+    torch = FakeContainer({"python3": (0, "NVIDIA H100 80GB HBM3, 9.0\n")})
+    assert containers.container_gpu(torch, gpus=True)["arch"] == "sm_90" and torch.ran == ["nvidia-smi", "python3"]
+    none = FakeContainer({})
+    with pytest.raises(StageError, match="bake-1 runs with --gpus all but neither nvidia-smi nor torch"):
+        containers.container_gpu(none, gpus=True)
+    cpu = FakeContainer({"nvidia-smi": (0, "NVIDIA A10G, 8.6\n")})
+    assert containers.container_gpu(cpu, gpus=False) == CPU and cpu.ran == []  # no --gpus: the CPU, nothing asked
+    mixed = FakeContainer({"nvidia-smi": (0, "NVIDIA H100, 9.0\nNVIDIA A10G, 8.6\n")})
+    with pytest.raises(StageError, match="several architectures \\(sm_86, sm_90"):
+        containers.container_gpu(mixed, gpus=True)
+    with pytest.raises(StageError, match="cannot read a GPU name"):
+        containers.parse_gpu_query("NVIDIA H100, [N/A]")

@@ -304,3 +304,33 @@ def test_token_ids_must_cover_every_completion_token(fake_vllm):
     state["broken_ids"] = False
     run = probe.timed_completion(base_url, "m", "a b c", 8, True)
     assert run["token_ids"] == state["requests"][-1]["output"] and run["prompt_tokens"] == 3
+
+
+def test_the_probe_and_the_warm_ups_report_progress_every_interval(fake_vllm, tmp_path, monkeypatch):
+    import time
+
+    from lib import progress
+
+    base_url, _ = fake_vllm
+    slow = probe.timed_completion
+
+    def timed_completion(*args, **kwargs):  # a slow server: each request takes longer than the interval
+        time.sleep(0.12)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "timed_completion", timed_completion)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.05)
+    lines = []
+    probe.probe(base_url, "m", settings(sets=["repeated"]), corpus(tmp_path), log=lines.append)
+    ticks = [line for line in lines if line.startswith("[probe] category ")]
+    assert any(line.startswith("[probe] category short (1/2): 1/1 warm-ups and 1/2 timed runs done") for line in ticks)
+    assert any(line.startswith("[probe] category long (2/2): ") for line in ticks)
+    assert all("on this prompt set" in line for line in ticks)
+
+    lines.clear()
+    post_json = probe.post_json
+    monkeypatch.setattr(probe, "post_json", lambda url, path, body: {} if path == "/v1/chat/completions"
+                        else post_json(url, path, body))  # the fake vLLM has no chat endpoint
+    probe.warm_up(base_url, "m", CATEGORIES, "the quick brown fox.", log=lines.append)
+    ticks = [line for line in lines if line.startswith("[warm-up] ")]
+    assert ticks and ticks[0].startswith("[warm-up] 0/4 warm-ups done, now short:")

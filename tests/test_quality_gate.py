@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from lib.stage import StageError, validate_json
-from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, lm_eval_limit, normalize_tasks,
-                          scores_copy_path, sse_to_completion, warnings_for)
+from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, limit_note, limit_warnings,
+                          lm_eval_limit, normalize_tasks, scores_copy_path, sse_to_completion, warnings_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = ROOT / "data" / "tiny" / "tasks"
@@ -91,6 +91,73 @@ def test_margin_within_two_stderr_warns_both_ways():
     assert "PASS (WARN" in lines[2] and "FAIL (WARN" in lines[3] and "WARN" not in lines[4]
 
 
+def test_margin_in_stderr_decides_and_the_table_shows_it():
+    tasks = [_task("close", 0.63), _task("clear", 0.63), _task("no_stderr", 0.63)]
+    scores = {"close": {"score": 0.66, "stderr": 0.02}, "clear": {"score": 0.70, "stderr": 0.02},
+              "no_stderr": {"score": 0.64, "stderr": None}}
+    passed, rows = evaluate_gate(scores, tasks)  # default 0: the score alone
+    assert passed and [r["gated_score"] for r in rows] == [0.66, 0.70, 0.64]
+    assert format_table(rows).splitlines()[-1] == "pass: score - 0 x stderr >= threshold (quality.margin_stderr 0)"
+    passed, rows = evaluate_gate(scores, tasks, margin_stderr=2)  # 0.66 - 0.04 = 0.62 < 0.63
+    assert not passed and [r["passed"] for r in rows] == [False, True, True]
+    assert rows[0]["gated_score"] == pytest.approx(0.62) and rows[0]["margin_stderr"] == 2.0
+    lines = format_table(rows).splitlines()
+    assert lines[0].split()[6] == "score-2xse" and "0.6200" in lines[2] and "FAIL" in lines[2]
+    assert lines[-1] == "pass: score - 2 x stderr >= threshold (quality.margin_stderr 2)"
+    assert evaluate_gate(scores, tasks, margin_stderr=1)[1][0]["passed"]  # 0.64 >= 0.63
+    with pytest.raises(StageError, match="quality.margin_stderr must be a number >= 0"):
+        evaluate_gate(scores, tasks, margin_stderr=-1)
+
+
+def test_a_limited_run_says_so_and_warns_where_the_sample_cannot_decide():
+    tasks = [_task("mmlu_pro", 0.621), _task("gpqa", 0.63)]
+    _, rows = evaluate_gate({"mmlu_pro": {"score": 0.70, "stderr": 0.01},   # +0.079 > 0.01: decided
+                             "gpqa": {"score": 0.65, "stderr": 0.034}}, tasks)  # +0.02 < 0.034: not
+    table = format_table(rows, limit=0.1).splitlines()
+    assert table[-1].startswith("LIMITED RUN: quality.limit 0.1 (0.1 of each task's docs), a quick check, not the "
+                                "full gate")
+    assert "LIMITED" not in format_table(rows, limit=None) and "LIMITED" not in format_table(rows, limit=1)
+    assert "the first 50 docs of each task" in limit_note(50) and limit_note(None) is None
+    warnings = limit_warnings(rows, 0.1)
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: quality.limit 0.1: task gpqa's standard error "
+                                                         "0.0340 is larger than its margin +0.0200")
+    assert "quality.limit: null" in warnings[0]
+    assert limit_warnings(rows, None) == []  # the full set: the sample is what it is
+
+
+def test_the_real_profile_gates_on_every_doc_by_default():
+    import yaml
+
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    quality = schema["properties"]["quality"]["properties"]
+    assert quality["limit"]["default"] is None and quality["margin_stderr"]["default"] == 0
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert config["quality"]["limit"] is None
+
+
+# The contract's generation settings (../shared/spec/contract.md, "Quality benchmarks"): MMLU-Pro 5-shot thinking
+# off; IFEval 0-shot thinking off, max 512 tokens; GPQA-Diamond 0-shot CoT, thinking on, streaming, max 12,288.
+CONTRACT = {"mmlu_pro": {"num_fewshot": 5, "thinking": False, "stream": False},
+            "ifeval": {"num_fewshot": 0, "thinking": False, "stream": False, "max_tokens": 512},
+            "gpqa_diamond": {"num_fewshot": 0, "thinking": True, "stream": True, "max_tokens": 12288}}
+
+
+def real_profile_tasks() -> list[dict]:
+    """config.yaml's quality tasks as the pipeline resolves them (schema defaults filled in)."""
+    import yaml
+
+    from lib.config import with_defaults
+
+    return normalize_tasks(with_defaults(yaml.safe_load((ROOT / "config.yaml").read_text()))["quality"]["tasks"])
+
+
+def test_the_real_profiles_tasks_ask_for_the_contracts_settings():
+    tasks = {t["name"]: t for t in real_profile_tasks()}
+    assert set(tasks) == set(CONTRACT)
+    for name, wanted in CONTRACT.items():
+        assert {k: tasks[name][k] for k in wanted} == wanted, name
+
+
 def test_missing_score_fails():
     passed, rows = evaluate_gate({}, [_task("gpqa", 0.63)])
     assert not passed and rows[0]["score"] is None and "no score" in format_table(rows)
@@ -142,7 +209,7 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)])
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)], {"a": 0.6})
     report = {"image": "docker.io/library/x:y", "model_name": "m", "lm_eval_version": "0.4.11", "limit": 0.1,
-              "num_concurrent": 8, "passed": True, "seconds": 1.0, "server_ready_s": 2.0,
+              "limited": True, "margin_stderr": 0.0, "num_concurrent": 8, "passed": True, "seconds": 1.0, "server_ready_s": 2.0,
               "reference": {"variant": "bf16", "path": "results/bf16/quality_gate/quality.json", "image": "x:bf16"},
               "tasks": [{**rows[0], "n_docs": 3, "seconds": 0.5, "stderr_source": "lm-eval", "num_fewshot": 5,
                          "thinking": False, "max_tokens": 10, "stream": False}]}
@@ -150,6 +217,9 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
     validate_json(report, schema)
     with pytest.raises(StageError, match="score"):
         validate_json({**report, "tasks": [{**report["tasks"][0], "score": 1.5}]}, schema)
+    for key in ("limited", "margin_stderr"):  # a record that does not say whether it was limited is refused
+        with pytest.raises(StageError, match=key):
+            validate_json({k: v for k, v in report.items() if k != key}, schema)
 
 
 def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
@@ -325,7 +395,8 @@ tmp = Path({tmp!r})
 job = SimpleNamespace(
     input=SimpleNamespace(image=str(tmp / "image.json"), venv="unused"),
     output=SimpleNamespace(scores=str(tmp / "results" / "quality.json")),
-    params=SimpleNamespace(model_name="fake-model", tasks=json.loads(sys.argv[1]), limit=None, num_concurrent=4,
+    params=SimpleNamespace(model_name="fake-model", tasks=json.loads(sys.argv[1]), limit=None, margin_stderr=0,
+                           num_concurrent=4, reference_scores="", reference_variant=None,
                            ping_timeout_s=5, gpus=False, shm_size="1g", tasks_dir={tasks_dir!r}),
     log=[str(tmp / "logs" / "v1.log")], threads=1)
 try:
@@ -354,15 +425,72 @@ def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake
 
     image, kwargs = json.loads(lines["RUN-CONTAINER"])
     assert image == "docker.io/library/fake:1" and kwargs["gpus"] is False and kwargs["shm_size"] == "1g"
-    message = json.loads(lines["MAIN"])
-    assert "quality gate failed" in message and "tiny_mc" in message and "tiny_ifeval" not in message
+    assert lines["MAIN"] == "passed"  # a failing gate is recorded (passed: false), not raised: select and tarball act
+    assert "the gate failed: tiny_mc" in run.stdout and "tiny_ifeval 0" not in run.stdout.split("the gate failed")[1]
     out = run.stdout.splitlines()  # the table goes to stdout, i.e. the rule's log
     header = next(i for i, line in enumerate(out) if line.split()[:4] == ["task", "metric", "score", "stderr"])
     assert out[header + 2].startswith("tiny_mc ") and "FAIL" in out[header + 2]
     assert out[header + 3].startswith("tiny_ifeval ") and "PASS" in out[header + 3]
-    assert not (tmp_path / "results" / "quality.json").exists()  # a failed gate leaves no output to trust
+    recorded = json.loads((tmp_path / "results" / "quality.json").read_text())
+    assert recorded["passed"] is False and recorded["limited"] is False and recorded["margin_stderr"] == 0
     report = json.loads((tmp_path / "logs" / "v1.scores.json").read_text())
     assert report["passed"] is False and [t["passed"] for t in report["tasks"]] == [False, True]
     assert report["tasks"][0]["score"] == pytest.approx(_gold("tiny_mc.test.jsonl").count("A") / 32)
     validate_json(report, ROOT / "schemas" / "quality.schema.yaml")
     assert (tmp_path / "logs" / "v1.samples" / "tiny_ifeval.jsonl").exists()
+
+
+# The real profile's tasks, pointed at the tiny local task files of the same shape (MMLU-Pro, IFEval and GPQA-Diamond
+# are not available offline): every generation setting stays config.yaml's, only the lm-eval task name changes.
+TINY_STAND_IN = {"mmlu_pro": "tiny_mc", "ifeval": "tiny_ifeval", "gpqa_diamond_cot_zeroshot": "tiny_mc_think"}
+DOCS_PER_TASK = 4
+
+
+def _which_task(body: dict) -> str:
+    """The configured task a recorded request belongs to, from its last user message."""
+    last = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+    if "What is the correct answer to this question:" in last:
+        return "gpqa_diamond"
+    return "mmlu_pro" if "Options:\nA. " in last else "ifeval"
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("tiny_venvs")
+def test_every_request_carries_the_real_profiles_settings(fake_server, tmp_path):
+    """A recording server: each request's body (few-shot turns, thinking flag, stream, max_tokens) is checked
+    against its configured task, for config.yaml's three tasks (which the contract's settings test above pins)."""
+    base_url, bodies = fake_server
+    tasks = [dict(t, task=TINY_STAND_IN[t["task"]]) for t in real_profile_tasks()]
+    driver = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+        "from quality_gate import run_lm_eval\n"
+        f"scores = run_lm_eval({base_url!r}, json.loads(sys.argv[1]), model_name='fake-model', num_concurrent=4,\n"
+        f"                     limit={DOCS_PER_TASK}, tasks_dir={str(TASKS_DIR)!r})\n"
+        "print('SCORES ' + json.dumps(scores))\n")
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    scores = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("SCORES "))[7:])
+    assert {name: s["requests"] for name, s in scores.items()} == dict.fromkeys(CONTRACT, DOCS_PER_TASK)
+
+    by_name = {t["name"]: t for t in tasks}
+    seen = {name: 0 for name in by_name}
+    for body in bodies:
+        name = _which_task(body)
+        task, seen[name] = by_name[name], seen[name] + 1
+        where = f"request {seen[name]} of {name}: {json.dumps(body)[:300]}"
+        assert body["path"] == "/v1/chat/completions" and body["model"] == "fake-model", where
+        assert body["chat_template_kwargs"] == {"enable_thinking": task["thinking"]}, where
+        assert bool(body.get("stream")) is task["stream"], where
+        assert body["max_tokens"] == task["max_tokens"], where
+        assert body["temperature"] == 0, where
+        roles = [m["role"] for m in body["messages"]]
+        # few-shot as multi-turn: one user turn per example, then the question. MMLU-Pro's few-shot examples carry
+        # their worked answer in the example text (lm-eval's mmlu_pro, like tiny_mc: fewshot doc_to_target ""), so
+        # lm-eval sends no assistant turns between them.
+        assert roles.count("user") == task["num_fewshot"] + 1, where
+        assert roles.count("assistant") == 0 and set(roles) <= {"system", "user"}, where
+    assert seen == dict.fromkeys(CONTRACT, DOCS_PER_TASK)
+    assert by_name["gpqa_diamond"]["max_tokens"] == 12288 and by_name["mmlu_pro"]["num_fewshot"] == 5

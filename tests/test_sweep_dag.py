@@ -9,7 +9,7 @@ from conftest import ROOT, TINY, snakemake
 
 SWEEP = [*TINY, "config/tiny-sweep.yaml"]
 ORIGINAL_RULES = {"venv", "base_image", "download", "train_tiny", "quantize", "serve_config", "bake_compile_cache", "build_image", "latency_probe",
-                  "quality_gate", "tarball"}
+                  "quality_gate", "lossless_reference", "lossless", "tarball"}
 
 
 def forced_plan(*args: str) -> tuple[dict[str, int], set[str], str]:
@@ -30,12 +30,14 @@ def test_fixed_selection_plans_the_one_variant_only():
 
 def test_fastest_selection_runs_the_sweep_sharing_quantized_checkpoints():
     jobs, variants, out = forced_plan(*SWEEP)
-    # tiny-bits {bf16, awq} and tiny-k {1, 2} are three variants: two points are catalog variants, one is shared
-    assert variants == {"tiny-bf16-mtp1", "tiny-awq-mtp1", "tiny-awq-k2"}
+    # CI's sweep: tiny-awq-none and tiny-k {1, 2}, three variants of one recipe (tiny-awq-k1 is tiny-awq-mtp1)
+    assert variants == {"tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"}
     assert jobs["latency_probe"] == 3 and jobs["quality_gate"] == 3
-    assert jobs["quantize"] == 2, "variants that differ only in K must share one quantize job"
-    assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"bf16", "awq-w4a16-g32-broad"}
+    assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
+    assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}
     assert jobs["compare"] == 1 and jobs["select"] == 1 and jobs["tarball"] == 1
+    # every variant is checked lossless, and the MTP ones read tiny-awq-none's probe: no extra serving job
+    assert jobs["lossless"] == 3 and "lossless_reference" not in jobs
     assert "checkpoint jobs" in out  # tarball's variant is known once select has run
 
 

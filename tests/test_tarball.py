@@ -22,9 +22,12 @@ def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
         "seconds": 0.0, "archive_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()})
     quality = tmp_path / "quality.json"
     quality.write_text(json.dumps({"passed": True, "image": "docker.io/library/x:1", "tasks": []}))
+    lossless = tmp_path / "lossless.json"
+    lossless.write_text(json.dumps({"variant": "1", "passed": True, "method": "none", "k": 0, "reference": None,
+                                    "reason": "no speculation", "rows": [], "failures": []}))
     out = tmp_path / "out"
     out.mkdir()
-    return NS(input=NS(image=str(image), quality=str(quality)), params=NS(max_size_gb=max_size_gb, compress_level=1),
+    return NS(input=NS(image=str(image), quality=str(quality), lossless=str(lossless)), params=NS(max_size_gb=max_size_gb, compress_level=1),
               output=NS(tarball=str(out / "image.tar.gz"), sha256=str(out / "image.tar.gz.sha256"))), out
 
 

@@ -182,8 +182,10 @@ def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
     files = _label_inputs(tmp_path)
     provenance = {"title": "qwen35-tiny", "variant": "v1", "config_sha256": "ab" * 32, "weights_revision": "synthetic"}
     labels = build_image.image_labels(provenance, "base:1", str(files["recipe.yaml"]), str(files["weights.json"]),
-                                      str(files["quantized.json"]), str(files["freeze.txt"]), tmp_path)
+                                      str(files["quantized.json"]), str(files["freeze.txt"]), tmp_path,
+                                      gpu_arch="sm_86")
     assert set(labels) == set(build_image.LABEL_ARGS.values())
+    assert labels["io.qwen35-serve.gpu_arch"] == "sm_86"
     assert labels["io.qwen35-serve.vllm.version"] == "0.32.0"
     assert labels["io.qwen35-serve.recipe.sha256"] == f"sha256:{_sha(b'recipe.yaml')}"
     assert labels["io.qwen35-serve.quantized.manifest.sha256"] == f"sha256:{_sha(b'quantized.json')}"
@@ -191,7 +193,7 @@ def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
     assert labels["org.opencontainers.image.revision"] == "unknown"  # tmp_path is no git checkout
     dated = build_image.image_labels(dict(provenance, build_date=True), "base:1", str(files["recipe.yaml"]),
                                      str(files["weights.json"]), str(files["quantized.json"]), None, tmp_path,
-                                     now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc))
+                                     now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), gpu_arch="cpu")
     assert dated["org.opencontainers.image.created"] == "2026-01-02T03:04:05Z"
     assert dated["io.qwen35-serve.vllm.version"] == "from-base"
     flags = build_image.label_flags(dated)
@@ -425,3 +427,80 @@ def test_tiny_image_rebuild_gives_the_same_id_and_tarball(tiny_verified, tmp_pat
         if image_json.exists():  # a failed rebuild leaves none (its own error is the one to see)
             os.utime(image_json, ns=(times.st_atime_ns, times.st_mtime_ns))
         (tmp_path / "again.tar.gz").unlink(missing_ok=True)
+
+
+# ---- the GPU architecture: the bake's, refused when foreign; the label; verify_image against the config --------
+
+def _coldstart(tmp_path: Path, gpu: dict | None) -> Path:
+    path = tmp_path / "coldstart.json"
+    path.write_text(json.dumps({"cache_hit": True, **({"gpu": gpu} if gpu is not None else {})}))
+    return path
+
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "sm_90"}
+
+
+def test_a_bake_on_a_foreign_architecture_is_refused(tmp_path):
+    path = _coldstart(tmp_path, H100)
+    with pytest.raises(StageError) as error:
+        build_image.bake_arch(path, "sm_86", allow_mismatch=False)
+    message = str(error.value)
+    assert "baked on NVIDIA H100 80GB HBM3 (sm_90, compute capability 9.0), but image.gpu_arch is sm_86" in message
+    assert "image.allow_arch_mismatch: true" in message and str(path) in message
+    cpu = _coldstart(tmp_path, {"name": None, "compute_capability": None, "arch": "cpu"})
+    with pytest.raises(StageError, match="baked on cpu, but image.gpu_arch is sm_86"):
+        build_image.bake_arch(cpu, "sm_86", allow_mismatch=False)
+
+
+def test_a_matching_or_allowed_bake_gives_the_label_value(tmp_path, capsys):
+    path = _coldstart(tmp_path, H100)
+    assert build_image.bake_arch(path, "sm_90", allow_mismatch=False) == "sm_90"
+    assert build_image.bake_arch(path, None, allow_mismatch=False) == "sm_90"  # no serving GPU named: no check
+    assert build_image.bake_arch(path, "sm_86", allow_mismatch=True) == "sm_90"  # the label tells the truth
+    assert "WARNING: the compile cache was baked on NVIDIA H100" in capsys.readouterr().out
+    with pytest.raises(StageError, match="records no GPU architecture.*-R bake_compile_cache"):
+        build_image.bake_arch(_coldstart(tmp_path, None), "sm_90", allow_mismatch=False)
+
+
+def test_build_image_refuses_before_it_builds_anything(tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(build_image, "detect_builder", lambda preference: "buildah")
+    monkeypatch.setattr(build_image, "resolve_base", lambda *a: pytest.fail("got past the architecture check"))
+    job = NS(input=NS(coldstart=str(_coldstart(tmp_path, H100))),
+             params=NS(builder="buildah", reproducible=True, gpu_arch="sm_86", allow_arch_mismatch=False),
+             output=NS(image=str(tmp_path / "out" / "image.json")))
+    with pytest.raises(StageError, match="image.gpu_arch is sm_86"):
+        build_image.main(job)
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_checks_the_gpu_arch_label_against_the_config():
+    label = docker_archive.GPU_ARCH_LABEL
+    assert docker_archive.gpu_arch_problems({label: "sm_86"}, "sm_86", False) == []
+    assert docker_archive.gpu_arch_problems({label: "cpu"}, None, False) == []
+    [problem] = docker_archive.gpu_arch_problems({label: "sm_90"}, "sm_86", False)
+    assert problem.startswith(f"label {label} is 'sm_90' but image.gpu_arch is 'sm_86'")
+    assert docker_archive.gpu_arch_problems({label: "sm_90"}, "sm_86", True) == []
+    [missing] = docker_archive.gpu_arch_problems({}, "sm_86", True)
+    assert f"label {label} is missing" in missing and "-R build_image" in missing
+
+
+def test_verify_image_main_refuses_an_archive_for_another_gpu(tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    labels = {**LABELS, docker_archive.GPU_ARCH_LABEL: "sm_90"}
+    path = tmp_path / "image.tar.gz"
+    image_id = make_archive(path, labels=labels)
+    (tmp_path / "image.json").write_text(json.dumps({"ref": REF, "id": image_id, "labels": labels}))
+    (tmp_path / "image.tar.gz.sha256").write_text(f"{sha256_file(path)}  image.tar.gz\n")
+    job = NS(input=NS(tarball=str(path), sha256=str(tmp_path / "image.tar.gz.sha256"),
+                      image=str(tmp_path / "image.json"), schema=str(ROOT / "schemas" / "verify.schema.yaml")),
+             params=NS(verify_run="never", run={}, model_name="m", gpu_arch="sm_86", allow_arch_mismatch=False),
+             output=NS(report=str(tmp_path / "verify.json")))
+    with pytest.raises(StageError, match="io.qwen35-serve.gpu_arch is 'sm_90' but image.gpu_arch is 'sm_86'"):
+        verify_image.main(job)
+    assert not (tmp_path / "verify.json").exists()
+    job.params.gpu_arch = "sm_90"
+    verify_image.main(job)
+    assert json.loads((tmp_path / "verify.json").read_text())["labels"][docker_archive.GPU_ARCH_LABEL] == "sm_90"

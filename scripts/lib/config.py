@@ -85,10 +85,11 @@ def variant_problems(variants: dict, origin: dict | None = None, gpu_arch: str |
         for line in serve_settings.speculative_problems(speculative, "speculative"):
             dotted, message = line.split(": ", 1)
             problems.append(f"{key}.{dotted}': {message}{note}")
-        if speculative["method"] != "none" and serve["enable_prefix_caching"]:
+        unsafe = serve_settings.PREFIX_CACHING_UNSAFE.get(speculative["method"])
+        if unsafe and serve["enable_prefix_caching"]:
             problems.append(
-                f"{key}.serve.enable_prefix_caching': speculative decoding with prefix caching kills "
-                f"vLLM's engine on Qwen3.5 (and needs Triton on CPU); set it to false{note}"
+                f"{key}.serve.enable_prefix_caching': method {speculative['method']} with prefix caching was "
+                f"measured unsafe: {unsafe}; set it to false{note}"
             )
         if capability is not None and capability < 89 and serve["kv_cache_dtype"].startswith("fp8"):
             problems.append(
@@ -125,6 +126,10 @@ def named_files(config: dict) -> list[tuple[str, str, str]]:
     files.append(("probe.varied_text", config["probe"]["varied_text"], "file"))
     if config["quality"]["tasks_dir"]:
         files.append(("quality.tasks_dir", config["quality"]["tasks_dir"], "dir"))
+    # A draft model is a project folder (the image serves offline: no hub id), which the image would carry.
+    files += [(f"variants.{name}.speculative.model", v["speculative"].get("model"), "dir")
+              for name, v in config["variants"].items() if v["speculative"]["method"] == "draft_model"
+              and v["speculative"].get("model") is not None]
     return files
 
 
@@ -209,6 +214,25 @@ class Pipeline:
 
     def recipe_key(self, variant: str) -> str:
         return Path(self.config["variants"][variant]["recipe"]).stem
+
+    def speculates(self, variant: str) -> bool:
+        return self.config["variants"][variant]["speculative"]["method"] != "none"
+
+    def lossless_twin(self, variant: str) -> str | None:
+        """A compared variant that is `variant` with speculation off (same recipe, same serve settings, method
+        none): its latency probe, measured anyway, is the lossless check's reference at no extra cost. None when
+        the variant does not speculate, when no such variant is compared, or with select.mode fixed (nothing but
+        the shipped variant is measured then, and serving its own image once more with speculation off,
+        scripts/lossless_reference.py, costs a start and a request per category instead of a whole build)."""
+        if not self.speculates(variant) or self.fixed:
+            return None
+        mine = self.config["variants"][variant]
+        for name in self.compared:
+            other = self.config["variants"][name]
+            if (other["speculative"]["method"] == "none" and other["recipe"] == mine["recipe"]
+                    and other["serve"] == mine["serve"]):
+                return name
+        return None
 
     def serve_json(self, variant: str) -> dict:
         settings = self.config["variants"][variant]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from lib.openai_client import request
+from lib.progress import Heartbeat, elapsed
 from lib.stage import StageError
 
 START_HINT = "start one with `bash setup/start-docker.sh` (as root)"
@@ -81,25 +82,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def last_log_line(text: str) -> str:
+    """The last non-empty line of a log tail (what vLLM is busy with), shortened for a progress line."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return (lines[-1][:200] if lines else "(no output yet)")
+
+
 def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | None = None,
-                  logs: Callable[[], str] | None = None, interval_s: float = 1.0) -> float:
-    """Poll GET {base_url}/ping until it answers 200; return the seconds it took."""
+                  logs: Callable[[], str] | None = None, interval_s: float = 1.0,
+                  last_line: Callable[[], str] | None = None, what: str = "the server") -> float:
+    """Poll GET {base_url}/ping until it answers 200; return the seconds it took.
+
+    Every PROGRESS_INTERVAL_S it prints what it waits for, how long it has, and the server's last log line
+    (last_line(), else the last line of logs())."""
     start = time.monotonic()
     deadline = start + timeout_s
     last = "no answer yet"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        # a per-request timeout: a server that accepts but never answers must not hang us
-        status, text, _ = request(base_url, "/ping", timeout_s=max(0.2, min(5.0, remaining)))
-        if status == 200:
-            return time.monotonic() - start
-        last = f"HTTP {status}" if status else text  # status 0: refused, reset, timed out while it starts
-        if alive is not None and not alive():
-            raise StageError(f"container exited after {time.monotonic() - start:.0f} s without answering "
-                             f"/ping; last container log lines:\n{logs() if logs else '(none)'}")
-        time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+
+    def progress(seconds: float) -> str:
+        source = last_line() if last_line else last_log_line(logs()) if logs else "(no log)"
+        return (f"[wait_for_ping] waiting for {what} to answer {base_url}/ping: {elapsed(seconds)} of "
+                f"{timeout_s:g} s (last answer: {last}); last log line: {source}")
+
+    with Heartbeat(progress):
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # a per-request timeout: a server that accepts but never answers must not hang us
+            status, text, _ = request(base_url, "/ping", timeout_s=max(0.2, min(5.0, remaining)))
+            if status == 200:
+                return time.monotonic() - start
+            last = f"HTTP {status}" if status else text  # status 0: refused, reset, timed out while it starts
+            if alive is not None and not alive():
+                raise StageError(f"container exited after {time.monotonic() - start:.0f} s without answering "
+                                 f"/ping; last container log lines:\n{logs() if logs else '(none)'}")
+            time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
     raise StageError(f"server never answered /ping within {timeout_s:g} s (last: {last}); last container "
                      f"log lines:\n{logs() if logs else '(none)'}")
 
@@ -125,7 +143,59 @@ class RunningContainer:
         return "\n".join(["error lines:", *errors, "", "last lines:", *full[-tail:]] if errors else full[-tail:])
 
     def wait_ready(self, timeout_s: float) -> float:
-        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.failure_summary)
+        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.failure_summary,
+                             last_line=lambda: last_log_line(self.logs(tail=5)), what=f"container {self.name}")
+
+    def exec(self, cmd: Sequence[str], timeout_s: float = 60) -> subprocess.CompletedProcess:
+        """`docker exec` in the running container; the completed process (never raises on a non-zero exit)."""
+        return subprocess.run(["docker", "exec", self.name, *cmd], capture_output=True, text=True,
+                              timeout=timeout_s)
+
+
+# What a bake records when the container has no GPU (the tiny profile's CPU build): its cache is for the CPU.
+CPU_ARCH = "cpu"
+GPU_QUERY = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
+TORCH_QUERY = ["python3", "-c", "import torch; d = torch.cuda.get_device_properties(0); "
+               "print(f'{d.name}, {d.major}.{d.minor}')"]
+
+
+def parse_gpu_query(text: str) -> dict:
+    """{name, compute_capability, arch} from `name, X.Y` lines (nvidia-smi's csv, or TORCH_QUERY's); every GPU of
+    the container must be of one architecture (a compile cache is built for one)."""
+    gpus = []
+    for line in text.strip().splitlines():
+        name, _, cap = line.rpartition(",")
+        found = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", cap)
+        if not name.strip() or not found:
+            raise StageError(f"cannot read a GPU name and compute capability from {line!r} (expected 'NAME, X.Y')")
+        gpus.append({"name": name.strip(), "compute_capability": f"{found.group(1)}.{found.group(2)}",
+                     "arch": f"sm_{found.group(1)}{found.group(2)}"})
+    if not gpus:
+        raise StageError(f"no GPU listed in {text!r}")
+    archs = sorted({g["arch"] for g in gpus})
+    if len(archs) > 1:
+        raise StageError(f"the container sees GPUs of several architectures ({', '.join(archs)}: "
+                         f"{[g['name'] for g in gpus]}); bake on one kind of GPU")
+    return gpus[0]
+
+
+def container_gpu(container: "RunningContainer", gpus: bool) -> dict:
+    """The GPU the container computes on: nvidia-smi inside it, else torch inside it. Without --gpus, the CPU."""
+    if not gpus:
+        return {"name": None, "compute_capability": None, "arch": CPU_ARCH}
+    tried = []
+    for cmd in (GPU_QUERY, TORCH_QUERY):
+        try:
+            result = container.exec(cmd)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            tried.append(f"`{' '.join(cmd[:2])}`: {error}")
+            continue
+        if result.returncode == 0 and result.stdout.strip():
+            return parse_gpu_query(result.stdout)
+        output = (result.stderr or result.stdout).strip()[-300:]
+        tried.append(f"`{' '.join(cmd[:2])}` exit {result.returncode}: {output}")
+    raise StageError(f"container {container.name} runs with --gpus all but neither nvidia-smi nor torch in it names "
+                     "its GPU, so the compile cache's architecture is unknown:\n  " + "\n  ".join(tried))
 
 
 def _raise_interrupt(signum, frame):

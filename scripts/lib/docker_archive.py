@@ -225,6 +225,22 @@ def verify_archive(path: str | Path, expected_ref: str, expected_labels: dict[st
     return record
 
 
+GPU_ARCH_LABEL = "io.qwen35-serve.gpu_arch"
+
+
+def gpu_arch_problems(labels: dict[str, str], gpu_arch: str | None, allow_mismatch: bool) -> list[str]:
+    """The image's GPU-architecture label (what its compile cache was baked for) against the config's
+    image.gpu_arch: missing is an error; another architecture is one unless image.allow_arch_mismatch."""
+    found = labels.get(GPU_ARCH_LABEL)
+    if not found:
+        return [f"label {GPU_ARCH_LABEL} is missing (an image built before it was labelled; rerun with "
+                "`-R build_image`)"]
+    if gpu_arch is not None and found != gpu_arch and not allow_mismatch:
+        return [f"label {GPU_ARCH_LABEL} is {found!r} but image.gpu_arch is {gpu_arch!r}: its compile cache is for "
+                "another GPU (rebuild on the right one, or set image.allow_arch_mismatch: true to accept it)"]
+    return []
+
+
 def load_image_record(path: str) -> dict:
     """build_image's record of the image, which every archive check compares against."""
     image = json.loads(Path(path).read_text())

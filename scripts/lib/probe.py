@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from lib.openai_client import get_text, post_json, stream_post
+from lib.progress import Heartbeat, elapsed
 from lib.stage import StageError
 
 PROMPT_SETS = ("repeated", "varied", "fresh")
@@ -232,30 +233,60 @@ class FreshPrompts:
         return [start for start, _ in taken], [text for _, text in taken]
 
 
+class RunProgress:
+    """Requests done in the current category, for the probe's progress lines (lib/progress.py)."""
+
+    def __init__(self, names: list[str], clock=time.monotonic):
+        self.names, self.clock = names, clock
+        self.start(None, 0, 0)
+
+    def start(self, name: str | None, warmups: int, runs: int) -> None:
+        self.category, self.warmups, self.runs = name, warmups, runs
+        self.warmups_done = self.runs_done = 0
+        self.category_started = self.clock()
+
+    def line(self, seconds: float) -> str:
+        index = self.names.index(self.category) + 1 if self.category in self.names else 0
+        return (f"[probe] category {self.category} ({index}/{len(self.names)}): {self.warmups_done}/{self.warmups} "
+                f"warm-ups and {self.runs_done}/{self.runs} timed runs done in "
+                f"{elapsed(self.clock() - self.category_started)}; {elapsed(seconds)} on this prompt set")
+
+
 def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, description: str, log=print) -> dict:
     """Every category, timed one request at a time. prompts_of(category) -> (extra fields for the category record,
-    one prompt per warm-up then per timed run)."""
+    one prompt per warm-up then per timed run). A line every PROGRESS_INTERVAL_S (lib/progress.py) says how many
+    requests of the current category are done."""
     categories = []
     totals = []
-    for category in probe_settings["categories"]:
-        extra, prompts = prompts_of(category)
-        warmup, max_tokens = probe_settings["warmup"], category["output_tokens"]
-        for prompt in prompts[:warmup]:
-            timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
-        before = counters(base_url)
-        runs = [timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
-                for prompt in prompts[warmup:]]
-        after = counters(base_url)
-        totals.append((before, after))
-        categories.append(dict(
-            summarize(category, runs), **extra,
-            prompt_tokens_served=[r["prompt_tokens"] for r in runs],
-            mean_acceptance_length=mean_acceptance_length(before, after),
-            spec_decode=spec_decode_delta(before, after), prefix_cache=prefix_cache_delta(before, after),
-            first_run_token_ids=runs[0]["token_ids"]))
-        c = categories[-1]
-        log(f"{category['name']}: median {c['median_ms']:.0f} ms over {len(runs)} runs, mean acceptance length "
-            f"{c['mean_acceptance_length']}, prefix-cache hit rate {c['prefix_cache']['hit_rate']}")
+    progress = RunProgress([c["name"] for c in probe_settings["categories"]])
+    with Heartbeat(progress.line, log=log):
+        for category in probe_settings["categories"]:
+            extra, prompts = prompts_of(category)
+            warmup, max_tokens = probe_settings["warmup"], category["output_tokens"]
+            if probe_settings.get("first_run_only"):
+                # the lossless check's reference (scripts/lossless_reference.py): the same prompts drawn the same way
+                # (a fresh set's draws depend on the warm-up count), but only the first timed run's is sent
+                prompts, warmup = prompts[warmup:warmup + 1], 0
+            progress.start(category["name"], warmup, len(prompts) - warmup)
+            for prompt in prompts[:warmup]:
+                timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
+                progress.warmups_done += 1
+            before = counters(base_url)
+            runs = []
+            for prompt in prompts[warmup:]:
+                runs.append(timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"]))
+                progress.runs_done += 1
+            after = counters(base_url)
+            totals.append((before, after))
+            categories.append(dict(
+                summarize(category, runs), **extra,
+                prompt_tokens_served=[r["prompt_tokens"] for r in runs],
+                mean_acceptance_length=mean_acceptance_length(before, after),
+                spec_decode=spec_decode_delta(before, after), prefix_cache=prefix_cache_delta(before, after),
+                first_run_token_ids=runs[0]["token_ids"]))
+            c = categories[-1]
+            log(f"{category['name']}: median {c['median_ms']:.0f} ms over {len(runs)} runs, mean acceptance length "
+                f"{c['mean_acceptance_length']}, prefix-cache hit rate {c['prefix_cache']['hit_rate']}")
     speedups = [c["speedup"] for c in categories if c["speedup"] is not None]
     drafts = sum(c["spec_decode"]["drafts"] for c in categories)
     accepted = sum(c["spec_decode"]["accepted_tokens"] for c in categories)
@@ -335,12 +366,23 @@ def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log
 
 
 def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, log=print) -> None:
-    """One request per probe size (compiled graphs and kernels are specialised by shape), plus chat both ways."""
-    for category in categories:
-        prompt = build_prompt(base_url, model, [sentence], category["prompt_tokens"])
-        result = timed_completion(base_url, model, prompt, category["output_tokens"], ignore_eos=True)
-        log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
-    for thinking in (False, True):
-        post_json(base_url, "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-            "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": thinking}})
+    """One request per probe size (compiled graphs and kernels are specialised by shape), plus chat both ways.
+    A line every PROGRESS_INTERVAL_S (lib/progress.py) names the warm-up under way (the first ones compile)."""
+    steps = [c["name"] for c in categories] + ["chat (thinking off)", "chat (thinking on)"]
+    state = {"done": 0}
+
+    def progress(seconds: float) -> str:
+        current = steps[min(state["done"], len(steps) - 1)]
+        return f"[warm-up] {state['done']}/{len(steps)} warm-ups done, now {current}: {elapsed(seconds)} in all"
+
+    with Heartbeat(progress, log=log):
+        for category in categories:
+            prompt = build_prompt(base_url, model, [sentence], category["prompt_tokens"])
+            result = timed_completion(base_url, model, prompt, category["output_tokens"], ignore_eos=True)
+            state["done"] += 1
+            log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
+        for thinking in (False, True):
+            post_json(base_url, "/v1/chat/completions", {
+                "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+                "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": thinking}})
+            state["done"] += 1

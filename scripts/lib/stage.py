@@ -46,6 +46,11 @@ def venv_python(venv_marker: str) -> Path:
     return Path(venv_marker).resolve().parent / "bin" / "python"
 
 
+# The file descriptor of the console (Snakemake's stderr) in a stage whose output goes to its rule's log: progress
+# lines of long waits (lib/progress.py) are written to both.
+CONSOLE_FD_ENV = "PIPELINE_CONSOLE_FD"
+
+
 def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: str | None = None) -> None:
     """Entry point of every stage script (its `__main__` block)."""
     if snakemake is None:  # re-executed inside the stage's venv
@@ -60,12 +65,15 @@ def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: s
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(job, handle)
     # the script's folder first, so `lib` is this project's package in the venv too
-    env = dict(os.environ, PYTHONPATH=str(Path(script).resolve().parent), PYTHONUNBUFFERED="1")
+    console = os.dup(2)  # the stage's output goes to its log; progress lines (lib/progress.py) also come here
+    env = dict(os.environ, PYTHONPATH=str(Path(script).resolve().parent), PYTHONUNBUFFERED="1",
+               **{CONSOLE_FD_ENV: str(console)})
     log = open(job["log"][0], "a") if job["log"] else None
     try:
         result = subprocess.run([str(venv_python(venv_marker)), script, "--job", handle.name],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(console,))
     finally:
+        os.close(console)
         os.unlink(handle.name)
         if log:
             log.close()
@@ -77,6 +85,7 @@ def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: s
 
 def _call(main, job: dict[str, Any], log_path: str | None = None) -> None:
     if log_path:  # same interpreter: send our own output to the rule's log as the venv path does
+        os.environ.setdefault(CONSOLE_FD_ENV, str(os.dup(2)))  # where progress lines also go (lib/progress.py)
         log = open(log_path, "a")
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)

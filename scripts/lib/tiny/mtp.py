@@ -162,40 +162,20 @@ def train_mtp(model, mtp, sequences: list[list[int]], *, steps: int, lr: float, 
               threads: int, pad_id: int, warmup_steps: int = 10, log=print) -> dict:
     """Qwen's MTP objective on `sequences` (token ids), the main model frozen: AdamW on the `mtp.*` weights only,
     linear warm-up and cosine decay, seeded and deterministic on CPU (fixed threads and data order)."""
-    import math
-    import time
-
     import torch
 
-    from lib.tiny.training import batch_order
+    from lib.tiny.training import batch_order, optimize
 
     torch.set_num_threads(int(threads))
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)
     model.eval().requires_grad_(False)
     mtp.float().train()
-    params = list(mtp.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
-    schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
-    lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    losses = []
-    start = time.monotonic()
-    for step, picked in enumerate(batch_order([len(s) for s in sequences], batch_size, steps, seed)):
-        loss = mtp_loss(model, mtp, *_pad([sequences[i] for i in picked], pad_id))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        lr_at.step()
-        losses.append(loss.item())
-        if step % 10 == 0 or step == steps - 1:
-            log(f"[tiny mtp] step {step + 1}/{steps} loss {loss.item():.4f} ({time.monotonic() - start:.0f} s)")
+    plan = batch_order([len(s) for s in sequences], batch_size, steps, seed)
+    trained = optimize(list(mtp.parameters()), plan, lambda picked: mtp_loss(model, mtp, *_pad(
+        [sequences[i] for i in picked], pad_id)), lr=lr, warmup_steps=warmup_steps, tag="tiny mtp", log=log)
     mtp.eval()
-    tail = losses[-min(20, len(losses)):]
-    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "sequences": len(sequences),
-            "seconds": round(time.monotonic() - start, 1), "first_loss": round(losses[0], 4),
-            "final_loss": round(sum(tail) / len(tail), 4)}
+    return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "sequences": len(sequences), **trained}
 
 
 def greedy_continue(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

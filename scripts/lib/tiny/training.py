@@ -113,6 +113,36 @@ def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, wind
     return batches[:steps]
 
 
+def optimize(params, batches: list, loss_of, *, lr: float, warmup_steps: int, tag: str, log=print) -> dict:
+    """One AdamW step per batch (linear warm-up, cosine decay to a tenth, gradients clipped at 1): the main model's
+    training and the MTP head's share it. `loss_of(batch)` returns the batch's loss tensor."""
+    import math
+    import time
+
+    import torch
+
+    steps = len(batches)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
+    lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses = []
+    start = time.monotonic()
+    for step, batch in enumerate(batches):
+        loss = loss_of(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        lr_at.step()
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            log(f"[{tag}] step {step + 1}/{steps} loss {loss.item():.4f} ({time.monotonic() - start:.0f} s)")
+    tail = losses[-min(20, len(losses)):]
+    return {"seconds": round(time.monotonic() - start, 1), "first_loss": round(losses[0], 4),
+            "final_loss": round(sum(tail) / len(tail), 4)}
+
+
 def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[dict], steps: int,
                 lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
                 warmup_steps: int = 20, device: str = "cpu", texts: list[dict] = (), text_max_len: int = 192) -> dict:
@@ -123,9 +153,6 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     AdamW with linear warm-up and cosine decay; `heldout` conversations (not trained on) give a teacher-forced
     answer-token accuracy, a quick proxy for the gate's scores. `device` other than cpu is for experiments
     (learning curves on an accelerator): not deterministic, and not what the pipeline does."""
-    import math
-    import time
-
     import torch
 
     torch.set_num_threads(int(threads))
@@ -136,36 +163,21 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.float().to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
-    schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
-    lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
-    losses = []
-    start = time.monotonic()
-    for step, picked in enumerate(plan):
+
+    def loss_of(picked):
         ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
         logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                  ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        lr_at.step()
-        losses.append(loss.item())
-        if step % 10 == 0 or step == steps - 1:
-            print(f"[tiny train] step {step + 1}/{steps} loss {loss.item():.4f} "
-                  f"({time.monotonic() - start:.0f} s)", flush=True)
-    seconds = time.monotonic() - start
+
+    plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
+    trained = optimize(params, plan, loss_of, lr=lr, warmup_steps=warmup_steps, tag="tiny train",
+                       log=lambda line: print(line, flush=True))
     accuracy = answer_accuracy(model, held, pad_id, device)
     model.to("cpu").eval()
-    tail = losses[-min(20, len(losses)):]
     return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
-            "examples": len(train) - len(texts), "repeat_examples": len(texts), "seconds": round(seconds, 1),
-            "first_loss": round(losses[0], 4),
-            "final_loss": round(sum(tail) / len(tail), 4), "heldout_answer_token_accuracy": round(accuracy, 4),
-            "heldout_examples": len(held)}
+            "examples": len(train) - len(texts), "repeat_examples": len(texts), **trained,
+            "heldout_answer_token_accuracy": round(accuracy, 4), "heldout_examples": len(held)}
 
 
 def answer_accuracy(model, examples, pad_id: int, device: str = "cpu", batch_size: int = 32) -> float:

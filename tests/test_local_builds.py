@@ -1,0 +1,32 @@
+"""`#! local-build` requirement lines (scripts/make_venv.py, scripts/lib/local_builds.py), pure parts."""
+
+import pytest
+
+import make_venv
+from conftest import ROOT
+from lib import local_builds
+from lib.stage import StageError
+
+
+def test_the_serve_venv_builds_arctic_inference_pinned():
+    assert make_venv.local_build_requirements(ROOT / "envs" / "serve-cpu.txt") == ["arctic-inference==0.1.1"]
+    assert set(local_builds.RECIPES) == {"arctic-inference==0.1.1"}
+    with pytest.raises(StageError, match="no local-build recipe for 'arctic-inference==0.2.0'"):
+        local_builds.build(ROOT, "arctic-inference==0.2.0")
+
+
+def test_its_vllm_plugin_entry_point_is_removed(tmp_path):
+    """arctic_inference's `vllm.general_plugins` entry point would monkeypatch vLLM in every server process."""
+    info = tmp_path / "arctic_inference-0.1.1.dist-info"
+    info.mkdir()
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\narctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin\n")
+    (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,sha256=x,99\n")
+    removed = local_builds.drop_entry_points(tmp_path, "arctic_inference", "vllm.general_plugins")
+    assert removed == ["arctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin"]
+    assert not (info / "entry_points.txt").exists()
+    assert (info / "RECORD").read_text() == f"{info.name}/METADATA,,\n"
+    # other groups stay
+    (info / "entry_points.txt").write_text("[console_scripts]\nx = a:b\n\n[vllm.general_plugins]\np = q:r\n")
+    assert local_builds.drop_entry_points(tmp_path, "arctic_inference", "vllm.general_plugins") == ["p = q:r"]
+    assert "[console_scripts]\nx = a:b" in (info / "entry_points.txt").read_text()

@@ -1,0 +1,251 @@
+"""The lossless check: greedy ids with speculation equal those without it, or the variant is refused.
+
+Unit tests on crafted records (a flipped id must be caught, named by set, category, position and both ids), the
+wiring (select skips a refused variant and says why, tarball refuses it, the DAG puts the check before both), and
+an e2e test that makes speculation lossy for real (tests/lossless_canary: a test-only vLLM plugin that flips
+accepted draft tokens) and shows the check failing on a real server's ids.
+"""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lossless
+import select_variant
+import tarball
+from conftest import ROOT, TINY, snakemake
+from lib import lossless as check_lib
+from lib.stage import StageError, validate_json
+from test_sweeps import fabricated_summary, latency
+
+SCHEMA = ROOT / "schemas" / "lossless.schema.yaml"
+MTP = {"method": "mtp", "k": 2}
+
+
+def flipped(record: dict, set_name: str, category: str, position: int) -> dict:
+    """`record` with one greedy id changed, as a lossy speculative server would have produced it."""
+    record = copy.deepcopy(record)
+    prompt_set = record if set_name == "repeated" else record[set_name]
+    row = next(c for c in prompt_set["categories"] if c["name"] == category)
+    row["first_run_token_ids"][position] ^= 1
+    return record
+
+
+def test_equal_ids_pass_on_every_set_and_category():
+    reference = latency(1.0, None)
+    result = lossless.check(latency(0.5, 2.0), reference, MTP, "twin awq-none")
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert result["passed"] and result["failures"] == []
+    assert {(r["set"], r["category"]) for r in result["rows"]} == {
+        (s, c) for s in ("repeated", "varied", "fresh") for c in ("short", "medium", "long")}
+    assert "all 9 set/category pairs (72 tokens)" in result["reason"]
+
+
+def test_a_flipped_token_is_named_by_set_category_position_and_ids():
+    reference = latency(1.0, None)
+    lossy = flipped(latency(0.5, 2.0), "varied", "medium", 5)  # id 6 -> 7
+    result = lossless.check(lossy, reference, MTP, "own image, speculation off")
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert not result["passed"] and len(result["failures"]) == 1
+    assert result["failures"][0] == ("varied prompts, category medium: greedy output differs first at output "
+                                     "token 5 (speculative 7, without speculation 6)")
+    row = next(r for r in result["rows"] if not r["passed"])
+    assert row["first_difference"] == {"position": 5, "speculative": 7, "reference": 6}
+
+
+def test_a_shorter_output_and_missing_ids_or_sets_fail_rather_than_pass_unchecked():
+    assert check_lib.first_difference([1, 2], [1, 2, 3]) == {"position": 2, "speculative": None, "reference": 3}
+    assert check_lib.first_difference([4, 5], [4, 5]) is None
+    reference = latency(1.0, None, sets=())  # the reference probed the repeated set only
+    speculative = latency(0.5, 2.0, sets=("varied",))
+    speculative["categories"][0]["first_run_token_ids"] = None
+    result = lossless.check(speculative, reference, MTP, "twin x")
+    assert not result["passed"]
+    assert "repeated prompts, category short: the speculative run recorded no token ids (the server sent none)" \
+        in result["failures"]
+    assert "varied prompts, category long: the reference has no varied/long record" in result["failures"]
+
+
+def test_no_speculation_passes_trivially():
+    result = lossless.check(None, None, {"method": "none"}, None)
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert result["passed"] and result["rows"] == [] and result["k"] == 0
+
+
+def record(passed: bool, variant: str) -> dict:
+    failures = [] if passed else ["repeated prompts, category short: greedy output differs first at output token 3 "
+                                  "(speculative 9, without speculation 8)"]
+    return {"variant": variant, "passed": passed, "method": "mtp", "k": 2, "reference": "twin awq-k0",
+            "reason": "x", "rows": [], "failures": failures}
+
+
+def test_select_skips_a_refused_variant_and_says_why():
+    records = {name: record(name != "awq-k2", name) for name in ("bf16-k1", "awq-k1", "awq-k2", "awq-k2-bad")}
+    selection = select_variant.choose(fabricated_summary(), "mean_speedup", records)
+    validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
+    assert selection["variant"] == "awq-k1"  # awq-k2 is faster but not lossless
+    assert ("refused by the lossless check: awq-k2 (not lossless against twin awq-k0: repeated prompts, category "
+            "short: greedy output differs first at output token 3") in selection["reason"]
+    candidates = {c["variant"]: c for c in selection["candidates"]}
+    assert candidates["awq-k2"]["lossless_refusal"].startswith("not lossless") and \
+        candidates["awq-k1"]["lossless_refusal"] is None
+    everything_lossy = {name: record(False, name) for name in records}
+    with pytest.raises(StageError, match="passes the quality gate and the lossless check"):
+        select_variant.choose(fabricated_summary(), "mean_speedup", everything_lossy)
+
+
+def test_tarball_refuses_a_lossy_variant(tmp_path):
+    path = tmp_path / "lossless.json"
+    path.write_text(json.dumps(record(False, "tiny-awq-mtp2")))
+    with pytest.raises(StageError, match=r"tiny-awq-mtp2 is not lossless .*output token 3 \(speculative 9, "
+                                         r"without speculation 8\).*not saved"):
+        tarball.require_lossless(str(path))
+    path.write_text(json.dumps(record(True, "tiny-awq-mtp2")))
+    tarball.require_lossless(str(path))
+
+
+class Job:
+    def __init__(self, tmp_path, spec_record, reference, fatal):
+        (tmp_path / "latency.json").write_text(json.dumps(spec_record))
+        (tmp_path / "reference.json").write_text(json.dumps(reference))
+        self.input = type("I", (), {"latency": str(tmp_path / "latency.json"),
+                                    "reference": str(tmp_path / "reference.json"), "schema": str(SCHEMA)})
+        self.output = type("O", (), {"lossless": str(tmp_path / "lossless.json")})
+        self.params = type("P", (), {"speculative": MTP, "reference_kind": "twin awq-none", "fatal": fatal})
+        self.wildcards = type("W", (), {"variant": "awq-mtp2"})
+
+
+def test_the_stage_fails_for_a_shipped_variant_and_records_for_a_compared_one(tmp_path):
+    lossy = flipped(latency(0.5, 2.0), "repeated", "long", 0)
+    with pytest.raises(StageError, match=r"awq-mtp2 \(mtp, K=2\) is not lossless against twin awq-none:\n  "
+                                         r"repeated prompts, category long: .* at output token 0 \(speculative 0, "
+                                         r"without speculation 1\)"):
+        lossless.main(Job(tmp_path, lossy, latency(1.0, None), fatal=True))
+    assert not (tmp_path / "lossless.json").exists()
+    lossless.main(Job(tmp_path, lossy, latency(1.0, None), fatal=False))
+    assert json.loads((tmp_path / "lossless.json").read_text())["passed"] is False
+
+
+def test_reference_differs_from_the_variant_in_speculation_only():
+    import lossless_reference
+
+    serve = json.loads((ROOT / "results" / "tiny-awq-mtp1" / "serve_config" / "serve.json").read_text()) \
+        if (ROOT / "results" / "tiny-awq-mtp1" / "serve_config" / "serve.json").exists() else \
+        {"max_model_len": 8704, "speculative": {"method": "mtp", "k": 1}}
+    off = lossless_reference.reference_serve(serve)
+    assert off["speculative"] == {"method": "none"}
+    assert {k: v for k, v in off.items() if k != "speculative"} == {k: v for k, v in serve.items() if k != "speculative"}
+
+
+def test_the_dag_checks_before_select_and_tarball():
+    """Dry runs: the tiny default variant's tarball waits for its lossless check, which (no twin compared) serves
+    its own image once more with speculation off; the sweep's select waits for every compared variant's check."""
+    out = snakemake("-n", "--forceall", "image.tar.gz", *TINY).stdout
+    assert "rule lossless:" in out and "rule lossless_reference:" in out, out[-3000:]
+    sweep = snakemake("-n", "--forceall", "results/selection.json", *TINY, "config/tiny-sweep.yaml").stdout
+    assert "rule lossless:" in sweep, sweep[-3000:]
+
+
+# ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny quantized model) ----------
+
+SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
+CANARY_DIR = Path(__file__).resolve().parent / "lossless_canary"
+
+
+def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> dict:
+    """Serve `model` locally with the tiny profile's serve settings and `speculative`, and run lib.probe's
+    repeated set (short category only: 64 prompt tokens, 128 output tokens) once: its latency-like record."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from lib.containers import free_port, wait_for_ping
+    from lib.probe import run_set, same_prompt
+
+    import yaml
+
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    serve = dict(tiny["variants"]["tiny-awq-mtp1"]["serve"], speculative=speculative)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "serve.json").write_text(json.dumps(serve))
+    port = free_port()
+    env = {**os.environ, "SERVE_CONFIG": str(tmp / "serve.json"), "MODEL_DIR": str(model), "PORT": str(port),
+           "HOST": "127.0.0.1", "PYTHONPATH": os.pathsep.join([str(CANARY_DIR), str(ROOT)]),
+           "VLLM_CACHE_ROOT": str(tmp / "cache"), **env_extra}
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for_ping(base, 900, alive=lambda: proc.poll() is None,
+                      logs=lambda: (tmp / "server.log").read_text()[-3000:])
+        settings = {"warmup": 0, "runs": 1, "ignore_eos": True,
+                    "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 128}],
+                    "sentence": "The quick brown fox jumps over the lazy dog near the quiet river bank. "}
+        name = serve["served_model_name"] if "served_model_name" in serve else "Qwen/Qwen3.5-4B"
+        return run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.e2e
+def test_a_lossy_server_is_caught(tiny_quantized, tmp_path):
+    """Three servers of the tiny AWQ model: without speculation (the reference), MTP K=2 (lossless: equal ids),
+    and MTP K=2 with tests/lossless_canary flipping accepted draft tokens (what a verify-step bug such as vLLM
+    #39273's GDN state corruption looks like from outside): the check passes the second and names the third's first
+    flipped token."""
+    reference = greedy_probe(tiny_quantized, tmp_path / "none", {"method": "none"}, {})
+    honest = greedy_probe(tiny_quantized, tmp_path / "mtp", MTP, {})
+    assert lossless.check(honest, reference, MTP, "reference")["passed"]
+    assert honest["categories"][0]["mean_acceptance_length"] > 1.5  # drafts were accepted, so the canary has work
+    lossy = greedy_probe(tiny_quantized, tmp_path / "canary", MTP, {"LOSSLESS_CANARY_FLIP": "1"})
+    result = lossless.check(lossy, reference, MTP, "reference")
+    assert not result["passed"], result
+    assert result["failures"][0].startswith("repeated prompts, category short: greedy output differs first at "
+                                            "output token ")
+    d = result["rows"][0]["first_difference"]
+    assert d["speculative"] == d["reference"] ^ 1, d
+
+
+def test_the_reference_is_a_compared_twin_when_the_sweep_measures_one():
+    import yaml
+    from lib import config as pipeline_config
+
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    fixed = pipeline_config.load(copy.deepcopy(tiny))
+    assert fixed.lossless_twin("tiny-awq-mtp1") is None  # the default run: the variant's own image, spec off
+    sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
+    assert sweep.compared == ["tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: three variants
+    assert {name: sweep.lossless_twin(name) for name in sweep.compared} == {
+        "tiny-awq-none": None, "tiny-awq-mtp1": "tiny-awq-none", "tiny-awq-k2": "tiny-awq-none"}
+    assert sweep.lossless_twin("tiny-bf16-mtp1") is None  # no compared bf16 twin: its own image
+
+
+DENSE_CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from serving.gdn_index_fix import dense
+column = torch.arange(10, dtype=torch.int32).view(2, 5)[:1, 0]  # one request's state index, K=4: stride (5,)
+assert column.is_contiguous() and column.stride() == (5,)  # why vLLM's own .contiguous() keeps it
+fixed = dense(column)
+assert fixed.stride() == (1,) and fixed.tolist() == [0]
+state = torch.zeros(3, 4)
+assert dense(state) is state  # already dense: no copy
+print("ok")
+"""
+
+
+@pytest.mark.e2e
+def test_gdn_index_fix_makes_a_one_element_strided_index_dense():
+    result = subprocess.run([str(SERVE_PY), "-c", DENSE_CHECK, str(ROOT)], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
