@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -134,14 +133,16 @@ def test_the_stage_fails_for_a_shipped_variant_and_records_for_a_compared_one(tm
 
 
 def test_reference_differs_from_the_variant_in_speculation_only():
-    import lossless_reference
+    import yaml
 
-    serve = json.loads((ROOT / "results" / "tiny-awq-mtp1" / "serve_config" / "serve.json").read_text()) \
-        if (ROOT / "results" / "tiny-awq-mtp1" / "serve_config" / "serve.json").exists() else \
-        {"max_model_len": 8704, "speculative": {"method": "mtp", "k": 1}}
+    import lossless_reference
+    from lib import config as pipeline_config
+
+    tiny = pipeline_config.load(yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text()))
+    serve = tiny.serve_json("tiny-awq-mtp1")
     off = lossless_reference.reference_serve(serve)
-    assert off["speculative"] == {"method": "none"}
-    assert {k: v for k, v in off.items() if k != "speculative"} == {k: v for k, v in serve.items() if k != "speculative"}
+    assert serve["speculative"] == {"method": "mtp", "k": 1} and off["speculative"] == {"method": "none"}
+    assert dict(off, speculative=None) == dict(serve, speculative=None)  # nothing else changed
 
 
 def test_the_dag_checks_before_select_and_tarball():
@@ -163,10 +164,10 @@ def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> 
     """Serve `model` locally with the tiny profile's serve settings and `speculative`, and run lib.probe's
     repeated set (short category only: 64 prompt tokens, 128 output tokens) once: its latency-like record."""
     sys.path.insert(0, str(ROOT / "scripts"))
+    import yaml
+
     from lib.containers import free_port, wait_for_ping
     from lib.probe import run_set, same_prompt
-
-    import yaml
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     serve = dict(tiny["variants"]["tiny-awq-mtp1"]["serve"], speculative=speculative)
@@ -219,6 +220,7 @@ def test_a_lossy_server_is_caught(tiny_quantized, tmp_path):
 
 def test_the_reference_is_a_compared_twin_when_the_sweep_measures_one():
     import yaml
+
     from lib import config as pipeline_config
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())

@@ -36,6 +36,15 @@ def _run(cmd: list[str], **kwargs) -> None:
         raise StageError(f"{' '.join(cmd[:6])} ... failed (exit {result.returncode}); its output is above")
 
 
+def drop_metadata_file(info: Path, name: str) -> None:
+    """Remove one file of an installed distribution's metadata, and its line in RECORD."""
+    (info / name).unlink(missing_ok=True)
+    record = info / "RECORD"
+    if record.exists():
+        record.write_text("".join(line for line in record.read_text().splitlines(keepends=True)
+                                  if not line.startswith(f"{info.name}/{name},")))
+
+
 def drop_entry_points(site_packages: Path, dist: str, group: str) -> list[str]:
     """Remove `group` from an installed distribution's entry points (and RECORD's line when none are left);
     returns the entry point lines removed."""
@@ -58,11 +67,7 @@ def drop_entry_points(site_packages: Path, dist: str, group: str) -> list[str]:
     if any(line.strip() and not line.strip().startswith("[") for line in kept):
         path.write_text("\n".join(kept) + "\n")
     else:
-        path.unlink()
-        record = info / "RECORD"
-        if record.exists():
-            record.write_text("".join(line for line in record.read_text().splitlines(keepends=True)
-                                      if not line.startswith(f"{info.name}/entry_points.txt,")))
+        drop_metadata_file(info, "entry_points.txt")
     return removed
 
 
@@ -91,6 +96,9 @@ def build_arctic_inference(venv: Path, requirement: str) -> None:
         _run([python, "-m", "pip", "install", "--no-input", "--no-deps", wheel])
     site_packages = next((venv / "lib").glob("python3.*/site-packages"))
     drop_entry_points(site_packages, "arctic_inference", "vllm.general_plugins")
+    # installed from a wheel file in a temporary folder: pip freeze would print that path (a new one every build)
+    # instead of the pin
+    drop_metadata_file(next(site_packages.glob("arctic_inference-*.dist-info")), "direct_url.json")
     _run([python, "-c", "from arctic_inference.suffix_decoding import SuffixDecodingCache"])
 
 
