@@ -40,7 +40,7 @@ def main() -> None:
         "buffer_bytes": nbytes,
         "iterations": 20,
         "method": "torch Tensor.copy_ between two 4 GiB bf16 CUDA tensors (GB/s counts bytes read + written), "
-                  "and Tensor.sum over one (bytes read); CUDA-event timed, 3 warm-ups",
+        "and Tensor.sum over one (bytes read); CUDA-event timed, 3 warm-ups",
         "copy_gbps": round(2 * nbytes / copy_s / 1e9, 1),
         "read_gbps": round(nbytes / read_s / 1e9, 1),
         "wall_s": round(time.monotonic() - started, 1),

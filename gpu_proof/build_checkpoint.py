@@ -97,15 +97,20 @@ def main() -> None:
         "kind": "checkpoint",
         "status": "ok",
         "path": str(out),
-        "builder": (f"scripts/lib/tiny: train_tokenizer(pad_to={args.vocab}) + build_tiny_checkpoint "
-                    f"under torch.device('{args.device}')"),
+        "builder": (
+            f"scripts/lib/tiny: train_tokenizer(pad_to={args.vocab}) + build_tiny_checkpoint "
+            f"under torch.device('{args.device}')"
+        ),
         "seed": args.seed,
         "device": torch.cuda.get_device_name(0) if on_gpu else args.device,
         "architecture": saved["architectures"][0],
         "text_config": {k: text[k] for k in sorted(dims) if k != "layer_types"}
-        | {"vocab_size": text["vocab_size"], "tie_word_embeddings": text["tie_word_embeddings"],
-           "full_attention_layers": text["layer_types"].count("full_attention"),
-           "linear_attention_layers": text["layer_types"].count("linear_attention")},
+        | {
+            "vocab_size": text["vocab_size"],
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "full_attention_layers": text["layer_types"].count("full_attention"),
+            "linear_attention_layers": text["layer_types"].count("linear_attention"),
+        },
         "vision_config": {k: saved["vision_config"][k] for k in ("depth", "hidden_size", "intermediate_size")},
         "tensor_groups": groups,
         "total_params": sum(g["params"] for g in groups.values()),

@@ -41,11 +41,17 @@ def fill_missing_decode(out: Path) -> list[str]:
         bandwidth = machine_record(out, "bandwidth", record["machine"])
         if checkpoint is None or bandwidth is None:
             continue
-        decode = decode_bound(record["weights"], VARIANTS[record["variant"]]["k"], bandwidth["copy_gbps"],
-                              checkpoint["text_config"], record["probe"]["categories"])
+        decode = decode_bound(
+            record["weights"],
+            VARIANTS[record["variant"]]["k"],
+            bandwidth["copy_gbps"],
+            checkpoint["text_config"],
+            record["probe"]["categories"],
+        )
         decode["bandwidth_source"] = f"{record['machine']}'s bandwidth record, copy_gbps"
-        decode["filled_by"] = (f"gpu_proof/collect.py: driver.decode_bound with {record['machine']}'s "
-                               "checkpoint and bandwidth records")
+        decode["filled_by"] = (
+            f"gpu_proof/collect.py: driver.decode_bound with {record['machine']}'s checkpoint and bandwidth records"
+        )
         record["decode"] = decode
         path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         filled.append(path.stem)
@@ -69,7 +75,11 @@ def main() -> None:
                 record = json.loads(data)
                 record["machine"] = machine
                 target = out / name.name
-                if name.stem in PER_MACHINE and target.exists() and json.loads(target.read_text())["machine"] != machine:
+                if (
+                    name.stem in PER_MACHINE
+                    and target.exists()
+                    and json.loads(target.read_text())["machine"] != machine
+                ):
                     target = out / f"{name.stem}-{machine}.json"
                 elif target.exists():
                     old = json.loads(target.read_text())

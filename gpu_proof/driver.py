@@ -50,18 +50,39 @@ KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm
 # and restart from the baked cache, which prompt sets to probe.
 VARIANTS = {
     "bf16": {"recipe": None, "k": 0, "first": "empty", "bake": True, "sets": "both"},
-    "awq-w4a16-g32-broad": {"recipe": "recipes/awq-w4a16-g32-broad.yaml", "k": 0, "first": "seeded", "bake": True,
-                            "sets": "both"},
+    "awq-w4a16-g32-broad": {
+        "recipe": "recipes/awq-w4a16-g32-broad.yaml",
+        "k": 0,
+        "first": "seeded",
+        "bake": True,
+        "sets": "both",
+    },
     "bf16-mtp2": {"recipe": None, "k": 2, "first": "seeded", "bake": False, "sets": "repeated"},
     "bf16-mtp1": {"recipe": None, "k": 1, "first": "seeded", "bake": False, "sets": "repeated"},
     "bf16-mtp4": {"recipe": None, "k": 4, "first": "seeded", "bake": False, "sets": "repeated"},
-    "awq-w4a16-g32-mlp": {"recipe": "recipes/awq-w4a16-g32-mlp.yaml", "k": 0, "first": "seeded", "bake": False,
-                          "sets": "both"},
+    "awq-w4a16-g32-mlp": {
+        "recipe": "recipes/awq-w4a16-g32-mlp.yaml",
+        "k": 0,
+        "first": "seeded",
+        "bake": False,
+        "sets": "both",
+    },
 }
 # bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
-STEPS = ["environment", "checkpoint", "bandwidth", "serve-bf16", "quantize-awq-w4a16-g32-broad",
-         "serve-awq-w4a16-g32-broad", "serve-bf16-mtp2", "serve-bf16-mtp1", "serve-bf16-mtp4",
-         "quantize-awq-w4a16-g32-mlp", "serve-awq-w4a16-g32-mlp", "coldstart-empty-awq-w4a16-g32-broad"]
+STEPS = [
+    "environment",
+    "checkpoint",
+    "bandwidth",
+    "serve-bf16",
+    "quantize-awq-w4a16-g32-broad",
+    "serve-awq-w4a16-g32-broad",
+    "serve-bf16-mtp2",
+    "serve-bf16-mtp1",
+    "serve-bf16-mtp4",
+    "quantize-awq-w4a16-g32-mlp",
+    "serve-awq-w4a16-g32-mlp",
+    "coldstart-empty-awq-w4a16-g32-broad",
+]
 
 
 class Driver:
@@ -110,43 +131,85 @@ class Driver:
             except Exception as error:  # noqa: BLE001  recorded; later steps go on where they can
                 self.log(f"{step}: FAILED after {time.monotonic() - started:.0f} s: {error}")
                 traceback.print_exc()
-                self.record(f"failed-{step}", {"kind": "failure", "status": "failed", "step": step,
-                                               "error": str(error)[-4000:], "seconds": time.monotonic() - started})
+                self.record(
+                    f"failed-{step}",
+                    {
+                        "kind": "failure",
+                        "status": "failed",
+                        "step": step,
+                        "error": str(error)[-4000:],
+                        "seconds": time.monotonic() - started,
+                    },
+                )
         self.log("all steps finished")
 
     # ---- steps ----
     def step_environment(self, step: str) -> None:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pci.bus_id,clocks.max.memory",
-                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,pci.bus_id,clocks.max.memory",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         name, driver, memory, bus, mem_clock = [part.strip() for part in smi.split(",")]
         versions = {}
         for label, site, names in (
             ("host", None, ["torch", "transformers", "triton", "tokenizers", "safetensors", "accelerate", "numpy"]),
-            ("vllm_bundle", SITE_VLLM, ["vllm", "flashinfer-python", "compressed-tensors", "xgrammar", "torch",
-                                        "transformers", "triton"]),
-            ("llmcompressor_bundle", SITE_LLMC, ["llmcompressor", "compressed-tensors", "datasets", "torch",
-                                                 "transformers"]),
+            (
+                "vllm_bundle",
+                SITE_VLLM,
+                ["vllm", "flashinfer-python", "compressed-tensors", "xgrammar", "torch", "transformers", "triton"],
+            ),
+            (
+                "llmcompressor_bundle",
+                SITE_LLMC,
+                ["llmcompressor", "compressed-tensors", "datasets", "torch", "transformers"],
+            ),
         ):
             env = dict(os.environ, PYTHONPATH=site or "")
-            code = ("import json, importlib.metadata as m\nout = {}\nfor n in %r:\n    try: out[n] = m.version(n)\n"
-                    "    except m.PackageNotFoundError: out[n] = 'absent'\nprint(json.dumps(out))" % names)
-            versions[label] = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                                        text=True, check=True).stdout)
-        cuda = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True,
-                              text=True).stdout.strip()
-        self.record("environment", {
-            "kind": "environment", "status": "ok", "gpu": {"name": name, "driver": driver, "memory_total": memory,
-                                                           "pci_bus_id": bus, "max_memory_clock": mem_clock},
-            "gpu_count": len(smi.splitlines()), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-            "torch_cuda": cuda, "versions": versions, "docker": shutil.which("docker") is not None,
-            "driver_command": " ".join(["python3", *sys.argv]),
-        })
+            code = (
+                "import json, importlib.metadata as m\nout = {}\nfor n in %r:\n    try: out[n] = m.version(n)\n"
+                "    except m.PackageNotFoundError: out[n] = 'absent'\nprint(json.dumps(out))" % names
+            )
+            versions[label] = json.loads(
+                subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+            )
+        cuda = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True
+        ).stdout.strip()
+        self.record(
+            "environment",
+            {
+                "kind": "environment",
+                "status": "ok",
+                "gpu": {
+                    "name": name,
+                    "driver": driver,
+                    "memory_total": memory,
+                    "pci_bus_id": bus,
+                    "max_memory_clock": mem_clock,
+                },
+                "gpu_count": len(smi.splitlines()),
+                "cpu_count": os.cpu_count(),
+                "python": sys.version.split()[0],
+                "torch_cuda": cuda,
+                "versions": versions,
+                "docker": shutil.which("docker") is not None,
+                "driver_command": " ".join(["python3", *sys.argv]),
+            },
+        )
 
     def step_checkpoint(self, step: str) -> None:
         shutil.rmtree(self.model_dir, ignore_errors=True)
         result = self.state / "checkpoint.json"
-        self._python([str(ROOT / "gpu_proof" / "build_checkpoint.py"), str(self.model_dir), str(result)],
-                     env={}, log_name="checkpoint")
+        self._python(
+            [str(ROOT / "gpu_proof" / "build_checkpoint.py"), str(self.model_dir), str(result)],
+            env={},
+            log_name="checkpoint",
+        )
         data = json.loads(result.read_text())
         data["command"] = f"python3 gpu_proof/build_checkpoint.py {self.model_dir} {result}"
         self.record("checkpoint", data)
@@ -165,16 +228,30 @@ class Driver:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         result = self.state / f"quantize-{variant}.json"
-        env = {"PYTHONPATH": os.pathsep.join([SITE_LLMC, SITE_EXTRA, str(ROOT / "scripts")]),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            "PYTHONPATH": os.pathsep.join([SITE_LLMC, SITE_EXTRA, str(ROOT / "scripts")]),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         try:
-            self._python([str(ROOT / "gpu_proof" / "quantize_variant.py"), str(self.model_dir), str(recipe), str(out),
-                          str(result)], env=env, log_name=step, timeout=1200)
+            self._python(
+                [
+                    str(ROOT / "gpu_proof" / "quantize_variant.py"),
+                    str(self.model_dir),
+                    str(recipe),
+                    str(out),
+                    str(result),
+                ],
+                env=env,
+                log_name=step,
+                timeout=1200,
+            )
         finally:
             if result.exists():
                 data = json.loads(result.read_text())
-                data["command"] = (f"PYTHONPATH={env['PYTHONPATH']} python3 gpu_proof/quantize_variant.py "
-                                   f"{self.model_dir} {VARIANTS[variant]['recipe']} {out} {result}")
+                data["command"] = (
+                    f"PYTHONPATH={env['PYTHONPATH']} python3 gpu_proof/quantize_variant.py "
+                    f"{self.model_dir} {VARIANTS[variant]['recipe']} {out} {result}"
+                )
                 data["variant"] = variant
                 self.record(step, data)
 
@@ -230,8 +307,9 @@ class Driver:
             how = "baked"
         return cache, how
 
-    def serve_variant(self, variant: str, spec: dict, name: str | None = None, probe_it: bool = True,
-                      kind: str = "variant") -> None:
+    def serve_variant(
+        self, variant: str, spec: dict, name: str | None = None, probe_it: bool = True, kind: str = "variant"
+    ) -> None:
         name = name or f"variant-{variant}"
         model = self.model_for(spec)
         settings = self.serve_settings(spec["k"])
@@ -240,14 +318,22 @@ class Driver:
         from serving.settings import vllm_args  # the exact flags the entrypoint will exec
 
         record = {
-            "kind": kind, "status": "running", "variant": variant, "recipe": spec["recipe"],
+            "kind": kind,
+            "status": "running",
+            "variant": variant,
+            "recipe": spec["recipe"],
             "speculative": {"method": "mtp" if spec["k"] else "none", "k": spec["k"]},
-            "model_dir": str(model), "serve_settings": settings,
-            "command": (f"cd <repo> && SERVE_CONFIG={serve_json} MODEL_DIR={model} HOST=127.0.0.1 PORT=<port> "
-                        f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"),
+            "model_dir": str(model),
+            "serve_settings": settings,
+            "command": (
+                f"cd <repo> && SERVE_CONFIG={serve_json} MODEL_DIR={model} HOST=127.0.0.1 PORT=<port> "
+                f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"
+            ),
             "vllm_args": planned_args(vllm_args, settings, model),
             "weights": checkpoint_bytes(model),
-            "cold_start": {}, "probe": None, "decode": None,
+            "cold_start": {},
+            "probe": None,
+            "decode": None,
         }
         self.record(name, record)
         first_cache, how = self.prepare_cache(variant, spec["first"])
@@ -262,8 +348,13 @@ class Driver:
             self.record(name, record)
             if spec["bake"]:
                 bake_start = time.monotonic()
-                warm_up(base, settings["served_model_name"], self.probe_settings()["categories"],
-                        self.probe_settings()["sentence"], log=self.log)
+                warm_up(
+                    base,
+                    settings["served_model_name"],
+                    self.probe_settings()["categories"],
+                    self.probe_settings()["sentence"],
+                    log=self.log,
+                )
                 record["cold_start"]["warm_up_s"] = round(time.monotonic() - bake_start, 1)
             elif probe_it:
                 self.run_probe(record, name, base, settings, spec)
@@ -272,8 +363,9 @@ class Driver:
         if spec["bake"]:
             tar_path = self.state / "cache" / f"{variant}.tar"
             packed = deterministic_tar(first_cache, tar_path)
-            record["cold_start"].update(cache_files=packed["files"], cache_bytes=packed["bytes"],
-                                        cache_by_dir=cache_by_dir(first_cache))
+            record["cold_start"].update(
+                cache_files=packed["files"], cache_bytes=packed["bytes"], cache_by_dir=cache_by_dir(first_cache)
+            )
             self.record(name, record)
             cache, how = self.prepare_cache(variant, f"baked:{tar_path}")
             proc, base, log_path = self.start(variant, serve_json, model, cache, "baked")
@@ -299,9 +391,13 @@ class Driver:
         if spec["sets"] != "both":  # the competition's set only
             settings_probe = dict(settings_probe, sets=["repeated"])
         result = probe(base, model_name, settings_probe, str(ROOT / settings_probe["varied_text"]), log=self.log)
-        result.update(warmup=settings_probe["warmup"], runs=settings_probe["runs"],
-                      ignore_eos=settings_probe["ignore_eos"], seconds=round(time.monotonic() - started, 1),
-                      prompt_sets=", ".join(result["prompt_sets"]))  # a string, as in the committed records
+        result.update(
+            warmup=settings_probe["warmup"],
+            runs=settings_probe["runs"],
+            ignore_eos=settings_probe["ignore_eos"],
+            seconds=round(time.monotonic() - started, 1),
+            prompt_sets=", ".join(result["prompt_sets"]),
+        )  # a string, as in the committed records
         record["probe"] = result
         record["decode"] = self.decode_analysis(record, spec)
         self.record(name, record)
@@ -318,22 +414,33 @@ class Driver:
     def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
         port = free_port()
         log_path = self.logs / f"{variant}-{tag}.log"
-        env = dict(os.environ, SERVE_CONFIG=str(serve_json), MODEL_DIR=str(model), HOST="127.0.0.1", PORT=str(port),
-                   CACHE_DIR=str(cache), PYTHONPATH=SITE_VLLM, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            SERVE_CONFIG=str(serve_json),
+            MODEL_DIR=str(model),
+            HOST="127.0.0.1",
+            PORT=str(port),
+            CACHE_DIR=str(cache),
+            PYTHONPATH=SITE_VLLM,
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
         for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
         handle = open(log_path, "w")
         self.log(f"{variant}: starting `python3 -m serving` on port {port}, cache {cache}")
-        proc = subprocess.Popen(self.serve_cmd, cwd=ROOT, env=env, stdout=handle,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            self.serve_cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
         handle.close()
         (self.state / "server.pid").write_text(f"{proc.pid}\n")  # its own session: device.sh restart stops it
         return proc, f"http://127.0.0.1:{port}", log_path
 
     def wait_ready(self, proc, base: str, log_path: Path) -> float:
-        return wait_for_ping(base, 900, alive=lambda: proc.poll() is None,
-                             logs=lambda: error_summary(log_path), interval_s=0.25)
+        return wait_for_ping(
+            base, 900, alive=lambda: proc.poll() is None, logs=lambda: error_summary(log_path), interval_s=0.25
+        )
 
     def stop(self, proc, log_path: Path) -> None:
         try:
@@ -361,14 +468,21 @@ class Driver:
     def _python(self, args: list[str], env: dict, log_name: str, timeout: float | None = None) -> None:
         log_path = self.logs / f"{log_name}.log"
         with open(log_path, "w") as handle:
-            result = subprocess.run([sys.executable, "-u", *args], cwd=ROOT, env=dict(os.environ, **env),
-                                    stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
+            result = subprocess.run(
+                [sys.executable, "-u", *args],
+                cwd=ROOT,
+                env=dict(os.environ, **env),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
         shrink_log(log_path)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(args[:1])} exited {result.returncode}:\n{error_summary(log_path)}")
 
 
 # ---- pure helpers (tested without a GPU) ----
+
 
 def _load_config():
     import yaml
@@ -397,8 +511,14 @@ def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories
     step_weights = weights["decoder"] + weights["lm_head"] + k * (weights["mtp"] + weights["lm_head"])
     full_layers = text["full_attention_layers"]
     kv_per_token = full_layers * 2 * text["num_key_value_heads"] * text["head_dim"] * 2
-    state = 2 * text["linear_attention_layers"] * text["linear_num_value_heads"] * text["linear_key_head_dim"] \
-        * text["linear_value_head_dim"] * 4
+    state = (
+        2
+        * text["linear_attention_layers"]
+        * text["linear_num_value_heads"]
+        * text["linear_key_head_dim"]
+        * text["linear_value_head_dim"]
+        * 4
+    )
     bytes_per_s = copy_gbps * 1e9
     rows = []
     for category in categories:
@@ -408,13 +528,25 @@ def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories
         weights_ms = step_weights / bytes_per_s * 1e3 / accepted
         total_ms = step_bytes / bytes_per_s * 1e3 / accepted
         itl = category["itl_median_ms"]
-        rows.append({"category": category["name"], "itl_median_ms": round(itl, 3), "mean_context_tokens": context,
-                     "tokens_per_step": round(accepted, 4), "weights_bound_ms": round(weights_ms, 3),
-                     "bound_with_kv_state_ms": round(total_ms, 3),
-                     "fraction_of_bound": round(total_ms / itl, 3) if itl else None})
-    return {"bandwidth_gbps": copy_gbps, "bandwidth_source": "bandwidth.json copy_gbps",
-            "weights_bytes_per_step": step_weights, "kv_bytes_per_context_token": kv_per_token,
-            "state_bytes_per_step": state, "categories": rows}
+        rows.append(
+            {
+                "category": category["name"],
+                "itl_median_ms": round(itl, 3),
+                "mean_context_tokens": context,
+                "tokens_per_step": round(accepted, 4),
+                "weights_bound_ms": round(weights_ms, 3),
+                "bound_with_kv_state_ms": round(total_ms, 3),
+                "fraction_of_bound": round(total_ms / itl, 3) if itl else None,
+            }
+        )
+    return {
+        "bandwidth_gbps": copy_gbps,
+        "bandwidth_source": "bandwidth.json copy_gbps",
+        "weights_bytes_per_step": step_weights,
+        "kv_bytes_per_context_token": kv_per_token,
+        "state_bytes_per_step": state,
+        "categories": rows,
+    }
 
 
 def planned_args(vllm_args, settings: dict, model: Path) -> list[str]:
@@ -448,8 +580,12 @@ def cache_by_dir(cache: Path) -> dict:
 
 def gpu_memory_used() -> int | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         return int(out.split()[0])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None

@@ -33,12 +33,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/ping":
-            self.reply({} if time.monotonic() >= READY_AT else {"error": "starting"},
-                       status=200 if time.monotonic() >= READY_AT else 503)
+            self.reply(
+                {} if time.monotonic() >= READY_AT else {"error": "starting"},
+                status=200 if time.monotonic() >= READY_AT else 503,
+            )
         elif self.path == "/metrics":
-            self.reply(f"vllm:spec_decode_num_drafts_total{{engine=\"0\"}} {COUNTS['drafts']}\n"
-                       f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {COUNTS['accepted']}\n",
-                       "text/plain")
+            self.reply(
+                f'vllm:spec_decode_num_drafts_total{{engine="0"}} {COUNTS["drafts"]}\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {COUNTS["accepted"]}\n',
+                "text/plain",
+            )
         else:
             self.reply({"error": "not found"}, status=404)
 

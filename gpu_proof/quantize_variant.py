@@ -20,8 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the stage's `lib` imports
 
-CALIBRATION = {"source": "text_file", "path": str(ROOT / "data" / "tiny" / "corpus.txt"), "num_samples": 32,
-               "max_seq_length": 512, "seed": 42, "chat": True}
+CALIBRATION = {
+    "source": "text_file",
+    "path": str(ROOT / "data" / "tiny" / "corpus.txt"),
+    "num_samples": 32,
+    "max_seq_length": 512,
+    "seed": 42,
+    "chat": True,
+}
 BOUNDS = {"min_top1_agreement": 0.0, "max_ppl_ratio": 1.0e6}
 
 
@@ -31,12 +37,22 @@ def main() -> None:
 
     out = Path(out_dir)
     job = {
-        "rule": "quantize", "threads": 16, "log": [], "wildcards": {"recipe": Path(recipe).stem},
-        "input": {"model": model_dir, "recipe": recipe, "calibration": CALIBRATION["path"],
-                  "heldout": str(ROOT / "data" / "heldout.txt"),
-                  "schema": str(ROOT / "schemas" / "quantize_report.schema.yaml")},
-        "output": {"model": str(out / "model"), "manifest": str(out / "manifest.json"),
-                   "report": str(out / "report.json")},
+        "rule": "quantize",
+        "threads": 16,
+        "log": [],
+        "wildcards": {"recipe": Path(recipe).stem},
+        "input": {
+            "model": model_dir,
+            "recipe": recipe,
+            "calibration": CALIBRATION["path"],
+            "heldout": str(ROOT / "data" / "heldout.txt"),
+            "schema": str(ROOT / "schemas" / "quantize_report.schema.yaml"),
+        },
+        "output": {
+            "model": str(out / "model"),
+            "manifest": str(out / "manifest.json"),
+            "report": str(out / "report.json"),
+        },
         "params": {"calibration": dict(CALIBRATION), "quantize": dict(BOUNDS)},
     }
     job_path = out / "job.json"
@@ -60,7 +76,7 @@ def main() -> None:
             "recipe": str(Path(recipe).relative_to(ROOT)) if Path(recipe).is_relative_to(ROOT) else recipe,
             "device": torch.cuda.get_device_name(0),
             "command": "scripts/quantize.py --job job.json (gpu_proof/quantize_variant.py writes the job the "
-                       "Snakemake rule would pass)",
+            "Snakemake rule would pass)",
             "calibration": CALIBRATION | {"path": "data/tiny/corpus.txt"},
             "bounds": BOUNDS,
             "wall_s": round(wall, 1),

@@ -28,15 +28,24 @@ def container_env(base: dict | None) -> dict:
     return {"PYTHONPATH": ":".join(paths)}
 
 
-def coldstart_record(empty_s: float, baked_s: float, evidence: dict, bake_s: float, packed: dict, image: str,
-                     gpu: dict) -> dict:
+def coldstart_record(
+    empty_s: float, baked_s: float, evidence: dict, bake_s: float, packed: dict, image: str, gpu: dict
+) -> dict:
     """gpu: {name, compute_capability, arch} of the bake container (lib.containers.container_gpu); build_image
     refuses a cache baked for another architecture than image.gpu_arch."""
-    return {"gpu": {k: gpu[k] for k in ("name", "compute_capability", "arch")},
-            "cold_start_empty_cache_s": round(empty_s, 1), "cold_start_baked_cache_s": round(baked_s, 1),
-            "saved_s": round(empty_s - baked_s, 1), "cache_hit": bool(evidence["hits"]) and not evidence["misses"],
-            "cache_hit_evidence": evidence["hits"], "cache_load_failures": evidence["misses"],
-            "bake_s": round(bake_s, 1), "cache_files": packed["files"], "cache_bytes": packed["bytes"], "image": image}
+    return {
+        "gpu": {k: gpu[k] for k in ("name", "compute_capability", "arch")},
+        "cold_start_empty_cache_s": round(empty_s, 1),
+        "cold_start_baked_cache_s": round(baked_s, 1),
+        "saved_s": round(empty_s - baked_s, 1),
+        "cache_hit": bool(evidence["hits"]) and not evidence["misses"],
+        "cache_hit_evidence": evidence["hits"],
+        "cache_load_failures": evidence["misses"],
+        "bake_s": round(bake_s, 1),
+        "cache_files": packed["files"],
+        "cache_bytes": packed["bytes"],
+        "image": image,
+    }
 
 
 def main(job) -> None:
@@ -60,9 +69,16 @@ def main(job) -> None:
     model = json.loads(Path(job.input.serve).read_text())["served_model_name"]
 
     def start(name_prefix):
-        return run_container(base_ref, volumes=volumes, env=container_env(base), gpus=run["gpus"],
-                             shm_size=run["shm_size"], name_prefix=name_prefix, args=["python3", "-m", "serving"],
-                             docker_args=["--entrypoint", ""])
+        return run_container(
+            base_ref,
+            volumes=volumes,
+            env=container_env(base),
+            gpus=run["gpus"],
+            shm_size=run["shm_size"],
+            name_prefix=name_prefix,
+            args=["python3", "-m", "serving"],
+            docker_args=["--entrypoint", ""],
+        )
 
     started = time.monotonic()
     with start("bake") as container:
@@ -79,13 +95,17 @@ def main(job) -> None:
     print(rerun_log[-20000:])
     bake_s = time.monotonic() - started
     evidence = cache_evidence(rerun_log)
-    print(f"cold start: {empty_s:.0f} s empty cache, {baked_s:.0f} s baked; hits {evidence['hits']}; "
-          f"load failures {evidence['misses']}")
+    print(
+        f"cold start: {empty_s:.0f} s empty cache, {baked_s:.0f} s baked; hits {evidence['hits']}; "
+        f"load failures {evidence['misses']}"
+    )
     if job.params.require_cache_hit and (not evidence["hits"] or evidence["misses"]):
         shutil.rmtree(cache_dir)
-        raise StageError("the second start did not load the compile cache it had just filled "
-                         f"(vLLM said: {evidence['misses'] or 'no Directly load line'}); the baked cache would be "
-                         "dead weight in the image. Set image.require_cache_hit: false to ship it anyway.")
+        raise StageError(
+            "the second start did not load the compile cache it had just filled "
+            f"(vLLM said: {evidence['misses'] or 'no Directly load line'}); the baked cache would be "
+            "dead weight in the image. Set image.require_cache_hit: false to ship it anyway."
+        )
     packed = deterministic_tar(cache_dir, Path(job.output.cache))
     shutil.rmtree(cache_dir)
     record = coldstart_record(empty_s, baked_s, evidence, bake_s, packed, base_ref, gpu)

@@ -65,9 +65,11 @@ def _excluded(rel: str, patterns) -> bool:
 
 def copy_site_packages(src: Path, dst: Path, exclude=SITE_EXCLUDE) -> None:
     """Copy src to dst leaving out paths (relative to src, glob patterns) in exclude."""
+
     def ignore(directory, names):
         rel_dir = Path(directory).relative_to(src)
         return {n for n in names if _excluded(str(rel_dir / n) if str(rel_dir) != "." else n, exclude)}
+
     # the rootfs is only read, then deleted: links save a 3 GB copy
     shutil.copytree(src, dst, symlinks=True, ignore=ignore, copy_function=link_or_copy)
 
@@ -76,8 +78,9 @@ def chroot_python(rootfs: Path, code: str) -> str:
     env = {"PATH": PATH, "PYTHONPATH": SITE, "LANG": "C.UTF-8", "HOME": "/root"}
     result = subprocess.run(["chroot", str(rootfs), "python3", "-c", code], capture_output=True, text=True, env=env)
     if result.returncode != 0:
-        raise StageError(f"python3 in the base rootfs failed on {code!r}:\n"
-                         + "\n".join(result.stderr.strip().splitlines()[-15:]))
+        raise StageError(
+            f"python3 in the base rootfs failed on {code!r}:\n" + "\n".join(result.stderr.strip().splitlines()[-15:])
+        )
     return result.stdout.strip()
 
 
@@ -101,8 +104,17 @@ def import_rootfs(rootfs: Path, ref: str, builder: str, workdir: Path) -> None:
     container = run(["buildah", "from", "scratch"], builder="buildah").strip()
     try:
         run(["buildah", "add", container, str(archive), "/"], builder="buildah", what="buildah add rootfs")
-        run(["buildah", "config", *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
-             "--cmd", '["python3"]', container], builder="buildah")
+        run(
+            [
+                "buildah",
+                "config",
+                *(a for k, v in env.items() for a in ("--env", f"{k}={v}")),
+                "--cmd",
+                '["python3"]',
+                container,
+            ],
+            builder="buildah",
+        )
         run(["buildah", "commit", container, ref], builder="buildah", what=f"buildah commit {ref}")
     finally:
         subprocess.run(["buildah", "rm", container], capture_output=True, env=builder_env("buildah"))
@@ -125,8 +137,10 @@ def main(job) -> None:
         py = site.parent.name  # python3.X: the venv's C extensions are built for this minor version
         if not (rootfs / "usr" / "lib" / py).is_dir():
             found = sorted(p.name for p in (rootfs / "usr" / "lib").glob("python3.*"))
-            raise StageError(f"the venv is {py} but Debian {params.suite} ships {found}: "
-                             "make the serve-cpu venv with that Python or pick a matching suite")
+            raise StageError(
+                f"the venv is {py} but Debian {params.suite} ships {found}: "
+                "make the serve-cpu venv with that Python or pick a matching suite"
+            )
         t = time.monotonic()
         copy_site_packages(site, rootfs / SITE.lstrip("/"), SITE_EXCLUDE)
         shutil.copy2(marker, rootfs / "opt" / "venv" / "pip-freeze.txt")
@@ -140,11 +154,21 @@ def main(job) -> None:
     finally:
         remove_rootfs(work)
     size = image_size(params.tag, builder)
-    write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder,
-                     "python": version, "site_packages": SITE, "size_bytes": size})
+    write_json(
+        out,
+        {
+            "ref": params.tag,
+            "id": image_id(params.tag, builder),
+            "builder": builder,
+            "python": version,
+            "site_packages": SITE,
+            "size_bytes": size,
+        },
+    )
     print(f"base image {params.tag} ({size} bytes) in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":
     from lib.stage import run_stage
+
     run_stage(main, globals().get("snakemake"), __file__)

@@ -23,7 +23,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lib.containers import builder_env, buildah_works, detect_builder, image_exists, image_id, image_size, run
+from lib.containers import buildah_works, builder_env, detect_builder, image_exists, image_id, image_size, run
 from lib.files import link_or_copy
 from lib.stage import StageError, sha256_file, write_json
 
@@ -58,8 +58,9 @@ def copy_serving(serving: str | list[str], dst: Path) -> None:
         shutil.copy2(name, target)
 
 
-def stage_context(context: Path, model: Path, cache_tar: Path, serving: str | list[str], serve_json: Path,
-                  dockerfile: Path) -> Path:
+def stage_context(
+    context: Path, model: Path, cache_tar: Path, serving: str | list[str], serve_json: Path, dockerfile: Path
+) -> Path:
     if context.exists():
         shutil.rmtree(context)  # a context left by an interrupted build
     context.mkdir(parents=True)
@@ -82,22 +83,29 @@ def resolve_base(base_json: str | None, base_ref: str | None, builder: str) -> d
     base = json.loads(Path(base_json).read_text())
     rerun = f"rerun with `-R base_image` to rebuild it (it was built with {base['builder']})"
     if base["builder"] != builder:
-        raise StageError(f"base image {base['ref']} was built with {base['builder']} but this build uses "
-                         f"{builder}; {rerun}, or set the builder to {base['builder']}")
+        raise StageError(
+            f"base image {base['ref']} was built with {base['builder']} but this build uses "
+            f"{builder}; {rerun}, or set the builder to {base['builder']}"
+        )
     if not image_exists(base["ref"], builder):
-        raise StageError(f"base image {base['ref']} is not in {builder}'s image store (daemon restarted with "
-                         f"a fresh data root? images removed?); {rerun}")
+        raise StageError(
+            f"base image {base['ref']} is not in {builder}'s image store (daemon restarted with "
+            f"a fresh data root? images removed?); {rerun}"
+        )
     if image_id(base["ref"], builder) != base["id"]:
-        raise StageError(f"base image {base['ref']} in {builder}'s store is not the one recorded in "
-                         f"{base_json} ({base['id']}); {rerun}")
+        raise StageError(
+            f"base image {base['ref']} in {builder}'s store is not the one recorded in "
+            f"{base_json} ({base['id']}); {rerun}"
+        )
     return {"ref": base["ref"], "id": base["id"]}
 
 
 def code_revision(repo: Path) -> str:
     """The project's git commit; "unknown" outside a git checkout (e.g. an exported source tree)."""
     try:
-        result = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=30)
+        result = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
@@ -125,24 +133,41 @@ def bake_arch(coldstart_path: str | Path, gpu_arch: str | None, allow_mismatch: 
     record = json.loads(Path(coldstart_path).read_text())
     gpu = record.get("gpu")
     if not isinstance(gpu, dict) or not gpu.get("arch"):
-        raise StageError(f"{coldstart_path} records no GPU architecture (baked before bake_compile_cache recorded "
-                         "it); rerun with `-R bake_compile_cache`")
+        raise StageError(
+            f"{coldstart_path} records no GPU architecture (baked before bake_compile_cache recorded "
+            "it); rerun with `-R bake_compile_cache`"
+        )
     baked = gpu["arch"]
     if gpu_arch is None or baked == gpu_arch:
         return baked
     seen = f"{gpu['name']} ({baked}, compute capability {gpu['compute_capability']})" if gpu["name"] else baked
     if not allow_mismatch:
-        raise StageError(f"the compile cache in {coldstart_path} was baked on {seen}, but image.gpu_arch is "
-                         f"{gpu_arch}: the image would recompile at every start on its GPU. Bake on a {gpu_arch} GPU "
-                         f"(`-R bake_compile_cache` on such a host), or set image.gpu_arch: {baked}, or "
-                         "image.allow_arch_mismatch: true to build it anyway")
-    print(f"WARNING: the compile cache was baked on {seen}, not image.gpu_arch {gpu_arch}; building anyway "
-          f"(image.allow_arch_mismatch: true); label io.qwen35-serve.gpu_arch={baked}", flush=True)
+        raise StageError(
+            f"the compile cache in {coldstart_path} was baked on {seen}, but image.gpu_arch is "
+            f"{gpu_arch}: the image would recompile at every start on its GPU. Bake on a {gpu_arch} GPU "
+            f"(`-R bake_compile_cache` on such a host), or set image.gpu_arch: {baked}, or "
+            "image.allow_arch_mismatch: true to build it anyway"
+        )
+    print(
+        f"WARNING: the compile cache was baked on {seen}, not image.gpu_arch {gpu_arch}; building anyway "
+        f"(image.allow_arch_mismatch: true); label io.qwen35-serve.gpu_arch={baked}",
+        flush=True,
+    )
     return baked
 
 
-def image_labels(provenance: dict, base_ref: str, recipe: str, weights_manifest: str, quantized_manifest: str,
-                 serve_freeze: str | None, repo: Path, now: datetime | None = None, *, gpu_arch: str) -> dict[str, str]:
+def image_labels(
+    provenance: dict,
+    base_ref: str,
+    recipe: str,
+    weights_manifest: str,
+    quantized_manifest: str,
+    serve_freeze: str | None,
+    repo: Path,
+    now: datetime | None = None,
+    *,
+    gpu_arch: str,
+) -> dict[str, str]:
     """Label key -> value. provenance holds the config-derived values (rule params); gpu_arch is the architecture
     the compile cache was baked for (bake_arch)."""
     labels = {
@@ -173,16 +198,29 @@ def label_flags(labels: dict[str, str]) -> list[str]:
     return flags
 
 
-def build(context: Path, tag: str, base_ref: str, builder: str, labels: dict[str, str] | None = None,
-          pull: str = "false") -> None:
+def build(
+    context: Path, tag: str, base_ref: str, builder: str, labels: dict[str, str] | None = None, pull: str = "false"
+) -> None:
     """builder "docker": Docker's own builder (not reproducible); "buildah": buildah bud --timestamp 0."""
     flags = ["--build-arg", f"BASE={base_ref}", *label_flags(labels or {})]
     if builder == "docker":
         cmd = ["docker", "build", "--force-rm", *flags, "-t", tag, str(context)]
     else:  # OCI config (the default format): no random hostname/container id, unlike --format docker.
         # No io.buildah.version label: the labels are exactly ours (image.json records the buildah version).
-        cmd = ["buildah", "bud", "--timestamp", "0", f"--pull={pull}", "--identity-label=false", *flags, "-t", tag,
-               "-f", str(context / "Dockerfile"), str(context)]
+        cmd = [
+            "buildah",
+            "bud",
+            "--timestamp",
+            "0",
+            f"--pull={pull}",
+            "--identity-label=false",
+            *flags,
+            "-t",
+            tag,
+            "-f",
+            str(context / "Dockerfile"),
+            str(context),
+        ]
     run(cmd, builder=builder, what=f"{builder} build {tag}")
 
 
@@ -202,32 +240,41 @@ def base_into_buildah(base: dict) -> str:
     if image_exists(name, "buildah"):
         if image_id(name, "buildah") == base["id"]:
             return name
-        subprocess.run(["buildah", "rmi", image_id(name, "buildah")], capture_output=True,
-                       env=builder_env("buildah"))
+        subprocess.run(["buildah", "rmi", image_id(name, "buildah")], capture_output=True, env=builder_env("buildah"))
     t = time.monotonic()
-    run(["buildah", "pull", "-q", f"docker-daemon:{base['id']}"], builder="buildah",
-        what=f"buildah pull docker-daemon:{base['id']} (the base {base['ref']})")
+    run(
+        ["buildah", "pull", "-q", f"docker-daemon:{base['id']}"],
+        builder="buildah",
+        what=f"buildah pull docker-daemon:{base['id']} (the base {base['ref']})",
+    )
     run(["buildah", "tag", base["id"].removeprefix("sha256:"), name], builder="buildah", what=f"buildah tag {name}")
     # the pull named it docker.io/library/sha256:<hex>; only our name stays
-    subprocess.run(["buildah", "rmi", f"docker.io/library/sha256:{base['id'].removeprefix('sha256:')}"],
-                   capture_output=True, env=builder_env("buildah"))  # an image with another name is only untagged
+    subprocess.run(
+        ["buildah", "rmi", f"docker.io/library/sha256:{base['id'].removeprefix('sha256:')}"],
+        capture_output=True,
+        env=builder_env("buildah"),
+    )  # an image with another name is only untagged
     if image_id(name, "buildah") != base["id"]:
-        raise StageError(f"buildah's copy of the base {name} has id {image_id(name, 'buildah')}, not Docker's "
-                         f"{base['id']}")
-    print(f"copied base {base['ref']} ({base['id']}) from Docker to buildah: {time.monotonic() - t:.0f} s",
-          flush=True)
+        raise StageError(
+            f"buildah's copy of the base {name} has id {image_id(name, 'buildah')}, not Docker's {base['id']}"
+        )
+    print(f"copied base {base['ref']} ({base['id']}) from Docker to buildah: {time.monotonic() - t:.0f} s", flush=True)
     return name
 
 
 def hand_to_docker(tag: str) -> str:
     """Load buildah's image into Docker (which runs it later) and drop buildah's copy; return Docker's ID."""
     built = image_id(tag, "buildah")
-    run(["buildah", "push", "-q", tag, f"docker-daemon:{tag}"], builder="buildah",
-        what=f"buildah push {tag} docker-daemon:{tag}")
+    run(
+        ["buildah", "push", "-q", tag, f"docker-daemon:{tag}"],
+        builder="buildah",
+        what=f"buildah push {tag} docker-daemon:{tag}",
+    )
     loaded = image_id(tag, "docker")
     if loaded != built:
-        raise StageError(f"Docker holds {tag} as {loaded}, but buildah built {built}: the handover changed the "
-                         "image config")
+        raise StageError(
+            f"Docker holds {tag} as {loaded}, but buildah built {built}: the handover changed the image config"
+        )
     # Docker's copy is the one every later stage runs and saves; buildah keeps only the base.
     subprocess.run(["buildah", "rmi", tag], capture_output=True, env=builder_env("buildah"))
     return loaded
@@ -259,21 +306,31 @@ def main(job) -> None:
     builder = detect_builder(params.builder)
     reproducible = bool(params.reproducible)
     if builder == "docker" and reproducible and not buildah_works():
-        raise StageError("image.reproducible builds with buildah, which is not usable here (apt-get install "
-                         "buildah), or set image.reproducible: false to use Docker's own builder (every build "
-                         "then gives a new image ID)")
+        raise StageError(
+            "image.reproducible builds with buildah, which is not usable here (apt-get install "
+            "buildah), or set image.reproducible: false to use Docker's own builder (every build "
+            "then gives a new image ID)"
+        )
     arch = bake_arch(inputs.coldstart, params.gpu_arch, params.allow_arch_mismatch)
     base = resolve_base(getattr(inputs, "base", None), params.base_ref, builder)
-    labels = image_labels(dict(params.provenance), base["ref"], inputs.recipe, inputs.weights_manifest,
-                          inputs.quantized_manifest, getattr(inputs, "serve_freeze", None) or None,
-                          Path(inputs.dockerfile).resolve().parent, gpu_arch=arch)
+    labels = image_labels(
+        dict(params.provenance),
+        base["ref"],
+        inputs.recipe,
+        inputs.weights_manifest,
+        inputs.quantized_manifest,
+        getattr(inputs, "serve_freeze", None) or None,
+        Path(inputs.dockerfile).resolve().parent,
+        gpu_arch=arch,
+    )
     out = Path(job.output.image)
     context = out.parent / "context"
     built_with = "buildah" if builder == "buildah" or reproducible else "docker"
     tool = tool_version(built_with)
     try:
-        stage_context(context, Path(inputs.model), Path(inputs.cache), inputs.serving, Path(inputs.serve),
-                      Path(inputs.dockerfile))
+        stage_context(
+            context, Path(inputs.model), Path(inputs.cache), inputs.serving, Path(inputs.serve), Path(inputs.dockerfile)
+        )
         print(f"staged {context}: {time.monotonic() - started:.0f} s", flush=True)
         from_ref, pull = base["ref"], "false"  # buildah's "false": pull only when not in the store
         if builder == "docker" and built_with == "buildah":
@@ -290,12 +347,23 @@ def main(job) -> None:
         print(f"buildah push {params.tag} to Docker: {time.monotonic() - t:.0f} s", flush=True)
     if base["id"] is None:
         base["id"] = image_id(base["ref"], builder)  # pulled during the build
-    write_json(out, {"ref": params.tag, "id": image_id(params.tag, builder), "builder": builder,
-                     "built_with": tool, "reproducible": built_with == "buildah", "base": base,
-                     "size_bytes": image_size(params.tag, builder), "labels": labels})
+    write_json(
+        out,
+        {
+            "ref": params.tag,
+            "id": image_id(params.tag, builder),
+            "builder": builder,
+            "built_with": tool,
+            "reproducible": built_with == "buildah",
+            "base": base,
+            "size_bytes": image_size(params.tag, builder),
+            "labels": labels,
+        },
+    )
     print(f"image {params.tag}: {image_id(params.tag, builder)}, {time.monotonic() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
     from lib.stage import run_stage
+
     run_stage(main, globals().get("snakemake"), __file__)

@@ -59,7 +59,9 @@ def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> set[st
     valid = {n: p for n, p in points.items() if p[0] is not None and p[1] is not None}
     front = set()
     for name, (q, s) in valid.items():
-        dominated = any(q2 >= q and s2 >= s and (q2 > q or s2 > s) for other, (q2, s2) in valid.items() if other != name)
+        dominated = any(
+            q2 >= q and s2 >= s and (q2 > q or s2 > s) for other, (q2, s2) in valid.items() if other != name
+        )
         if not dominated:
             front.add(name)
     return front
@@ -67,8 +69,10 @@ def pareto_front(points: dict[str, tuple[float | None, float | None]]) -> set[st
 
 def category_row(category: dict, reference_median: float | None) -> dict:
     return {
-        "median_ms": category["median_ms"], "p90_ms": category["p90_ms"],
-        "ttft_median_ms": category["ttft_median_ms"], "itl_median_ms": category["itl_median_ms"],
+        "median_ms": category["median_ms"],
+        "p90_ms": category["p90_ms"],
+        "ttft_median_ms": category["ttft_median_ms"],
+        "itl_median_ms": category["itl_median_ms"],
         "speedup_vs_baseline": category["speedup"],
         "speedup_vs_reference": reference_median / category["median_ms"] if reference_median else None,
         "mean_acceptance_length": category["mean_acceptance_length"],
@@ -92,62 +96,84 @@ def set_rows(latency: dict, reference_latency: dict | None) -> dict[str, dict | 
         ref = {c["name"]: c["median_ms"] for c in reference_sets[name]["categories"]} if name in reference_sets else {}
         categories = {c["name"]: category_row(c, ref.get(c["name"])) for c in sets[name]["categories"]}
         hit_rates = [c["prefix_cache_hit_rate"] for c in categories.values()]
-        out[name] = {"categories": categories, "summary": {
-            "mean_speedup_vs_baseline": sets[name]["mean_speedup"],
-            "mean_speedup_vs_reference": mean_or_none(c["speedup_vs_reference"] for c in categories.values()),
-            "geomean_latency_ms": geomean(c["median_ms"] for c in categories.values()),
-            "mean_acceptance_length": mean_or_none(c["mean_acceptance_length"] for c in categories.values()),
-            "prefix_cache_hit_rate": mean_or_none(hit_rates),
-        }}
+        out[name] = {
+            "categories": categories,
+            "summary": {
+                "mean_speedup_vs_baseline": sets[name]["mean_speedup"],
+                "mean_speedup_vs_reference": mean_or_none(c["speedup_vs_reference"] for c in categories.values()),
+                "geomean_latency_ms": geomean(c["median_ms"] for c in categories.values()),
+                "mean_acceptance_length": mean_or_none(c["mean_acceptance_length"] for c in categories.values()),
+                "prefix_cache_hit_rate": mean_or_none(hit_rates),
+            },
+        }
     return out
 
 
-def build_summary(variants: list[dict], latencies: list[dict], qualities: list[dict],
-                  quantize_reports: dict[str, dict], explicit_reference: str | None) -> dict:
+def build_summary(
+    variants: list[dict],
+    latencies: list[dict],
+    qualities: list[dict],
+    quantize_reports: dict[str, dict],
+    explicit_reference: str | None,
+) -> dict:
     """The summary record (schemas/summary.schema.yaml); variants, latencies and qualities are in one order."""
     names = [v["name"] for v in variants]
-    latency_of = dict(zip(names, latencies))
+    latency_of = dict(zip(names, latencies, strict=True))
     quantized = {v["name"]: quantize_reports[v["recipe_key"]]["quantized"] for v in variants}
     reference_of = references(variants, quantized, explicit_reference)
     categories = [c["name"] for c in latencies[0]["categories"]]
     tasks = [t["name"] for t in qualities[0]["tasks"]]
     rows = []
-    for variant, latency, quality in zip(variants, latencies, qualities):
+    for variant, latency, quality in zip(variants, latencies, qualities, strict=True):
         name, reference = variant["name"], reference_of[variant["name"]]
         sets = set_rows(latency, latency_of[reference] if reference else None)
         competition = sets[COMPETITION_SET]
         report = quantize_reports[variant["recipe_key"]]
-        rows.append({
-            "variant": name,
-            "recipe": variant["recipe"],
-            "recipe_key": variant["recipe_key"],
-            "quantized": report["quantized"],
-            "weight_bits": weight_bits(report),
-            "model_bytes": report["output_bytes"],
-            "speculative": variant["speculative"],
-            "max_num_seqs": variant["serve"]["max_num_seqs"],
-            "reference": reference,
-            "latency": competition["categories"],
-            "varied_latency": sets["varied"]["categories"] if sets["varied"] else None,
-            "fresh_latency": sets["fresh"]["categories"] if sets["fresh"] else None,
-            **competition["summary"],
-            "prompt_sets": {set_name: rows_of["summary"] if rows_of else None for set_name, rows_of in sets.items()},
-            "fresh_vs_competition": (competition["summary"]["geomean_latency_ms"]
-                                     / sets["fresh"]["summary"]["geomean_latency_ms"] if sets["fresh"] else None),
-            "quality": {t["name"]: t["score"] for t in quality["tasks"]},
-            "gate_passed": bool(quality["passed"]),
-            "gate_failures": failed_tasks(quality["tasks"]),
-        })
+        rows.append(
+            {
+                "variant": name,
+                "recipe": variant["recipe"],
+                "recipe_key": variant["recipe_key"],
+                "quantized": report["quantized"],
+                "weight_bits": weight_bits(report),
+                "model_bytes": report["output_bytes"],
+                "speculative": variant["speculative"],
+                "max_num_seqs": variant["serve"]["max_num_seqs"],
+                "reference": reference,
+                "latency": competition["categories"],
+                "varied_latency": sets["varied"]["categories"] if sets["varied"] else None,
+                "fresh_latency": sets["fresh"]["categories"] if sets["fresh"] else None,
+                **competition["summary"],
+                "prompt_sets": {
+                    set_name: rows_of["summary"] if rows_of else None for set_name, rows_of in sets.items()
+                },
+                "fresh_vs_competition": (
+                    competition["summary"]["geomean_latency_ms"] / sets["fresh"]["summary"]["geomean_latency_ms"]
+                    if sets["fresh"]
+                    else None
+                ),
+                "quality": {t["name"]: t["score"] for t in quality["tasks"]},
+                "gate_passed": bool(quality["passed"]),
+                "gate_failures": failed_tasks(quality["tasks"]),
+            }
+        )
     label, speed = speed_axis(rows)
     for row in rows:
         row["pareto"] = {}
     for task in tasks:
-        front = pareto_front({r["variant"]: (r["quality"].get(task), s) for r, s in zip(rows, speed)})
+        front = pareto_front({r["variant"]: (r["quality"].get(task), s) for r, s in zip(rows, speed, strict=True)})
         for row in rows:
             row["pareto"][task] = row["variant"] in front
     probed = [name for name in PROMPT_SETS if any(row["prompt_sets"][name] for row in rows)]
-    return {"categories": categories, "tasks": tasks, "reference": explicit_reference, "speed_axis": label,
-            "competition_set": COMPETITION_SET, "prompt_sets": probed, "variants": rows}
+    return {
+        "categories": categories,
+        "tasks": tasks,
+        "reference": explicit_reference,
+        "speed_axis": label,
+        "competition_set": COMPETITION_SET,
+        "prompt_sets": probed,
+        "variants": rows,
+    }
 
 
 def speed_axis(rows: list[dict]) -> tuple[str, list[float]]:
@@ -183,20 +209,45 @@ def per_set(row: dict, sets: list[str], key: str, spec=".2f") -> str:
     return " / ".join(fmt((row["prompt_sets"][name] or {}).get(key), spec) for name in sets)
 
 
-CATEGORY_KEYS = ("median_ms", "p90_ms", "speedup_vs_baseline", "speedup_vs_reference", "mean_acceptance_length",
-                 "prefix_cache_hit_rate")
-SET_KEYS = ("mean_speedup_vs_baseline", "mean_speedup_vs_reference", "geomean_latency_ms", "mean_acceptance_length",
-            "prefix_cache_hit_rate")
+CATEGORY_KEYS = (
+    "median_ms",
+    "p90_ms",
+    "speedup_vs_baseline",
+    "speedup_vs_reference",
+    "mean_acceptance_length",
+    "prefix_cache_hit_rate",
+)
+SET_KEYS = (
+    "mean_speedup_vs_baseline",
+    "mean_speedup_vs_reference",
+    "geomean_latency_ms",
+    "mean_acceptance_length",
+    "prefix_cache_hit_rate",
+)
 
 
 def csv_rows(summary: dict) -> list[dict]:
     """One row per variant; the competition's set's columns unprefixed (as before), every set's with its name."""
     out = []
     for row in summary["variants"]:
-        flat = {k: row[k] for k in ("variant", "recipe_key", "weight_bits", "model_bytes", "max_num_seqs", "reference",
-                                    "mean_speedup_vs_baseline", "mean_speedup_vs_reference", "geomean_latency_ms",
-                                    "mean_acceptance_length", "prefix_cache_hit_rate", "fresh_vs_competition",
-                                    "gate_passed")}
+        flat = {
+            k: row[k]
+            for k in (
+                "variant",
+                "recipe_key",
+                "weight_bits",
+                "model_bytes",
+                "max_num_seqs",
+                "reference",
+                "mean_speedup_vs_baseline",
+                "mean_speedup_vs_reference",
+                "geomean_latency_ms",
+                "mean_acceptance_length",
+                "prefix_cache_hit_rate",
+                "fresh_vs_competition",
+                "gate_passed",
+            )
+        }
         flat["speculative_method"], flat["speculative_k"] = row["speculative"]["method"], row["speculative"]["k"]
         for category in summary["categories"]:
             for key in CATEGORY_KEYS:
@@ -228,28 +279,57 @@ SET_NOTES = {
 def markdown(summary: dict) -> str:
     cats, tasks, sets = summary["categories"], summary["tasks"], summary["prompt_sets"]
     names = " / ".join(sets)
-    header = (["variant", "recipe", "bits", "weights MB", "spec", "seqs", f"speedup vs baseline ({names})",
-               f"speedup vs BF16 ({names})"] + [f"{c} median ms" for c in cats] + [f"accept len ({names})"]
-              + tasks + ["gate"])
+    header = (
+        [
+            "variant",
+            "recipe",
+            "bits",
+            "weights MB",
+            "spec",
+            "seqs",
+            f"speedup vs baseline ({names})",
+            f"speedup vs BF16 ({names})",
+        ]
+        + [f"{c} median ms" for c in cats]
+        + [f"accept len ({names})"]
+        + tasks
+        + ["gate"]
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
         spec = row["speculative"]
-        cells = [row["variant"], row["recipe_key"], str(row["weight_bits"]), f"{row['model_bytes'] / 1e6:.1f}",
-                 "none" if spec["method"] == "none" else f"{spec['method']} K={spec['k']}", str(row["max_num_seqs"]),
-                 per_set(row, sets, "mean_speedup_vs_baseline"), per_set(row, sets, "mean_speedup_vs_reference")]
+        cells = [
+            row["variant"],
+            row["recipe_key"],
+            str(row["weight_bits"]),
+            f"{row['model_bytes'] / 1e6:.1f}",
+            "none" if spec["method"] == "none" else f"{spec['method']} K={spec['k']}",
+            str(row["max_num_seqs"]),
+            per_set(row, sets, "mean_speedup_vs_baseline"),
+            per_set(row, sets, "mean_speedup_vs_reference"),
+        ]
         cells += [fmt(row["latency"][c]["median_ms"], ".0f") for c in cats]
         cells.append(per_set(row, sets, "mean_acceptance_length"))
         cells += [fmt(row["quality"][t], ".3f") + (" *" if row["pareto"][t] else "") for t in tasks]
         cells.append("pass" if row["gate_passed"] else "FAIL: " + "; ".join(row["gate_failures"]))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Speedup vs baseline: mean over categories of the config's baseline_ms / median. Speedup vs BF16: "
-              "against the unquantized variant measured here (`reference` in summary.json). Both per prompt set: "
-              + "; ".join(f"{name}: {SET_NOTES[name]}" for name in sets)
-              + ". Medians: the competition's set. * = on the Pareto front of speed (competition's set) and that "
-              "score.", "", "Per prompt set (prefix-cache hit rate: vllm:prefix_cache_hits / queries over the timed "
-              "runs, - when prefix caching is off):", ""]
-    header = (["variant", "prompt set"] + [f"{c} median ms" for c in cats]
-              + ["speedup vs baseline", "speedup vs BF16", "accept len", "prefix-cache hits"])
+    lines += [
+        "",
+        "Speedup vs baseline: mean over categories of the config's baseline_ms / median. Speedup vs BF16: "
+        "against the unquantized variant measured here (`reference` in summary.json). Both per prompt set: "
+        + "; ".join(f"{name}: {SET_NOTES[name]}" for name in sets)
+        + ". Medians: the competition's set. * = on the Pareto front of speed (competition's set) and that "
+        "score.",
+        "",
+        "Per prompt set (prefix-cache hit rate: vllm:prefix_cache_hits / queries over the timed "
+        "runs, - when prefix caching is off):",
+        "",
+    ]
+    header = (
+        ["variant", "prompt set"]
+        + [f"{c} median ms" for c in cats]
+        + ["speedup vs baseline", "speedup vs BF16", "accept len", "prefix-cache hits"]
+    )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
         for set_name in sets:
@@ -258,8 +338,12 @@ def markdown(summary: dict) -> str:
                 continue
             categories = row["latency"] if set_name == COMPETITION_SET else row[f"{set_name}_latency"]
             cells = [row["variant"], set_name] + [fmt(categories[c]["median_ms"], ".0f") for c in cats]
-            cells += [fmt(values["mean_speedup_vs_baseline"]), fmt(values["mean_speedup_vs_reference"]),
-                      fmt(values["mean_acceptance_length"]), fmt(values["prefix_cache_hit_rate"], ".0%")]
+            cells += [
+                fmt(values["mean_speedup_vs_baseline"]),
+                fmt(values["mean_speedup_vs_reference"]),
+                fmt(values["mean_acceptance_length"]),
+                fmt(values["prefix_cache_hit_rate"], ".0%"),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -278,12 +362,22 @@ def plot_speedup_vs_quality(summary: dict, path) -> None:
     label, speed = speed_axis(summary["variants"])
     tasks = summary["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4.2), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        points = [(r["quality"][task], s, r) for r, s in zip(summary["variants"], speed) if r["quality"][task] is not None]
+    for ax, task in zip(axes[0], tasks, strict=False):
+        points = [
+            (r["quality"][task], s, r)
+            for r, s in zip(summary["variants"], speed, strict=True)
+            if r["quality"][task] is not None
+        ]
         for score, s, row in points:
             on_front = row["pareto"][task]
-            ax.scatter(score, s, s=80 if on_front else 40, marker="*" if on_front else ("o" if row["gate_passed"] else "x"),
-                       color="tab:red" if on_front else "tab:blue", zorder=3)
+            ax.scatter(
+                score,
+                s,
+                s=80 if on_front else 40,
+                marker="*" if on_front else ("o" if row["gate_passed"] else "x"),
+                color="tab:red" if on_front else "tab:blue",
+                zorder=3,
+            )
             ax.annotate(row["variant"], (score, s), textcoords="offset points", xytext=(4, 4), fontsize=7)
         front = sorted((p for p in points if p[2]["pareto"][task]), key=lambda p: p[0])
         if len(front) > 1:
@@ -319,12 +413,15 @@ def plot_latency_per_category(summary: dict, path) -> None:
             top = max(top, max(m + u for m, u in zip(medians, upper, strict=True)))
             ax.bar(xs, medians, width, yerr=[[0] * len(cats), upper], capsize=2, label=row["variant"], color=f"C{i}")
         ax.set_xticks(range(len(cats)), cats)
-        ax.set_title(f"{set_name} prompts" + (" (the competition's; select ranks by them)"
-                                              if set_name == COMPETITION_SET else ""), fontsize=10)
+        ax.set_title(
+            f"{set_name} prompts"
+            + (" (the competition's; select ranks by them)" if set_name == COMPETITION_SET else ""),
+            fontsize=10,
+        )
         ax.grid(axis="y", alpha=0.3)
-    for ax in axes[:len(sets)]:
+    for ax in axes[: len(sets)]:
         ax.set_ylim(0, top * 1.08 if top else 1)
-    for ax in axes[:len(sets)]:
+    for ax in axes[: len(sets)]:
         ax.set_ylabel("median ms (whisker: p90)")
     axes[0].legend(fontsize=7, ncol=2)
     gap = axes[-1]
@@ -334,8 +431,14 @@ def plot_latency_per_category(summary: dict, path) -> None:
         xs = [i + (j - (len(sets) - 1) / 2) * set_width for i in range(len(rows))]
         values = [set_speed(row, set_name, label) for row in rows]
         shown = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]
-        gap.bar([x for x, _ in shown], [v for _, v in shown], set_width, label=set_name, hatch=["", "//", ".."][j % 3],
-                color=f"C{len(rows) + j}")
+        gap.bar(
+            [x for x, _ in shown],
+            [v for _, v in shown],
+            set_width,
+            label=set_name,
+            hatch=["", "//", ".."][j % 3],
+            color=f"C{len(rows) + j}",
+        )
     gap.set_xticks(range(len(rows)), [row["variant"] for row in rows], rotation=20, ha="right", fontsize=7)
     gap.set_ylabel(label)
     gap.set_title("speed per prompt set: the gap between the competition's prompts and fresh ones", fontsize=10)
@@ -355,8 +458,11 @@ def k_groups(summary: dict) -> dict[str, list[dict]]:
             continue
         key = f"{row['recipe_key']} {row['speculative']['method']} seqs{row['max_num_seqs']}"
         groups.setdefault(key, []).append(row)
-    return {k: sorted(v, key=lambda r: r["speculative"]["k"]) for k, v in groups.items()
-            if len({r["speculative"]["k"] for r in v}) > 1}
+    return {
+        k: sorted(v, key=lambda r: r["speculative"]["k"])
+        for k, v in groups.items()
+        if len({r["speculative"]["k"] for r in v}) > 1
+    }
 
 
 def plot_k_sweep(summary: dict, path) -> None:

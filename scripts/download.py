@@ -23,8 +23,10 @@ OFFLINE_VALUES = {"1", "true", "yes", "on"}
 def check_revision(repo: str, revision) -> str:
     """Only a full commit hash pins the bytes: a branch or tag can move under the same name."""
     if not isinstance(revision, str) or not COMMIT_RE.fullmatch(revision):
-        raise StageError(f"revision for {repo} must be a 40-hex commit hash, got {revision!r} "
-                         "(look it up on the model page under 'Files and versions' -> history)")
+        raise StageError(
+            f"revision for {repo} must be a 40-hex commit hash, got {revision!r} "
+            "(look it up on the model page under 'Files and versions' -> history)"
+        )
     return revision
 
 
@@ -35,15 +37,18 @@ def hub_offline() -> bool:
 def fetch_hub(repo: str, revision: str, dest: Path) -> None:
     check_revision(repo, revision)
     if hub_offline():
-        raise StageError(f"cannot download {repo}@{revision}: HF_HUB_OFFLINE is set "
-                         "(unset it, or place the checkpoint yourself and rerun)")
+        raise StageError(
+            f"cannot download {repo}@{revision}: HF_HUB_OFFLINE is set "
+            "(unset it, or place the checkpoint yourself and rerun)"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         snapshot_download(repo_id=repo, revision=revision, local_dir=str(dest))
     except Exception as error:  # offline, unknown repo/commit, gated, HTTP: all end the same way
-        raise StageError(f"could not download {repo}@{revision} from the hub: "
-                         f"{type(error).__name__}: {error}") from error
+        raise StageError(
+            f"could not download {repo}@{revision} from the hub: {type(error).__name__}: {error}"
+        ) from error
     shutil.rmtree(dest / ".cache", ignore_errors=True)  # download bookkeeping, not checkpoint
     if not (dest / "config.json").is_file() or not list(dest.glob("*.safetensors")):
         raise StageError(f"{repo}@{revision} has no config.json or *.safetensors: not a checkpoint")
@@ -58,8 +63,7 @@ def build_synthetic(tiny: dict, corpus: str, dest: Path, generator: str | None =
     if not Path(corpus).is_file():
         raise StageError(f"tiny corpus {corpus} not found")
     extra = load_generator(generator).tokenizer_text() if generator else ""
-    build_tiny(dest, corpus, seed=int(tiny["seed"]), vocab_size=int(tiny["vocab_size"]),
-               tokenizer_extra=extra)
+    build_tiny(dest, corpus, seed=int(tiny["seed"]), vocab_size=int(tiny["vocab_size"]), tokenizer_extra=extra)
 
 
 def main(job) -> None:

@@ -6,7 +6,6 @@ from pathlib import Path
 from lib.probe import probe, prompt_sets
 from lib.stage import validate_json, write_json
 
-
 SET_LABELS = {"repeated": "repeated sentence (competition)", "varied": "varied text", "fresh": "fresh prompts"}
 
 
@@ -36,8 +35,15 @@ def plot(result: dict, title: str, path) -> None:
             hit_rate = (c.get("prefix_cache") or {}).get("hit_rate")
             if hit_rate is not None:
                 note += f"\nhit {hit_rate:.0%}"
-            ax.annotate(note, (x, c["median_ms"]), ha="center", va="bottom", fontsize=6,
-                        textcoords="offset points", xytext=(0, 2))
+            ax.annotate(
+                note,
+                (x, c["median_ms"]),
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                textcoords="offset points",
+                xytext=(0, 2),
+            )
     baselines = [c["baseline_ms"] for c in result["categories"]]
     if all(baselines):
         ax.scatter(range(len(names)), baselines, marker="_", s=600, color="black", zorder=3, label="baseline_ms")
@@ -57,14 +63,25 @@ def main(job) -> None:
 
     image = json.loads(Path(job.input.image).read_text())
     run = job.params.run
-    with run_container(image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe") as container:
+    with run_container(
+        image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe"
+    ) as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
         evidence = cache_evidence(container.logs(tail=100000))
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
-    compile_cache = {"hit": bool(evidence["hits"]) and not evidence["misses"], "evidence": evidence["hits"],
-                     "load_failures": evidence["misses"]}
-    result.update(image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s, compile_cache=compile_cache,
-                  warmup=job.params.probe["warmup"], ignore_eos=job.params.probe["ignore_eos"])
+    compile_cache = {
+        "hit": bool(evidence["hits"]) and not evidence["misses"],
+        "evidence": evidence["hits"],
+        "load_failures": evidence["misses"],
+    }
+    result.update(
+        image=image["ref"],
+        image_id=image["id"],
+        cold_start_s=cold_start_s,
+        compile_cache=compile_cache,
+        warmup=job.params.probe["warmup"],
+        ignore_eos=job.params.probe["ignore_eos"],
+    )
     validate_json(result, job.input.schema)
     write_json(job.output.latency, result)
     plot(result, job.wildcards.variant, job.output.plot)

@@ -20,17 +20,34 @@ from lib.stage import StageError, validate_json, write_json
 
 def check(record: dict | None, reference: dict | None, speculative: dict, reference_kind: str | None) -> dict:
     """The lossless.json record for one variant (passed, the rows compared, what the reference was)."""
-    method = speculative.get("method", "none")
+    method = speculative["method"]
     if method == "none":
-        return {"passed": True, "method": method, "k": 0, "reference": None,
-                "reason": "no speculation: nothing to compare", "rows": [], "failures": []}
+        return {
+            "passed": True,
+            "method": method,
+            "k": 0,
+            "reference": None,
+            "reason": "no speculation: nothing to compare",
+            "rows": [],
+            "failures": [],
+        }
     rows = compare(record, reference)
     lost = failures(rows)
     compared = sum(row["tokens"] or 0 for row in rows)
-    reason = (f"greedy ids equal without speculation for all {len(rows)} set/category pairs ({compared} tokens)"
-              if not lost else f"{len(lost)} of {len(rows)} set/category pairs differ; first: {lost[0]}")
-    return {"passed": not lost, "method": method, "k": int(speculative.get("k") or 0), "reference": reference_kind,
-            "reason": reason, "rows": rows, "failures": lost}
+    reason = (
+        f"greedy ids equal without speculation for all {len(rows)} set/category pairs ({compared} tokens)"
+        if not lost
+        else f"{len(lost)} of {len(rows)} set/category pairs differ; first: {lost[0]}"
+    )
+    return {
+        "passed": not lost,
+        "method": method,
+        "k": int(speculative.get("k") or 0),
+        "reference": reference_kind,
+        "reason": reason,
+        "rows": rows,
+        "failures": lost,
+    }
 
 
 def main(job) -> None:
@@ -42,8 +59,10 @@ def main(job) -> None:
     result["variant"] = job.wildcards.variant
     validate_json(result, job.input.schema)
     if not result["passed"]:
-        message = (f"variant {job.wildcards.variant} ({speculative['method']}, K={speculative.get('k')}) is not "
-                   f"lossless against {job.params.reference_kind}:\n  " + "\n  ".join(result["failures"]))
+        message = (
+            f"variant {job.wildcards.variant} ({speculative['method']}, K={speculative.get('k')}) is not "
+            f"lossless against {job.params.reference_kind}:\n  " + "\n  ".join(result["failures"])
+        )
         if job.params.fatal:
             raise StageError(message)
         print(f"[lossless] {message}\nrecorded as passed: false (select skips it, tarball refuses it)", flush=True)

@@ -36,13 +36,22 @@ def main(job) -> None:
         serve_path.write_text(json.dumps(serve, indent=2))
         serve_path.chmod(0o644)
         Path(tmp).chmod(0o755)
-        with run_container(image["ref"], volumes=[f"{serve_path}:{IMAGE_SERVE_JSON}:ro"], gpus=run["gpus"],
-                           shm_size=run["shm_size"], name_prefix="lossless-reference") as container:
+        with run_container(
+            image["ref"],
+            volumes=[f"{serve_path}:{IMAGE_SERVE_JSON}:ro"],
+            gpus=run["gpus"],
+            shm_size=run["shm_size"],
+            name_prefix="lossless-reference",
+        ) as container:
             container.wait_ready(run["ping_timeout_s"])
             result = probe(container.base_url, job.params.model_name, settings, job.input.varied_text)
-    result.update(image=image["ref"], image_id=image["id"], speculative=serve["speculative"],
-                  note="reference for the lossless check: the variant's image with speculation off, one request "
-                       "per category (the probe's first timed run's prompt); latencies are not comparable")
+    result.update(
+        image=image["ref"],
+        image_id=image["id"],
+        speculative=serve["speculative"],
+        note="reference for the lossless check: the variant's image with speculation off, one request "
+        "per category (the probe's first timed run's prompt); latencies are not comparable",
+    )
     write_json(job.output.reference, result)
 
 

@@ -10,12 +10,12 @@ from lib.stage import StageError
 
 # PyPI only has CUDA builds of torchvision; beside the CPU torch wheel its compiled ops fail to load, and its
 # fake-op registrations then abort `import torchvision` (which vLLM's Qwen3.5 model file needs).
-_FAKE_GUARD = '''
+_FAKE_GUARD = """
 def _register_fake_if_ops(name):
     if torchvision.extension._has_ops():
         return torch.library.register_fake(name)
     return lambda fn: fn
-'''
+"""
 
 
 def guard_torchvision_fake_ops(site_packages: Path) -> bool:
@@ -56,8 +56,11 @@ NO_DEPS_PREFIX = "#! no-deps "
 
 
 def no_deps_requirements(requirements: Path) -> list[str]:
-    return [line[len(NO_DEPS_PREFIX):].strip() for line in requirements.read_text().splitlines()
-            if line.startswith(NO_DEPS_PREFIX) and line[len(NO_DEPS_PREFIX):].strip()]
+    return [
+        line[len(NO_DEPS_PREFIX) :].strip()
+        for line in requirements.read_text().splitlines()
+        if line.startswith(NO_DEPS_PREFIX) and line[len(NO_DEPS_PREFIX) :].strip()
+    ]
 
 
 # A line `#! local-build <name>==<version>` is built from its source archive after the rest and installed with
@@ -66,8 +69,11 @@ LOCAL_BUILD_PREFIX = "#! local-build "
 
 
 def local_build_requirements(requirements: Path) -> list[str]:
-    return [line[len(LOCAL_BUILD_PREFIX):].strip() for line in requirements.read_text().splitlines()
-            if line.startswith(LOCAL_BUILD_PREFIX) and line[len(LOCAL_BUILD_PREFIX):].strip()]
+    return [
+        line[len(LOCAL_BUILD_PREFIX) :].strip()
+        for line in requirements.read_text().splitlines()
+        if line.startswith(LOCAL_BUILD_PREFIX) and line[len(LOCAL_BUILD_PREFIX) :].strip()
+    ]
 
 
 def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: Path) -> None:
@@ -87,8 +93,9 @@ def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: 
         local_builds.build(venv, requirement)
     for name in repairs:
         REPAIRS[name](venv)
-    freeze = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True,
-                            capture_output=True, text=True).stdout
+    freeze = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "freeze"], check=True, capture_output=True, text=True
+    ).stdout
     freeze_path.write_text(freeze)
 
 
@@ -97,7 +104,7 @@ def main(job) -> None:
     try:
         build_venv(Path(job.input.requirements), freeze_path.parent, job.params.repairs, freeze_path)
     except subprocess.CalledProcessError as error:
-        raise StageError(f"building venv {freeze_path.parent} from {job.input.requirements} failed: {error}")
+        raise StageError(f"building venv {freeze_path.parent} from {job.input.requirements} failed: {error}") from None
 
 
 if __name__ == "__main__":

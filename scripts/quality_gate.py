@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from lib.gate import failed_tasks
-from lib.schema import defaults_of as schema_defaults
 from lib.openai_client import get_json, sse_events
 from lib.progress import Heartbeat, elapsed
+from lib.schema import defaults_of as schema_defaults
 from lib.stage import StageError, validate_json, write_json
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "quality.schema.yaml"
@@ -61,34 +61,43 @@ def gen_kwargs_for(task: dict) -> dict:
     }
 
 
-def build_task_requests(tasks: list[dict], *, base_url: str, model_name: str, num_concurrent: int,
-                        limit: float | int | None, timeout_s: int = 3600) -> list[dict]:
+def build_task_requests(
+    tasks: list[dict],
+    *,
+    base_url: str,
+    model_name: str,
+    num_concurrent: int,
+    limit: float | int | None,
+    timeout_s: int = 3600,
+) -> list[dict]:
     """One lm-eval invocation per task: its model args, simple_evaluate kwargs and result keys."""
     requests = []
     for task in normalize_tasks(tasks):
-        requests.append({
-            "name": task["name"],
-            "task": task["task"],
-            "stream": bool(task["stream"]),
-            "model_args": {
-                "model": model_name,
-                "base_url": base_url.rstrip("/") + "/v1/chat/completions",
-                "num_concurrent": int(num_concurrent),
-                "tokenized_requests": False,
-                "tokenizer_backend": None,  # no tokenizer download: the server applies the chat template
-                "max_retries": 3,
-                "timeout": int(timeout_s),  # per request; a 12k-token thinking answer takes minutes
-            },
-            "evaluate_kwargs": {
-                "num_fewshot": task["num_fewshot"],
-                "limit": lm_eval_limit(limit),
-                "gen_kwargs": gen_kwargs_for(task),
-                "apply_chat_template": True,
-                "fewshot_as_multiturn": True,
-            },
-            "metric_key": f"{task['metric']},{task['filter']}",
-            "stderr_key": f"{task['metric']}_stderr,{task['filter']}",
-        })
+        requests.append(
+            {
+                "name": task["name"],
+                "task": task["task"],
+                "stream": bool(task["stream"]),
+                "model_args": {
+                    "model": model_name,
+                    "base_url": base_url.rstrip("/") + "/v1/chat/completions",
+                    "num_concurrent": int(num_concurrent),
+                    "tokenized_requests": False,
+                    "tokenizer_backend": None,  # no tokenizer download: the server applies the chat template
+                    "max_retries": 3,
+                    "timeout": int(timeout_s),  # per request; a 12k-token thinking answer takes minutes
+                },
+                "evaluate_kwargs": {
+                    "num_fewshot": task["num_fewshot"],
+                    "limit": lm_eval_limit(limit),
+                    "gen_kwargs": gen_kwargs_for(task),
+                    "apply_chat_template": True,
+                    "fewshot_as_multiturn": True,
+                },
+                "metric_key": f"{task['metric']},{task['filter']}",
+                "stderr_key": f"{task['metric']}_stderr,{task['filter']}",
+            }
+        )
     return requests
 
 
@@ -113,26 +122,40 @@ def _streaming_chat_class():
         def model_call(self, messages, *, generate=True, gen_kwargs=None, **kwargs):
             import requests
 
-            payload = self._create_payload(self.create_message(messages), generate=generate,
-                                           gen_kwargs=copy.deepcopy(gen_kwargs), seed=self._seed, **kwargs)
-            with requests.post(self.base_url, json=payload, headers=self.header, stream=True,
-                               timeout=self.timeout) as response:
+            payload = self._create_payload(
+                self.create_message(messages),
+                generate=generate,
+                gen_kwargs=copy.deepcopy(gen_kwargs),
+                seed=self._seed,
+                **kwargs,
+            )
+            with requests.post(
+                self.base_url, json=payload, headers=self.header, stream=True, timeout=self.timeout
+            ) as response:
                 response.raise_for_status()
                 return sse_to_completion(response.iter_lines())
 
-        async def amodel_call(self, session, sem, messages, *, generate=True, cache_keys=None, ctxlens=None,
-                              gen_kwargs=None, **kwargs):
-            payload = self._create_payload(self.create_message(messages), generate=generate,
-                                           gen_kwargs=copy.deepcopy(gen_kwargs), seed=self._seed, **kwargs)
+        async def amodel_call(
+            self, session, sem, messages, *, generate=True, cache_keys=None, ctxlens=None, gen_kwargs=None, **kwargs
+        ):
+            payload = self._create_payload(
+                self.create_message(messages),
+                generate=generate,
+                gen_kwargs=copy.deepcopy(gen_kwargs),
+                seed=self._seed,
+                **kwargs,
+            )
             async with sem:
                 async with session.post(self.base_url, json=payload, headers=self.header) as response:
                     if not response.ok:
-                        print(f"request failed ({response.status}): {(await response.text())[:500]}; retrying",
-                              file=sys.stderr)
+                        print(
+                            f"request failed ({response.status}): {(await response.text())[:500]}; retrying",
+                            file=sys.stderr,
+                        )
                     response.raise_for_status()
                     lines = [line async for line in response.content]
             answers = self.parse_generations(outputs=sse_to_completion(lines))
-            for answer, cache in zip(answers, cache_keys or []):
+            for answer, cache in zip(answers, cache_keys or [], strict=False):
                 self.cache_hook.add_partial("generate_until", cache, answer)
             return answers
 
@@ -162,8 +185,10 @@ class GateProgress:
 
     def line(self, seconds: float) -> str:
         with self.lock:
-            return (f"[quality_gate] {self.done}/{len(self.names)} tasks done; task {self.current}: {self.requests} "
-                    f"requests answered in {elapsed(self.clock() - self.task_started)}; {elapsed(seconds)} in all")
+            return (
+                f"[quality_gate] {self.done}/{len(self.names)} tasks done; task {self.current}: {self.requests} "
+                f"requests answered in {elapsed(self.clock() - self.task_started)}; {elapsed(seconds)} in all"
+            )
 
 
 def counting(model_class, progress: GateProgress):
@@ -187,9 +212,11 @@ def counting(model_class, progress: GateProgress):
 def _dataset_error(name: str, error: BaseException) -> str:
     found = re.search(r"Couldn't reach '([^']+)'", str(error))
     what = f"dataset {found.group(1)}" if found else "its dataset"
-    return (f"task {name}: cannot load {what} ({type(error).__name__}: {str(error)[:300]}). On an offline host "
-            "download it beforehand into the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE) on a connected "
-            "machine; gated sets (Idavidrein/gpqa) need HF_TOKEN and accepted terms.")
+    return (
+        f"task {name}: cannot load {what} ({type(error).__name__}: {str(error)[:300]}). On an offline host "
+        "download it beforehand into the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE) on a connected "
+        "machine; gated sets (Idavidrein/gpqa) need HF_TOKEN and accepted terms."
+    )
 
 
 def task_manager(tasks_dir: str | None):
@@ -229,11 +256,14 @@ def check_server(base_url: str, tasks: list[dict], model_name: str) -> int | Non
         raise StageError(f"the server serves {ids}, not the model name {model_name!r} the quality tasks send")
     max_len = next((m.get("max_model_len") for m in models if m.get("id") == model_name), None)
     if isinstance(max_len, int):
-        too_long = [f"{t['name']} (max_tokens {t['max_tokens']})" for t in normalize_tasks(tasks)
-                    if t["max_tokens"] >= max_len]
+        too_long = [
+            f"{t['name']} (max_tokens {t['max_tokens']})" for t in normalize_tasks(tasks) if t["max_tokens"] >= max_len
+        ]
         if too_long:
-            raise StageError(f"the server's max_model_len is {max_len}, too short for {', '.join(too_long)}: "
-                             "raise the variant's serve.max_model_len above max_tokens plus the prompt")
+            raise StageError(
+                f"the server's max_model_len is {max_len}, too short for {', '.join(too_long)}: "
+                "raise the variant's serve.max_model_len above max_tokens plus the prompt"
+            )
     return max_len
 
 
@@ -254,16 +284,26 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def run_lm_eval(base_url: str, tasks: list[dict], *, model_name: str, num_concurrent: int = 8,
-                limit: float | int | None = None, tasks_dir: str | None = None, timeout_s: int = 3600,
-                samples_dir: str | Path | None = None, manager=None) -> dict[str, dict]:
+def run_lm_eval(
+    base_url: str,
+    tasks: list[dict],
+    *,
+    model_name: str,
+    num_concurrent: int = 8,
+    limit: float | int | None = None,
+    tasks_dir: str | None = None,
+    timeout_s: int = 3600,
+    samples_dir: str | Path | None = None,
+    manager=None,
+) -> dict[str, dict]:
     """Run every task against an OpenAI-compatible server; return {name: {score, stderr, n, seconds, ...}}.
     While it runs, a line every PROGRESS_INTERVAL_S (lib/progress.py) says how many tasks are done and how many
     requests the current one has had answered."""
     manager = manager or task_manager(tasks_dir)
     scores = {}
-    requests = build_task_requests(tasks, base_url=base_url, model_name=model_name,
-                                   num_concurrent=num_concurrent, limit=limit, timeout_s=timeout_s)
+    requests = build_task_requests(
+        tasks, base_url=base_url, model_name=model_name, num_concurrent=num_concurrent, limit=limit, timeout_s=timeout_s
+    )
     progress = GateProgress([r["name"] for r in requests])
     with Heartbeat(progress.line):
         for request in requests:
@@ -278,13 +318,21 @@ def _run_task(request: dict, manager, progress: GateProgress, samples_dir: str |
     import lm_eval
     from lm_eval.models.openai_completions import LocalChatCompletion
 
-    print(f"[quality_gate] {request['name']}: lm_eval.simple_evaluate(model=local-chat-completions"
-          f"{' (streaming)' if request['stream'] else ''}, model_args={request['model_args']}, "
-          f"tasks=[{request['task']!r}], {request['evaluate_kwargs']})", flush=True)
+    print(
+        f"[quality_gate] {request['name']}: lm_eval.simple_evaluate(model=local-chat-completions"
+        f"{' (streaming)' if request['stream'] else ''}, model_args={request['model_args']}, "
+        f"tasks=[{request['task']!r}], {request['evaluate_kwargs']})",
+        flush=True,
+    )
     model_class = counting(_streaming_chat_class() if request["stream"] else LocalChatCompletion, progress)
     start = time.monotonic()
-    output = lm_eval.simple_evaluate(model=model_class(**request["model_args"]), tasks=[request["task"]],
-                                     task_manager=manager, log_samples=True, **request["evaluate_kwargs"])
+    output = lm_eval.simple_evaluate(
+        model=model_class(**request["model_args"]),
+        tasks=[request["task"]],
+        task_manager=manager,
+        log_samples=True,
+        **request["evaluate_kwargs"],
+    )
     seconds = time.monotonic() - start
     result = (output or {}).get("results", {}).get(request["task"], {})
     samples = (output or {}).get("samples", {})
@@ -303,8 +351,11 @@ def _run_task(request: dict, manager, progress: GateProgress, samples_dir: str |
         "requests": progress.requests,
         "available_metrics": sorted(k for k in result if "_stderr" not in k and k != "alias"),
     }
-    print(f"[quality_gate] {request['name']}: {request['metric_key']} = {score['score']} (stderr {stderr}), "
-          f"{progress.requests} requests in {seconds:.0f} s", flush=True)
+    print(
+        f"[quality_gate] {request['name']}: {request['metric_key']} = {score['score']} (stderr {stderr}), "
+        f"{progress.requests} requests in {seconds:.0f} s",
+        flush=True,
+    )
     if samples_dir:
         _write_samples(Path(samples_dir) / f"{request['name']}.jsonl", samples)
     return score
@@ -317,15 +368,17 @@ def _write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
     with open(path, "w") as handle:
         for task, rows in samples.items():
             for row in rows:
-                extra = {k: v for k, v in row.items() if k not in keep and k not in ("doc", "arguments",
-                                                                                    "doc_hash", "prompt_hash",
-                                                                                    "target_hash")}
-                handle.write(json.dumps({"task": task, **{k: row.get(k) for k in keep}, **extra},
-                                        default=str) + "\n")
+                extra = {
+                    k: v
+                    for k, v in row.items()
+                    if k not in keep and k not in ("doc", "arguments", "doc_hash", "prompt_hash", "target_hash")
+                }
+                handle.write(json.dumps({"task": task, **{k: row.get(k) for k in keep}, **extra}, default=str) + "\n")
 
 
-def evaluate_gate(scores: dict[str, dict], tasks: list[dict], reference: dict[str, float] | None = None,
-                  margin_stderr: float = 0.0) -> tuple[bool, list[dict]]:
+def evaluate_gate(
+    scores: dict[str, dict], tasks: list[dict], reference: dict[str, float] | None = None, margin_stderr: float = 0.0
+) -> tuple[bool, list[dict]]:
     """Compare each task's score with its threshold; a missing score fails. A task passes when
     gated_score = score - margin_stderr x stderr >= threshold (a task without a stderr: the score alone).
     `reference` ({task name: score} of the reference variant, e.g. BF16) adds recovery = score / reference score;
@@ -342,11 +395,24 @@ def evaluate_gate(scores: dict[str, dict], tasks: list[dict], reference: dict[st
         close = margin is not None and stderr is not None and abs(margin) < 2 * stderr
         ref = (reference or {}).get(task["name"])
         recovery = score / ref if score is not None and isinstance(ref, (int, float)) and ref > 0 else None
-        rows.append({
-            "name": task["name"], "task": task["task"], "metric": task["metric"], "filter": task["filter"],
-            "score": score, "stderr": stderr, "threshold": task["threshold"], "margin": margin,
-            "margin_stderr": float(margin_stderr), "gated_score": gated, "passed": passed, "within_2_stderr": close, "reference_score": ref, "recovery": recovery,
-        })
+        rows.append(
+            {
+                "name": task["name"],
+                "task": task["task"],
+                "metric": task["metric"],
+                "filter": task["filter"],
+                "score": score,
+                "stderr": stderr,
+                "threshold": task["threshold"],
+                "margin": margin,
+                "margin_stderr": float(margin_stderr),
+                "gated_score": gated,
+                "passed": passed,
+                "within_2_stderr": close,
+                "reference_score": ref,
+                "recovery": recovery,
+            }
+        )
     return all(row["passed"] for row in rows), rows
 
 
@@ -355,13 +421,16 @@ def limit_note(limit: float | int | None) -> str | None:
     if lm_eval_limit(limit) is None:
         return None
     part = f"{limit:g} of each task's docs" if limit < 1 else f"the first {int(limit)} docs of each task"
-    return (f"LIMITED RUN: quality.limit {limit:g} ({part}), a quick check, not the full gate; "
-            "set quality.limit: null to gate on every doc")
+    return (
+        f"LIMITED RUN: quality.limit {limit:g} ({part}), a quick check, not the full gate; "
+        "set quality.limit: null to gate on every doc"
+    )
 
 
 def format_table(rows: list[dict], reference_name: str | None = None, limit: float | int | None = None) -> str:
     """The gate's table; under it the rule a task passed by (with the margin used) and, for a limited run, a note.
     With quality.margin_stderr > 0 a column shows score - margin x stderr, the number compared with the threshold."""
+
     def num(value):
         return "-" if value is None else f"{value:.4f}"
 
@@ -379,13 +448,21 @@ def format_table(rows: list[dict], reference_name: str | None = None, limit: flo
             result += " (WARN: |margin| < 2 stderr)"
         if row["score"] is None:
             result += " (no score)"
-        cells = [row["name"], f"{row['metric']},{row['filter']}", num(row["score"]), num(row["stderr"]),
-                 num(float(row["threshold"])), margin, recovery, result]
+        cells = [
+            row["name"],
+            f"{row['metric']},{row['filter']}",
+            num(row["score"]),
+            num(row["stderr"]),
+            num(float(row["threshold"])),
+            margin,
+            recovery,
+            result,
+        ]
         if margin_stderr:
             cells.insert(6, num(row.get("gated_score")))
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *body]]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"pass: score - {margin_stderr:g} x stderr >= threshold (quality.margin_stderr {margin_stderr:g})")
     note = limit_note(limit)
@@ -396,8 +473,12 @@ def format_table(rows: list[dict], reference_name: str | None = None, limit: flo
 
 def warnings_for(rows: list[dict]) -> list[str]:
     """One line per task whose verdict is within two standard errors of flipping."""
-    return [f"WARNING: {r['name']} margin {r['margin']:+.4f} is under two standard errors (2 x {r['stderr']:.4f}): "
-            "another sample of the same size could flip its verdict" for r in rows if r["within_2_stderr"]]
+    return [
+        f"WARNING: {r['name']} margin {r['margin']:+.4f} is under two standard errors (2 x {r['stderr']:.4f}): "
+        "another sample of the same size could flip its verdict"
+        for r in rows
+        if r["within_2_stderr"]
+    ]
 
 
 def limit_warnings(rows: list[dict], limit: float | int | None) -> list[str]:
@@ -405,10 +486,13 @@ def limit_warnings(rows: list[dict], limit: float | int | None) -> list[str]:
     whose verdict the limited sample cannot settle."""
     if lm_eval_limit(limit) is None:
         return []
-    return [f"WARNING: quality.limit {limit:g}: task {r['name']}'s standard error {r['stderr']:.4f} is larger than "
-            f"its margin {r['margin']:+.4f} to the threshold {float(r['threshold']):.4f}: this limited sample cannot "
-            "tell pass from fail; rerun with quality.limit: null (every doc) before trusting the verdict"
-            for r in rows if r["margin"] is not None and r["stderr"] is not None and r["stderr"] > abs(r["margin"])]
+    return [
+        f"WARNING: quality.limit {limit:g}: task {r['name']}'s standard error {r['stderr']:.4f} is larger than "
+        f"its margin {r['margin']:+.4f} to the threshold {float(r['threshold']):.4f}: this limited sample cannot "
+        "tell pass from fail; rerun with quality.limit: null (every doc) before trusting the verdict"
+        for r in rows
+        if r["margin"] is not None and r["stderr"] is not None and r["stderr"] > abs(r["margin"])
+    ]
 
 
 def load_reference(path: str | Path | None, variant: str | None) -> dict | None:
@@ -417,8 +501,12 @@ def load_reference(path: str | Path | None, variant: str | None) -> dict | None:
         return None
     report = json.loads(Path(path).read_text())
     validate_json(report, SCHEMA)
-    return {"variant": variant, "path": str(path), "image": report["image"],
-            "scores": {t["name"]: t["score"] for t in report["tasks"]}}
+    return {
+        "variant": variant,
+        "path": str(path),
+        "image": report["image"],
+        "scores": {t["name"]: t["score"] for t in report["tasks"]},
+    }
 
 
 def scores_copy_path(log_path: str) -> Path:
@@ -440,25 +528,42 @@ def main(job) -> None:
         print(f"[quality_gate] {note}", file=sys.stderr, flush=True)
 
     manager = task_manager(p.tasks_dir)
-    requests = build_task_requests(tasks, base_url="http://unused", model_name=p.model_name,
-                                   num_concurrent=p.num_concurrent, limit=p.limit)
+    requests = build_task_requests(
+        tasks, base_url="http://unused", model_name=p.model_name, num_concurrent=p.num_concurrent, limit=p.limit
+    )
     start = time.monotonic()
     check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
-    with run_container(image, port=free_port(), gpus=bool(p.gpus), shm_size=p.shm_size,
-                       name_prefix="quality-gate") as container:
-        ping_s = wait_for_ping(container.base_url, p.ping_timeout_s, alive=container.alive, logs=container.logs,
-                               what=f"the quality gate's container of {image}")
+    with run_container(
+        image, port=free_port(), gpus=bool(p.gpus), shm_size=p.shm_size, name_prefix="quality-gate"
+    ) as container:
+        ping_s = wait_for_ping(
+            container.base_url,
+            p.ping_timeout_s,
+            alive=container.alive,
+            logs=container.logs,
+            what=f"the quality gate's container of {image}",
+        )
         print(f"[quality_gate] {image} answered /ping after {ping_s:.0f} s", flush=True)
         check_server(container.base_url, tasks, p.model_name)
         try:
-            scores = run_lm_eval(container.base_url, tasks, model_name=p.model_name,
-                                 num_concurrent=p.num_concurrent, limit=p.limit, tasks_dir=p.tasks_dir,
-                                 timeout_s=REQUEST_TIMEOUT_S, samples_dir=samples_dir, manager=manager)
+            scores = run_lm_eval(
+                container.base_url,
+                tasks,
+                model_name=p.model_name,
+                num_concurrent=p.num_concurrent,
+                limit=p.limit,
+                tasks_dir=p.tasks_dir,
+                timeout_s=REQUEST_TIMEOUT_S,
+                samples_dir=samples_dir,
+                manager=manager,
+            )
         except StageError:
             raise
         except Exception as error:
-            raise StageError(f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
-                             f"last container log lines:\n{container.logs()}") from error
+            raise StageError(
+                f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
+                f"last container log lines:\n{container.logs()}"
+            ) from error
 
     reference = load_reference(p.reference_scores or None, p.reference_variant)
     passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None, p.margin_stderr)
@@ -480,16 +585,20 @@ def main(job) -> None:
         "seconds": round(time.monotonic() - start, 1),
         "server_ready_s": round(ping_s, 1),
         "reference": {k: reference[k] for k in ("variant", "path", "image")} if reference else None,
-        "tasks": [{**row, **{k: scores.get(row["name"], {}).get(k) for k in ("n_docs", "seconds", "stderr_source")},
-                   **{k: t[k] for k in ("num_fewshot", "thinking", "max_tokens", "stream")}}
-                  for row, t in zip(rows, tasks)],
+        "tasks": [
+            {
+                **row,
+                **{k: scores.get(row["name"], {}).get(k) for k in ("n_docs", "seconds", "stderr_source")},
+                **{k: t[k] for k in ("num_fewshot", "thinking", "max_tokens", "stream")},
+            }
+            for row, t in zip(rows, tasks, strict=True)
+        ],
     }
     validate_json(report, SCHEMA)
     if log_dir:  # the user's copy, kept whether or not the gate passes
         write_json(scores_copy_path(job.log[0]), report)
     if not passed:  # recorded, not fatal: a sweep goes on without it, select skips it and tarball refuses it
-        print(f"[quality_gate] the gate failed: {'; '.join(failed_tasks(rows))}; recorded as passed: false",
-              flush=True)
+        print(f"[quality_gate] the gate failed: {'; '.join(failed_tasks(rows))}; recorded as passed: false", flush=True)
     write_json(job.output.scores, report)
 
 

@@ -11,9 +11,20 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from lib.quantize_checks import (carried_files, check_heldout, check_output, checkpoint_modules, compare_stats,
-                                 default_device, expected_weight_bytes, heldout_ids, load_model, next_token_stats,
-                                 plan_targets, read_recipe)
+from lib.quantize_checks import (
+    carried_files,
+    check_heldout,
+    check_output,
+    checkpoint_modules,
+    compare_stats,
+    default_device,
+    expected_weight_bytes,
+    heldout_ids,
+    load_model,
+    next_token_stats,
+    plan_targets,
+    read_recipe,
+)
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, sha256_file, validate_json, write_json, write_manifest
 
@@ -21,9 +32,15 @@ SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "quantize_report.sche
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def load_calibration_texts(source: str, num_samples: int, seed: int, path: str | None = None,
-                           dataset: str | None = None, split: str | None = None,
-                           text_column: str | None = None) -> list:
+def load_calibration_texts(
+    source: str,
+    num_samples: int,
+    seed: int,
+    path: str | None = None,
+    dataset: str | None = None,
+    split: str | None = None,
+    text_column: str | None = None,
+) -> list:
     """Pick `num_samples` calibration samples (seeded, order included). A sample is a string, or a
     list of chat messages when an hf dataset has a `messages` column."""
     if not isinstance(num_samples, int) or num_samples <= 0:
@@ -47,8 +64,9 @@ def load_calibration_texts(source: str, num_samples: int, seed: int, path: str |
             raise StageError(f"cannot load calibration dataset {dataset} (split {split}): {error}") from error
         column = text_column or ("messages" if "messages" in rows.column_names else "text")
         if column not in rows.column_names or len(rows) == 0:
-            raise StageError(f"calibration dataset {dataset} has no rows or no column {column!r} "
-                             f"(columns: {rows.column_names})")
+            raise StageError(
+                f"calibration dataset {dataset} has no rows or no column {column!r} (columns: {rows.column_names})"
+            )
         picked = rows.select(rng.sample(range(len(rows)), min(num_samples, len(rows))))[column]
         picked = [p for p in picked if p]
         if not picked:
@@ -65,7 +83,7 @@ def _as_chat(sample) -> list[dict]:
     parts = _SENTENCE_END.split(sample, maxsplit=1)
     if len(parts) < 2:  # one sentence: split it by words instead
         words = sample.split()
-        parts = [" ".join(words[: max(1, len(words) // 2)]), " ".join(words[max(1, len(words) // 2):])]
+        parts = [" ".join(words[: max(1, len(words) // 2)]), " ".join(words[max(1, len(words) // 2) :])]
     return [{"role": "user", "content": parts[0]}, {"role": "assistant", "content": parts[1]}]
 
 
@@ -129,8 +147,18 @@ def _ensure_mtp(model_dir: Path, out_dir: Path) -> None:
         save_mtp_tensors_to_checkpoint(str(model_dir), str(out_dir))
 
 
-def build_checkpoint(model_dir: str | Path, recipe: dict, architecture: str, out_dir: str | Path, *, dataset,
-                     tokenizer, max_seq_length: int, heldout: list[int], seed: int = 0) -> tuple:
+def build_checkpoint(
+    model_dir: str | Path,
+    recipe: dict,
+    architecture: str,
+    out_dir: str | Path,
+    *,
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    heldout: list[int],
+    seed: int = 0,
+) -> tuple:
     """Quantize with the recipe (or copy, when it has no modifiers) into `out_dir`, carry the source's other
     files over, and return the held-out statistics of the source model."""
     import torch
@@ -149,9 +177,16 @@ def build_checkpoint(model_dir: str | Path, recipe: dict, architecture: str, out
     model.to("cpu")  # llmcompressor's sequential pipeline moves each layer to the accelerator itself
     _seed_everything(seed)
     _skip_pinning_without_accelerator()
-    oneshot(model=model, processor=tokenizer, recipe=recipe["path"], dataset=dataset,
-            num_calibration_samples=len(dataset), shuffle_calibration_samples=False,
-            max_seq_length=max_seq_length, output_dir=str(out_dir))
+    oneshot(
+        model=model,
+        processor=tokenizer,
+        recipe=recipe["path"],
+        dataset=dataset,
+        num_calibration_samples=len(dataset),
+        shuffle_calibration_samples=False,
+        max_seq_length=max_seq_length,
+        output_dir=str(out_dir),
+    )
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -190,8 +225,11 @@ def main(job) -> None:
     header = checkpoint_header(model_dir)
     targeted, pattern_counts = plan_targets(recipe, architecture, checkpoint_modules(header))
     expected_bytes = expected_weight_bytes(header, targeted)
-    print(f"recipe {recipe['path']}: {len(targeted)} modules to quantize, expected weights {expected_bytes} bytes "
-          f"(source {sum(i['bytes'] for i in header.values())})", flush=True)
+    print(
+        f"recipe {recipe['path']}: {len(targeted)} modules to quantize, expected weights {expected_bytes} bytes "
+        f"(source {sum(i['bytes'] for i in header.values())})",
+        flush=True,
+    )
 
     import torch
     from transformers import AutoTokenizer
@@ -207,26 +245,43 @@ def main(job) -> None:
         source = calib["source"]
         seed = int(calib["seed"])
         max_seq_length = int(calib["max_seq_length"])
-        texts = load_calibration_texts(source, int(calib["num_samples"]), seed, path=calib_file,
-                                       dataset=calib["dataset"], split=calib["split"])
+        texts = load_calibration_texts(
+            source, int(calib["num_samples"]), seed, path=calib_file, dataset=calib["dataset"], split=calib["split"]
+        )
         dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
-        calib.update(source=source, text_file=calib_file, samples_used=len(dataset),
-                     tokens_used=sum(map(len, dataset["input_ids"])))
+        calib.update(
+            source=source,
+            text_file=calib_file,
+            samples_used=len(dataset),
+            tokens_used=sum(map(len, dataset["input_ids"])),
+        )
         print(f"calibration: {calib['samples_used']} samples, {calib['tokens_used']} tokens", flush=True)
 
     tmp = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        source_stats = build_checkpoint(model_dir, recipe, architecture, tmp, dataset=dataset, tokenizer=tokenizer,
-                                        max_seq_length=max_seq_length, heldout=heldout, seed=seed)
+        source_stats = build_checkpoint(
+            model_dir,
+            recipe,
+            architecture,
+            tmp,
+            dataset=dataset,
+            tokenizer=tokenizer,
+            max_seq_length=max_seq_length,
+            heldout=heldout,
+            seed=seed,
+        )
         qconfig = _quantization_config(tmp)
         if recipe["quantize"] != bool(qconfig):
             raise StageError(f"{tmp}/config.json {'lacks' if recipe['quantize'] else 'has'} a quantization_config")
         checks = check_output(model_dir, tmp, targeted, expected_bytes)
         heldout_stats = compare_stats(source_stats, next_token_stats(load_model(tmp, architecture, "written"), heldout))
-        heldout_stats.update(path=str(job.input.heldout), min_top1_agreement=bounds["min_top1_agreement"],
-                             max_ppl_ratio=bounds["max_ppl_ratio"])
+        heldout_stats.update(
+            path=str(job.input.heldout),
+            min_top1_agreement=bounds["min_top1_agreement"],
+            max_ppl_ratio=bounds["max_ppl_ratio"],
+        )
         print(f"held-out: {heldout_stats}", flush=True)
         check_heldout(heldout_stats, bounds["min_top1_agreement"], bounds["max_ppl_ratio"])
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -239,9 +294,13 @@ def main(job) -> None:
     report = {
         "status": "quantized" if recipe["quantize"] else "not quantized",
         "quantized": recipe["quantize"],
-        "recipe": {"path": str(job.input.recipe), "sha256": sha256_file(job.input.recipe),
-                   "architectures": recipe["architectures"], "modifiers": recipe["modifiers"],
-                   "groups": recipe["groups"]},
+        "recipe": {
+            "path": str(job.input.recipe),
+            "sha256": sha256_file(job.input.recipe),
+            "architectures": recipe["architectures"],
+            "modifiers": recipe["modifiers"],
+            "groups": recipe["groups"],
+        },
         "architecture": architecture,
         "calibration": calib,
         "quantized_modules": len(checks["quantized_module_names"]),
@@ -265,8 +324,11 @@ def main(job) -> None:
     }
     validate_json(report, getattr(job.input, "schema", None) or SCHEMA)
     write_json(job.output.report, report)
-    print(f"{report['status']}: {report['quantized_modules']} modules into {out_dir} ({output_bytes} bytes, "
-          f"{report['size_ratio']:.2f} of the source) in {report['wall_seconds']:.0f} s", flush=True)
+    print(
+        f"{report['status']}: {report['quantized_modules']} modules into {out_dir} ({output_bytes} bytes, "
+        f"{report['size_ratio']:.2f} of the source) in {report['wall_seconds']:.0f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ def speed(row: dict, by: str) -> float:
     """Larger is faster."""
     if by == "mean_speedup":
         if row["mean_speedup_vs_baseline"] is None:
-            raise StageError(f"select.by mean_speedup needs every probe category's baseline_ms (config probe."
-                             f"categories); {row['variant']} has none. Set select.by: geomean_latency_ms")
+            raise StageError(
+                f"select.by mean_speedup needs every probe category's baseline_ms (config probe."
+                f"categories); {row['variant']} has none. Set select.by: geomean_latency_ms"
+            )
         return row["mean_speedup_vs_baseline"]
     return -row["geomean_latency_ms"]
 
@@ -59,17 +61,26 @@ def choose(summary: dict, by: str, lossless: dict[str, dict] | None = None) -> d
     refused = {row["variant"]: lossless_refusal(lossless.get(row["variant"])) for row in rows}
     refused = {name: why for name, why in refused.items() if why}
     passing = [row for row in rows if row["gate_passed"] and row["variant"] not in refused]
-    candidates = [{"variant": row["variant"], "gate_passed": row["gate_passed"],
-                   "gate_failures": row["gate_failures"], "lossless_refusal": refused.get(row["variant"]),
-                   "mean_speedup_vs_baseline": row["mean_speedup_vs_baseline"],
-                   "geomean_latency_ms": row["geomean_latency_ms"],
-                   "fresh_mean_speedup_vs_baseline": fresh(row).get("mean_speedup_vs_baseline"),
-                   "fresh_geomean_latency_ms": fresh(row).get("geomean_latency_ms")} for row in rows]
+    candidates = [
+        {
+            "variant": row["variant"],
+            "gate_passed": row["gate_passed"],
+            "gate_failures": row["gate_failures"],
+            "lossless_refusal": refused.get(row["variant"]),
+            "mean_speedup_vs_baseline": row["mean_speedup_vs_baseline"],
+            "geomean_latency_ms": row["geomean_latency_ms"],
+            "fresh_mean_speedup_vs_baseline": fresh(row).get("mean_speedup_vs_baseline"),
+            "fresh_geomean_latency_ms": fresh(row).get("geomean_latency_ms"),
+        }
+        for row in rows
+    ]
     if not passing:
-        failures = "; ".join(f"{row['variant']}: {refused.get(row['variant']) or ', '.join(row['gate_failures'])}"
-                             for row in rows)
-        raise StageError(f"no compared variant passes the quality gate and the lossless check ({failures}); "
-                         "nothing to ship")
+        failures = "; ".join(
+            f"{row['variant']}: {refused.get(row['variant']) or ', '.join(row['gate_failures'])}" for row in rows
+        )
+        raise StageError(
+            f"no compared variant passes the quality gate and the lossless check ({failures}); nothing to ship"
+        )
     # ties: the earlier variant in compare.variants order
     ranked = sorted(passing, key=lambda row: -speed(row, by))
     best = ranked[0]
@@ -78,8 +89,14 @@ def choose(summary: dict, by: str, lossless: dict[str, dict] | None = None) -> d
         runner = ranked[1]
         reason += f"; next: {runner['variant']} ({speed_text(runner, by)})"
         if all(fresh(row) for row in passing):
-            on_fresh = max(passing, key=lambda row: (fresh(row)["mean_speedup_vs_baseline"] if by == "mean_speedup"
-                                                     else -fresh(row)["geomean_latency_ms"]))  # ties: the earlier
+            on_fresh = max(
+                passing,
+                key=lambda row: (
+                    fresh(row)["mean_speedup_vs_baseline"]
+                    if by == "mean_speedup"
+                    else -fresh(row)["geomean_latency_ms"]
+                ),
+            )  # ties: the earlier
             if on_fresh["variant"] != best["variant"]:
                 reason += f"; on fresh prompts {on_fresh['variant']} would be the fastest"
     failed = [row["variant"] for row in rows if not row["gate_passed"]]

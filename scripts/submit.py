@@ -14,8 +14,12 @@ from lib.submission import Settings, credentials_from_env, read_sha256_file, sta
 
 
 def settings_from_params(params) -> Settings:
-    return Settings(part_size=int(float(params.part_size_mb) * 1024 * 1024), retries=int(params.retries),
-                    retry_wait_s=float(params.retry_wait_s), timeout_s=float(params.timeout_s))
+    return Settings(
+        part_size=int(float(params.part_size_mb) * 1024 * 1024),
+        retries=int(params.retries),
+        retry_wait_s=float(params.retry_wait_s),
+        timeout_s=float(params.timeout_s),
+    )
 
 
 def checked_digest(tarball: Path, sha256_path: str) -> str:
@@ -24,8 +28,10 @@ def checked_digest(tarball: Path, sha256_path: str) -> str:
     started = time.monotonic()
     actual = sha256_file(tarball)
     if actual != expected:
-        raise StageError(f"{tarball} has sha256 {actual}, not the {expected} of {sha256_path}: the archive changed "
-                         "after `tarball` wrote it; rerun `snakemake image.tar.gz` (or --forcerun tarball)")
+        raise StageError(
+            f"{tarball} has sha256 {actual}, not the {expected} of {sha256_path}: the archive changed "
+            "after `tarball` wrote it; rerun `snakemake image.tar.gz` (or --forcerun tarball)"
+        )
     print(f"{tarball}: sha256 {actual} matches {sha256_path} ({time.monotonic() - started:.0f} s)", flush=True)
     return actual
 
@@ -50,4 +56,5 @@ def main(job) -> None:
 
 if __name__ == "__main__":
     from lib.stage import run_stage
+
     run_stage(main, globals().get("snakemake"), __file__)

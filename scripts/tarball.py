@@ -19,8 +19,10 @@ def enforce_size_limit(path: Path, max_size_gb: float) -> int:
     size = path.stat().st_size
     if size > max_size_gb * 1e9:
         path.unlink()
-        raise StageError(f"{path} is {size / 1e9:.2f} GB, over the limit of {max_size_gb:g} GB (max_size_gb); "
-                         "deleted. Shrink the image (fewer packages, pruned vocabulary) or raise the limit")
+        raise StageError(
+            f"{path} is {size / 1e9:.2f} GB, over the limit of {max_size_gb:g} GB (max_size_gb); "
+            "deleted. Shrink the image (fewer packages, pruned vocabulary) or raise the limit"
+        )
     return size
 
 
@@ -36,8 +38,9 @@ def require_passed_gate(quality_path: str) -> None:
     """quality_gate records a failing variant (a sweep goes on without it); it must never be shipped."""
     quality = json.loads(Path(quality_path).read_text())
     if not quality["passed"]:
-        raise StageError(f"{quality['image']} failed the quality gate ({'; '.join(failed_tasks(quality['tasks']))}): "
-                         "not saved")
+        raise StageError(
+            f"{quality['image']} failed the quality gate ({'; '.join(failed_tasks(quality['tasks']))}): not saved"
+        )
 
 
 def require_lossless(lossless_path: str) -> None:
@@ -45,8 +48,10 @@ def require_lossless(lossless_path: str) -> None:
     must never be shipped."""
     lossless = json.loads(Path(lossless_path).read_text())
     if not lossless["passed"]:
-        raise StageError(f"variant {lossless['variant']} is not lossless ({lossless['method']}, K={lossless['k']}, "
-                         f"against {lossless['reference']}): {'; '.join(lossless['failures'])}: not saved")
+        raise StageError(
+            f"variant {lossless['variant']} is not lossless ({lossless['method']}, K={lossless['k']}, "
+            f"against {lossless['reference']}): {'; '.join(lossless['failures'])}: not saved"
+        )
 
 
 def main(job) -> None:
@@ -56,8 +61,10 @@ def main(job) -> None:
     out = Path(job.output.tarball)
     started = time.monotonic()
     if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:
-        raise StageError(f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
-                         "rerun with `-R build_image`")
+        raise StageError(
+            f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
+            "rerun with `-R build_image`"
+        )
     save_image(image["ref"], out, image["builder"], int(job.params.compress_level))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
     # the archive's config is the image's own (docker save, and buildah's docker-archive of an OCI image, keep
@@ -74,4 +81,5 @@ def main(job) -> None:
 
 if __name__ == "__main__":
     from lib.stage import run_stage
+
     run_stage(main, globals().get("snakemake"), __file__)

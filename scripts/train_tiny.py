@@ -22,11 +22,17 @@ MTP_FILE = "model-mtp.safetensors"
 
 
 def check_untrained_parts(synthesized: Path, trained: Path, rewritten: set[str] = TRAINED_FILES) -> None:
-    differ = [path.name for path in checkpoint_files(synthesized) if path.name not in rewritten
-              and (not (trained / path.name).is_file() or sha256_file(trained / path.name) != sha256_file(path))]
+    differ = [
+        path.name
+        for path in checkpoint_files(synthesized)
+        if path.name not in rewritten
+        and (not (trained / path.name).is_file() or sha256_file(trained / path.name) != sha256_file(path))
+    ]
     if differ:
-        raise StageError(f"training rewrote {', '.join(differ)} differently from the synthesized checkpoint "
-                         f"{synthesized}: its seed or dims are not this rule's (rerun download)")
+        raise StageError(
+            f"training rewrote {', '.join(differ)} differently from the synthesized checkpoint "
+            f"{synthesized}: its seed or dims are not this rule's (rerun download)"
+        )
 
 
 def train(synthesized: Path, dest: Path, seed: int, settings: dict, generator: str, sentences: list[str] = ()) -> dict:
@@ -48,18 +54,32 @@ def main(job) -> None:
     synthesized = Path(job.input.checkpoint)
     record = json.loads(Path(job.input.record).read_text())
     settings = dict(job.params.train)
-    fill = lambda tmp: {"training": train(synthesized, tmp, int(job.params.seed), settings, job.input.generator,  # noqa: E731
-                                          [job.params.sentence])}
+    fill = lambda tmp: {
+        "training": train(
+            synthesized,
+            tmp,
+            int(job.params.seed),
+            settings,
+            job.input.generator,  # noqa: E731
+            [job.params.sentence],
+        )
+    }
     record = write_checkpoint(job.output, fill, record, SCHEMA)
     t = record["training"]
-    print(f"train_tiny: {t['steps']} steps in {t['seconds']} s, loss {t['first_loss']} -> {t['final_loss']}, "
-          f"held-out answer-token accuracy {t['heldout_answer_token_accuracy']}")
+    print(
+        f"train_tiny: {t['steps']} steps in {t['seconds']} s, loss {t['first_loss']} -> {t['final_loss']}, "
+        f"held-out answer-token accuracy {t['heldout_answer_token_accuracy']}"
+    )
     if t.get("mtp"):
         m = t["mtp"]
-        print(f"train_tiny: MTP {m['steps']} steps in {m['seconds']} s, loss {m['first_loss']} -> {m['final_loss']}, "
-              "mean acceptance length per K " + ", ".join(
-                  f"{name} " + "/".join(str(row["mean_acceptance_length"]) for row in rows)
-                  for name, rows in m["acceptance"].items()))
+        print(
+            f"train_tiny: MTP {m['steps']} steps in {m['seconds']} s, loss {m['first_loss']} -> {m['final_loss']}, "
+            "mean acceptance length per K "
+            + ", ".join(
+                f"{name} " + "/".join(str(row["mean_acceptance_length"]) for row in rows)
+                for name, rows in m["acceptance"].items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,30 @@ def smoke_checks(model: str) -> list[tuple[str, str, dict | None, object]]:
     gen = {"max_tokens": SMOKE_MAX_TOKENS, "temperature": 0.0}
     return [
         ("ping", "/ping", None, lambda text: "ok"),
-        ("invocations_prompt", "/invocations", {"prompt": SMOKE_PROMPT, **gen},
-         lambda text: _completion_text(json.loads(text))),
-        ("invocations_messages", "/invocations", {"messages": SMOKE_MESSAGES, **gen},
-         lambda text: _chat_message(json.loads(text))),
-        ("completions", "/v1/completions", {"model": model, "prompt": SMOKE_PROMPT, **gen},
-         lambda text: _completion_text(_served_by(json.loads(text), model))),
-        ("chat_completions", "/v1/chat/completions", {"model": model, "messages": SMOKE_MESSAGES, **gen},
-         lambda text: _chat_message(_served_by(json.loads(text), model))),
+        (
+            "invocations_prompt",
+            "/invocations",
+            {"prompt": SMOKE_PROMPT, **gen},
+            lambda text: _completion_text(json.loads(text)),
+        ),
+        (
+            "invocations_messages",
+            "/invocations",
+            {"messages": SMOKE_MESSAGES, **gen},
+            lambda text: _chat_message(json.loads(text)),
+        ),
+        (
+            "completions",
+            "/v1/completions",
+            {"model": model, "prompt": SMOKE_PROMPT, **gen},
+            lambda text: _completion_text(_served_by(json.loads(text), model)),
+        ),
+        (
+            "chat_completions",
+            "/v1/chat/completions",
+            {"model": model, "messages": SMOKE_MESSAGES, **gen},
+            lambda text: _chat_message(_served_by(json.loads(text), model)),
+        ),
         ("metrics", "/metrics", None, _vllm_metrics),
     ]
 
@@ -79,8 +95,13 @@ def smoke_endpoints(base_url: str, model: str) -> tuple[dict, list[str]]:
     record, failures = {}, []
     for name, path, body, check in smoke_checks(model):
         status, text, seconds = request(base_url, path, body)
-        entry = {"path": path, "method": "POST" if body is not None else "GET", "status": status,
-                 "seconds": round(seconds, 2), "ok": False}
+        entry = {
+            "path": path,
+            "method": "POST" if body is not None else "GET",
+            "status": status,
+            "seconds": round(seconds, 2),
+            "ok": False,
+        }
         if status != 200:
             entry["error"] = f"HTTP {status}: {text.strip()[:300]}" if status else text
         else:
@@ -111,20 +132,34 @@ def smoke_image(archive: str | Path, image_id: str, mode: str, run_settings: dic
         return {"ran": False, "reason": "image.verify_run is never"}
     if not docker_answers():
         if mode == "always":
-            raise StageError("image.verify_run is always but no Docker daemon answers `docker info` "
-                             "(start one with `bash setup/start-docker.sh`, or set image.verify_run: auto)")
+            raise StageError(
+                "image.verify_run is always but no Docker daemon answers `docker info` "
+                "(start one with `bash setup/start-docker.sh`, or set image.verify_run: auto)"
+            )
         return {"ran": False, "reason": "no Docker daemon answers"}
     started = time.monotonic()
     loaded = docker_image_for(archive, image_id)
-    with run_container(image_id, gpus=run_settings["gpus"], shm_size=run_settings["shm_size"],
-                       name_prefix="verify-image") as container:
+    with run_container(
+        image_id, gpus=run_settings["gpus"], shm_size=run_settings["shm_size"], name_prefix="verify-image"
+    ) as container:
         ping_s = container.wait_ready(run_settings["ping_timeout_s"])
         endpoints, failures = smoke_endpoints(container.base_url, model)
         if failures:
-            raise StageError(f"image {image_id} from {archive} answered /ping but failed the smoke test:\n  - "
-                             + "\n  - ".join(failures) + "\ncontainer log:\n" + container.failure_summary())
-    return {"ran": True, "image_id": image_id, "loaded_from_archive": loaded, "ping_s": round(ping_s, 1),
-            "model": model, "endpoints": endpoints, "seconds": round(time.monotonic() - started, 1)}
+            raise StageError(
+                f"image {image_id} from {archive} answered /ping but failed the smoke test:\n  - "
+                + "\n  - ".join(failures)
+                + "\ncontainer log:\n"
+                + container.failure_summary()
+            )
+    return {
+        "ran": True,
+        "image_id": image_id,
+        "loaded_from_archive": loaded,
+        "ping_s": round(ping_s, 1),
+        "model": model,
+        "endpoints": endpoints,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def main(job) -> None:
@@ -135,16 +170,24 @@ def main(job) -> None:
         raise StageError(f"{job.input.tarball} failed verification:\n  - " + "\n  - ".join(arch_problems))
     recorded = Path(job.input.sha256).read_text().split()[0]
     if recorded != record["archive_sha256"]:
-        raise StageError(f"{job.input.tarball} has sha256 {record['archive_sha256']} but {job.input.sha256} "
-                         f"says {recorded}; rerun with `-R tarball`")
-    print(f"{job.input.tarball}: verified ({len(record['layers'])} layers, {record['archive_bytes'] / 1e9:.2f} GB) "
-          f"in {record['seconds']} s", flush=True)
+        raise StageError(
+            f"{job.input.tarball} has sha256 {record['archive_sha256']} but {job.input.sha256} "
+            f"says {recorded}; rerun with `-R tarball`"
+        )
+    print(
+        f"{job.input.tarball}: verified ({len(record['layers'])} layers, {record['archive_bytes'] / 1e9:.2f} GB) "
+        f"in {record['seconds']} s",
+        flush=True,
+    )
     params = job.params
-    record["smoke"] = smoke_image(job.input.tarball, record["image_id"], params.verify_run,
-                                  dict(params.run), params.model_name)
+    record["smoke"] = smoke_image(
+        job.input.tarball, record["image_id"], params.verify_run, dict(params.run), params.model_name
+    )
     if record["smoke"]["ran"]:
-        print(f"smoke test: /ping after {record['smoke']['ping_s']} s; "
-              + ", ".join(f"{e['method']} {e['path']} {e['status']}" for e in record["smoke"]["endpoints"].values()))
+        print(
+            f"smoke test: /ping after {record['smoke']['ping_s']} s; "
+            + ", ".join(f"{e['method']} {e['path']} {e['status']}" for e in record["smoke"]["endpoints"].values())
+        )
     else:
         print(f"smoke test skipped: {record['smoke']['reason']}")
     validate_json(record, job.input.schema)
@@ -153,4 +196,5 @@ def main(job) -> None:
 
 if __name__ == "__main__":
     from lib.stage import run_stage
+
     run_stage(main, globals().get("snakemake"), __file__)

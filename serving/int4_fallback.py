@@ -60,9 +60,14 @@ def register() -> None:
         zp = getattr(layer, self.w_zp_name, None) if self.config.zero_points else None
         gidx_name = getattr(self, "w_gidx_name", None)  # 0.26 only
         g_idx = getattr(layer, gidx_name, None) if getattr(self.config, "has_g_idx", False) else None
-        weight = dequantize(getattr(layer, self.w_q_name).data, getattr(layer, self.w_s_name).data,
-                            None if zp is None else zp.data, self.config.weight_type,
-                            layer.input_size_per_partition, None if g_idx is None else g_idx.data)
+        weight = dequantize(
+            getattr(layer, self.w_q_name).data,
+            getattr(layer, self.w_s_name).data,
+            None if zp is None else zp.data,
+            self.config.weight_type,
+            layer.input_size_per_partition,
+            None if g_idx is None else g_idx.data,
+        )
         for name in (self.w_q_name, self.w_s_name, self.w_zp_name, gidx_name):
             if name and hasattr(layer, name):
                 delattr(layer, name)
@@ -75,7 +80,9 @@ def register() -> None:
 
     from vllm.logger import init_logger
 
-    init_logger("vllm.plugins.serving_int4_fallback").info("int4 fallback: no cpu_gemm_wna16 here; W4A16 layers are dequantized at load")
+    init_logger("vllm.plugins.serving_int4_fallback").info(
+        "int4 fallback: no cpu_gemm_wna16 here; W4A16 layers are dequantized at load"
+    )
     K.process_weights_after_loading = process_weights_after_loading
     K.apply_weights = apply_weights
     K._dequant_fallback = True

@@ -81,8 +81,13 @@ def main() -> None:
     model_dir = os.environ.get("MODEL_DIR", "/opt/ml/model")
     with open(config) as f:
         settings = json.load(f)
-    args = vllm_args(settings, model_dir, host=os.environ.get("HOST", "0.0.0.0"),
-                     port=int(os.environ.get("PORT", "8080")), cuda=Path("/dev/nvidiactl").exists())
+    args = vllm_args(
+        settings,
+        model_dir,
+        host=os.environ.get("HOST", "0.0.0.0"),
+        port=int(os.environ.get("PORT", "8080")),
+        cuda=Path("/dev/nvidiactl").exists(),
+    )
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     env = child_env(dict(os.environ), settings)
     if Path(env.get("FLASHINFER_WORKSPACE_BASE", "/nonexistent")).is_dir():

@@ -21,9 +21,21 @@ import os
 PATHS = {"/invocations", "/v1/chat/completions"}
 CLOSE_THINK = "\n</think>\n\n"
 # Sampling fields a continuation keeps so it decodes as the first part did.
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-                 "include_stop_str_in_output")
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 def rewrite_body(path: str, raw: bytes) -> bytes | None:
@@ -103,7 +115,7 @@ def sse_data(event: bytes):
     text = event.decode("utf-8", "replace").strip()
     if not text.startswith("data:"):
         return None
-    payload = text[len("data:"):].strip()
+    payload = text[len("data:") :].strip()
     if payload == "[DONE]":
         return payload
     try:
@@ -146,8 +158,9 @@ class _Stream:
 
     def chunk(self, content: str, finish_reason) -> bytes:
         payload = json.loads(json.dumps(self.template))
-        payload["choices"] = [{"index": 0, "delta": {"content": content}, "logprobs": None,
-                               "finish_reason": finish_reason}]
+        payload["choices"] = [
+            {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": finish_reason}
+        ]
         payload.pop("usage", None)
         return sse(payload)
 
@@ -213,9 +226,13 @@ class ThinkingMiddleware:
         """POST body to one of vLLM's routes in-process; body chunks go to on_body if given."""
         data = json.dumps(body).encode()
         keep = [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
-        inner = dict(scope, path=path, raw_path=path.encode(), query_string=b"",
-                     headers=keep + [(b"content-type", b"application/json"),
-                                     (b"content-length", str(len(data)).encode())])
+        inner = dict(
+            scope,
+            path=path,
+            raw_path=path.encode(),
+            query_string=b"",
+            headers=keep + [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        )
         sent, status, collected = False, 500, []
 
         async def receive():
@@ -247,8 +264,9 @@ class ThinkingMiddleware:
         status, prompt = await self._call(scope, "/tokenize", chat)
         if status != 200:
             return None
-        status, text = await self._call(scope, "/tokenize", {"model": body.get("model"), "prompt": generated,
-                                                             "add_special_tokens": False})
+        status, text = await self._call(
+            scope, "/tokenize", {"model": body.get("model"), "prompt": generated, "add_special_tokens": False}
+        )
         if status != 200:
             return None
         return json.loads(prompt)["tokens"] + json.loads(text)["tokens"]
@@ -275,8 +293,9 @@ class ThinkingMiddleware:
                 closing = closing_text(content)
                 ids = await self._continuation_prompt(scope, body, content + closing)
                 if ids is not None:
-                    status, more = await self._call(scope, "/v1/completions",
-                                                    continuation_body(body, ids, reserve, stream=False))
+                    status, more = await self._call(
+                        scope, "/v1/completions", continuation_body(body, ids, reserve, stream=False)
+                    )
                     if status == 200:
                         out = json.dumps(merge_response(first, closing, json.loads(more))).encode()
         headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
@@ -319,11 +338,15 @@ class ThinkingMiddleware:
                         if payload.get("usage") and not payload.get("choices"):
                             more_usage = payload["usage"]
                         for choice in payload.get("choices") or []:
-                            await send({"type": "http.response.body", "more_body": True,
-                                        "body": stream.chunk(choice.get("text") or "", choice.get("finish_reason"))})
+                            await send(
+                                {
+                                    "type": "http.response.body",
+                                    "more_body": True,
+                                    "body": stream.chunk(choice.get("text") or "", choice.get("finish_reason")),
+                                }
+                            )
 
                 await self._call(scope, "/v1/completions", continuation_body(body, ids, reserve, stream=True), relay)
             else:
                 await send({"type": "http.response.body", "body": stream.chunk("", "length"), "more_body": True})
         await send({"type": "http.response.body", "body": stream.tail(more_usage), "more_body": False})
-

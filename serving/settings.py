@@ -83,11 +83,11 @@ SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max"
 # passing with prefix caching on, on the hardware it will serve on.
 PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "mtp": "measured: MTP with prefix caching kills vLLM's engine on Qwen3.5, and on CPU the mamba prefix-cache "
-           "alignment needs Triton",
+    "alignment needs Triton",
     "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
-             "mamba prefix-cache alignment needs Triton)",
+    "mamba prefix-cache alignment needs Triton)",
     "suffix": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU "
-              "the mamba prefix-cache alignment needs Triton)",
+    "the mamba prefix-cache alignment needs Triton)",
     "draft_model": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 
@@ -169,7 +169,9 @@ def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:
     return [(k + 1) * n for n in range(1, int(settings["max_num_seqs"]) + 1)]
 
 
-def vllm_args(settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080, cuda: bool = False) -> list[str]:
+def vllm_args(
+    settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080, cuda: bool = False
+) -> list[str]:
     """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU)."""
     speculative = settings.get("speculative")
     resolved = resolve_serve({key: value for key, value in settings.items() if key != "speculative"})

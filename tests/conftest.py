@@ -14,32 +14,53 @@ LAST = ("test_sweep_e2e.py",)
 
 # Fixtures that build venvs, images or pipeline outputs, or need a Docker daemon: only e2e tests may use them, so
 # `pytest -m "not e2e"` stays quick and needs none of it.
-HEAVY_FIXTURES = {"tiny_venvs", "tiny_run", "tiny_sweep", "tiny_checkpoint", "tiny_quantized", "tiny_base_image",
-                  "docker_daemon"}
+HEAVY_FIXTURES = {
+    "tiny_venvs",
+    "tiny_run",
+    "tiny_sweep",
+    "tiny_checkpoint",
+    "tiny_quantized",
+    "tiny_base_image",
+    "docker_daemon",
+}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    light = [item.nodeid for item in items if item.get_closest_marker("e2e") is None
-             and HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    light = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("e2e") is None and HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+    ]
     if light:
-        raise pytest.UsageError("tests that use a venv, Docker or a pipeline run must be marked e2e:\n  "
-                                + "\n  ".join(light))
-    early = [item.nodeid for item in items
-             if item.path.name not in LAST and "tiny_sweep" in getattr(item, "fixturenames", ())]
+        raise pytest.UsageError(
+            "tests that use a venv, Docker or a pipeline run must be marked e2e:\n  " + "\n  ".join(light)
+        )
+    early = [
+        item.nodeid
+        for item in items
+        if item.path.name not in LAST and "tiny_sweep" in getattr(item, "fixturenames", ())
+    ]
     if early:
-        raise pytest.UsageError("the sweep replaces image.tar.gz: only modules in conftest.LAST may use tiny_sweep:"
-                                "\n  " + "\n  ".join(early))
+        raise pytest.UsageError(
+            "the sweep replaces image.tar.gz: only modules in conftest.LAST may use tiny_sweep:"
+            "\n  " + "\n  ".join(early)
+        )
     items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
+
+
 TINY = ["--configfile", "config/tiny.yaml"]
 
 
 def snakemake(*args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run Snakemake in the project root the way a user does; output captured for assertions."""
-    result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({result.returncode}):\n"
-                             f"{result.stdout[-5000:]}\n{result.stderr[-10000:]}")
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({result.returncode}):\n"
+            f"{result.stdout[-5000:]}\n{result.stderr[-10000:]}"
+        )
     return result
 
 

@@ -11,11 +11,15 @@ from lib.cache_tar import deterministic_tar
 from lib.stage import validate_json
 from lib.vllm_logs import cache_evidence
 
-HIT = ("(EngineCore pid=88) INFO 11-22 14:02:11 [decorators.py:322] Directly load AOT compilation from path "
-       "/opt/ml/cache/vllm/torch_compile_cache/torch_aot_compile/3f2a/rank_0_0/model")
-MISS = ("(EngineCore pid=88) WARNING 11-22 13:40:02 [decorators.py:334] Compiling model again due to a load failure "
-        "from /opt/ml/cache/vllm/torch_compile_cache/x/model, reason: 'function' object has no attribute "
-        "'finalize_loading'")
+HIT = (
+    "(EngineCore pid=88) INFO 11-22 14:02:11 [decorators.py:322] Directly load AOT compilation from path "
+    "/opt/ml/cache/vllm/torch_compile_cache/torch_aot_compile/3f2a/rank_0_0/model"
+)
+MISS = (
+    "(EngineCore pid=88) WARNING 11-22 13:40:02 [decorators.py:334] Compiling model again due to a load failure "
+    "from /opt/ml/cache/vllm/torch_compile_cache/x/model, reason: 'function' object has no attribute "
+    "'finalize_loading'"
+)
 PACKED = {"files": 12, "bytes": 3456}
 CPU = {"name": None, "compute_capability": None, "arch": "cpu"}
 H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "sm_90"}
@@ -23,7 +27,7 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "s
 
 def test_a_direct_load_is_a_hit():
     evidence = cache_evidence(f"noise\n{HIT}\nmore noise\n")
-    assert evidence == {"hits": [HIT[HIT.index("Directly"):]], "misses": []}
+    assert evidence == {"hits": [HIT[HIT.index("Directly") :]], "misses": []}
     record = coldstart_record(80.4, 45.2, evidence, 200.0, PACKED, "base", H100)
     validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
     assert record["cache_hit"] and record["saved_s"] == 35.2
@@ -57,6 +61,7 @@ def test_the_cache_tar_is_the_same_bytes_for_the_same_tree(tmp_path):
 
 # ---- the GPU the cache was baked on ---------------------------------------------------------------------------
 
+
 class FakeContainer:
     """A running container whose `docker exec` answers from a table (command name -> (exit code, output))."""
 
@@ -89,8 +94,11 @@ def test_the_gpu_is_read_in_the_container_nvidia_smi_first_then_torch():
     from lib.stage import StageError
 
     smi = FakeContainer({"nvidia-smi": (0, "NVIDIA A10G, 8.6\n")})
-    assert containers.container_gpu(smi, gpus=True) == {"name": "NVIDIA A10G", "compute_capability": "8.6",
-                                                        "arch": "sm_86"}
+    assert containers.container_gpu(smi, gpus=True) == {
+        "name": "NVIDIA A10G",
+        "compute_capability": "8.6",
+        "arch": "sm_86",
+    }
     torch = FakeContainer({"python3": (0, "NVIDIA H100 80GB HBM3, 9.0\n")})
     assert containers.container_gpu(torch, gpus=True)["arch"] == "sm_90" and torch.ran == ["nvidia-smi", "python3"]
     none = FakeContainer({})

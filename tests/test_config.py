@@ -24,53 +24,122 @@ def dry_run_with(tmp_path: Path, config: dict):
     return snakemake("-n", "image.tar.gz", *TINY, str(override), check=False)
 
 
-@pytest.mark.parametrize("mutate, key, words", [
-    (lambda c: c.update(typo_key=1), "typo_key", "unknown key"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=-1), "variants.tiny-awq-mtp1.speculative.k",
-     "less than the minimum"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_seqs="eight"),
-     "variants.tiny-awq-mtp1.serve.max_num_seqs", "is not of type 'integer'"),
-    (lambda c: c["image"].update(max_size_gb=0), "image.max_size_gb", "less than or equal to the minimum"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_sqs=4), "variants.tiny-awq-mtp1.serve.max_num_sqs",
-     "unknown key"),
-    (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(enable_prefix_caching=True),
-     "variants.tiny-awq-mtp1.serve.enable_prefix_caching", "method mtp with prefix caching was measured unsafe"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(
-        speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4},
-        serve=dict(c["variants"]["tiny-awq-mtp1"]["serve"], enable_prefix_caching=True)),
-     "variants.tiny-awq-mtp1.serve.enable_prefix_caching", "method ngram with prefix caching was measured unsafe"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3,
-                                                                  "model": "weights/no-such-draft"}),
-     "variants.tiny-awq-mtp1.speculative.model", "weights/no-such-draft does not exist (no dir at"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4,
-                                                                  "disable_padded_drafter_batch": True}),
-     "variants.tiny-awq-mtp1.speculative.disable_padded_drafter_batch", "method ngram does not take"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=0), "variants.tiny-awq-mtp1.speculative.k",
-     "method mtp needs k >= 1"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
-     "variants.tiny-awq-mtp1.speculative.k", "without a speculative method"),
-    (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0"), "image.base", "is not pinned by digest"),
-    (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0@sha256:abc"), "image.base", "allow_unpinned_base: true"),
-    (lambda c: c["image"].update(verify_run="sometimes"), "image.verify_run", "is not one of ['auto', 'always', 'never']"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
-     "variants.tiny-awq-mtp1.speculative.model", "method draft_model needs model"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
-     "variants.tiny-awq-mtp1.speculative.model", "method mtp does not take model"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(method="medusa"),
-     "variants.tiny-awq-mtp1.speculative.method", "is not one of"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(suffix_decoding_max_tree_depth=8),
-     "variants.tiny-awq-mtp1.speculative.suffix_decoding_max_tree_depth", "method mtp does not take"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "ngram", "k": 2}),
-     "variants.tiny-awq-mtp1.speculative.prompt_lookup_max", "method ngram needs"),
-    (lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/missing.yaml"),
-     "variants.tiny-awq-mtp1.recipe", "does not exist"),
-    (lambda c: c["quality"].update(reference_variant="nope"), "quality.reference_variant", "is not one of the variants"),
-    (lambda c: c["compare"].update(reference="tiny-gptq-mtp1"), "compare.reference", "is not among the compared"),
-    (lambda c: (c["image"].update(gpu_arch="sm_86"), c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8")),
-     "variants.tiny-awq-mtp1.serve.kv_cache_dtype", "needs FP8 support (sm_89 or newer)"),
-    (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
-])
+@pytest.mark.parametrize(
+    "mutate, key, words",
+    [
+        (lambda c: c.update(typo_key=1), "typo_key", "unknown key"),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=-1),
+            "variants.tiny-awq-mtp1.speculative.k",
+            "less than the minimum",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_seqs="eight"),
+            "variants.tiny-awq-mtp1.serve.max_num_seqs",
+            "is not of type 'integer'",
+        ),
+        (lambda c: c["image"].update(max_size_gb=0), "image.max_size_gb", "less than or equal to the minimum"),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_sqs=4),
+            "variants.tiny-awq-mtp1.serve.max_num_sqs",
+            "unknown key",
+        ),
+        (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(enable_prefix_caching=True),
+            "variants.tiny-awq-mtp1.serve.enable_prefix_caching",
+            "method mtp with prefix caching was measured unsafe",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+                speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4},
+                serve=dict(c["variants"]["tiny-awq-mtp1"]["serve"], enable_prefix_caching=True),
+            ),
+            "variants.tiny-awq-mtp1.serve.enable_prefix_caching",
+            "method ngram with prefix caching was measured unsafe",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+                speculative={"method": "draft_model", "k": 3, "model": "weights/no-such-draft"}
+            ),
+            "variants.tiny-awq-mtp1.speculative.model",
+            "weights/no-such-draft does not exist (no dir at",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+                speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4, "disable_padded_drafter_batch": True}
+            ),
+            "variants.tiny-awq-mtp1.speculative.disable_padded_drafter_batch",
+            "method ngram does not take",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=0),
+            "variants.tiny-awq-mtp1.speculative.k",
+            "method mtp needs k >= 1",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
+            "variants.tiny-awq-mtp1.speculative.k",
+            "without a speculative method",
+        ),
+        (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0"), "image.base", "is not pinned by digest"),
+        (
+            lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0@sha256:abc"),
+            "image.base",
+            "allow_unpinned_base: true",
+        ),
+        (
+            lambda c: c["image"].update(verify_run="sometimes"),
+            "image.verify_run",
+            "is not one of ['auto', 'always', 'never']",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
+            "variants.tiny-awq-mtp1.speculative.model",
+            "method draft_model needs model",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
+            "variants.tiny-awq-mtp1.speculative.model",
+            "method mtp does not take model",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(method="medusa"),
+            "variants.tiny-awq-mtp1.speculative.method",
+            "is not one of",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(suffix_decoding_max_tree_depth=8),
+            "variants.tiny-awq-mtp1.speculative.suffix_decoding_max_tree_depth",
+            "method mtp does not take",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "ngram", "k": 2}),
+            "variants.tiny-awq-mtp1.speculative.prompt_lookup_max",
+            "method ngram needs",
+        ),
+        (
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/missing.yaml"),
+            "variants.tiny-awq-mtp1.recipe",
+            "does not exist",
+        ),
+        (
+            lambda c: c["quality"].update(reference_variant="nope"),
+            "quality.reference_variant",
+            "is not one of the variants",
+        ),
+        (lambda c: c["compare"].update(reference="tiny-gptq-mtp1"), "compare.reference", "is not among the compared"),
+        (
+            lambda c: (
+                c["image"].update(gpu_arch="sm_86"),
+                c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8"),
+            ),
+            "variants.tiny-awq-mtp1.serve.kv_cache_dtype",
+            "needs FP8 support (sm_89 or newer)",
+        ),
+        (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
+    ],
+)
 def test_bad_config_is_rejected_naming_the_key(mutate, key, words):
     config = tiny_config()
     mutate(config)
@@ -108,15 +177,18 @@ def test_the_tiny_profile_does_not_inherit_the_real_catalog(tmp_path):
     assert "bf16-mtp2" not in message  # the list of variants it names is the tiny profile's own
 
 
-@pytest.mark.parametrize("key, mutate", [
-    ("variants.tiny-awq-mtp1.recipe", lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/nope.yaml")),
-    ("calibration.path", lambda c: c["calibration"].update(path="data/nope.txt")),
-    ("quantize.heldout", lambda c: c["quantize"].update(heldout="data/nope.txt")),
-    ("probe.varied_text", lambda c: c["probe"].update(varied_text="data/nope.txt")),
-    ("quality.tasks_dir", lambda c: c["quality"].update(tasks_dir="data/nope")),
-    ("model.tiny.corpus", lambda c: c["model"]["tiny"].update(corpus="data/nope.txt")),
-    ("model.tiny.train.generator", lambda c: c["model"]["tiny"]["train"].update(generator="data/nope.py")),
-])
+@pytest.mark.parametrize(
+    "key, mutate",
+    [
+        ("variants.tiny-awq-mtp1.recipe", lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/nope.yaml")),
+        ("calibration.path", lambda c: c["calibration"].update(path="data/nope.txt")),
+        ("quantize.heldout", lambda c: c["quantize"].update(heldout="data/nope.txt")),
+        ("probe.varied_text", lambda c: c["probe"].update(varied_text="data/nope.txt")),
+        ("quality.tasks_dir", lambda c: c["quality"].update(tasks_dir="data/nope")),
+        ("model.tiny.corpus", lambda c: c["model"]["tiny"].update(corpus="data/nope.txt")),
+        ("model.tiny.train.generator", lambda c: c["model"]["tiny"]["train"].update(generator="data/nope.py")),
+    ],
+)
 def test_every_file_the_config_names_must_exist(key, mutate):
     config = tiny_config()
     mutate(config)

@@ -19,24 +19,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------- detect_builder
 
-@pytest.mark.parametrize("docker, buildah, preference, expected", [
-    (True, True, "auto", "docker"),
-    (False, True, "auto", "buildah"),
-    (True, True, "buildah", "buildah"),
-    (True, False, "docker", "docker"),
-])
+
+@pytest.mark.parametrize(
+    "docker, buildah, preference, expected",
+    [
+        (True, True, "auto", "docker"),
+        (False, True, "auto", "buildah"),
+        (True, True, "buildah", "buildah"),
+        (True, False, "docker", "docker"),
+    ],
+)
 def test_detect_builder_picks(monkeypatch, docker, buildah, preference, expected):
     monkeypatch.setattr(containers, "docker_answers", lambda: docker)
     monkeypatch.setattr(containers, "buildah_works", lambda: buildah)
     assert containers.detect_builder(preference) == expected
 
 
-@pytest.mark.parametrize("docker, buildah, preference, message", [
-    (False, True, "docker", "start-docker.sh"),
-    (True, False, "buildah", "buildah"),
-    (False, False, "auto", "no image builder"),
-    (True, True, "podman", "auto, docker or buildah"),
-])
+@pytest.mark.parametrize(
+    "docker, buildah, preference, message",
+    [
+        (False, True, "docker", "start-docker.sh"),
+        (True, False, "buildah", "buildah"),
+        (False, False, "auto", "no image builder"),
+        (True, True, "podman", "auto, docker or buildah"),
+    ],
+)
 def test_detect_builder_fails_clearly(monkeypatch, docker, buildah, preference, message):
     monkeypatch.setattr(containers, "docker_answers", lambda: docker)
     monkeypatch.setattr(containers, "buildah_works", lambda: buildah)
@@ -52,6 +59,7 @@ def test_buildah_defaults_yield_to_the_environment(monkeypatch):
 
 
 # ---------------------------------------------------------------- wait_for_ping
+
 
 def serve(handler_get):
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -106,12 +114,17 @@ def test_wait_for_ping_times_out_on_errors(servers):
 def test_wait_for_ping_stops_when_the_container_dies():
     start = time.monotonic()
     with pytest.raises(StageError, match="exited.*\n.*Insufficient space"):
-        containers.wait_for_ping(f"http://127.0.0.1:{containers.free_port()}", timeout_s=60,
-                                 alive=lambda: False, logs=lambda: "Insufficient space in /dev/shm")
+        containers.wait_for_ping(
+            f"http://127.0.0.1:{containers.free_port()}",
+            timeout_s=60,
+            alive=lambda: False,
+            logs=lambda: "Insufficient space in /dev/shm",
+        )
     assert time.monotonic() - start < 5
 
 
 # ---------------------------------------------------------------- build context
+
 
 def test_stage_context_layout(tmp_path):
     model = tmp_path / "ckpt"
@@ -130,8 +143,9 @@ def test_stage_context_layout(tmp_path):
         archive.addfile(info, io.BytesIO(data))
     serve_json = tmp_path / "serve.json"
     serve_json.write_text("{}")
-    context = build_image.stage_context(tmp_path / "out" / "context", model, cache_tar, serving, serve_json,
-                                        ROOT / "Dockerfile")
+    context = build_image.stage_context(
+        tmp_path / "out" / "context", model, cache_tar, serving, serve_json, ROOT / "Dockerfile"
+    )
     assert (context / "model" / "model.safetensors").stat().st_ino == (model / "model.safetensors").stat().st_ino
     assert (context / "cache" / "vllm/torch_compile_cache/abc/artifact").read_bytes() == b"compiled"
     assert (context / "serving" / "__main__.py").exists() and not (context / "serving" / "__pycache__").exists()
@@ -154,8 +168,10 @@ def test_missing_local_base_asks_for_a_rebuild(tmp_path, monkeypatch):
     monkeypatch.setattr(build_image, "image_exists", lambda ref, builder: False)
     with pytest.raises(StageError, match="-R base_image"):
         build_image.resolve_base(str(base), None, "docker")
-    assert build_image.resolve_base(None, "vllm/vllm-openai:v0.1", "docker") == {"ref": "vllm/vllm-openai:v0.1",
-                                                                                 "id": None}
+    assert build_image.resolve_base(None, "vllm/vllm-openai:v0.1", "docker") == {
+        "ref": "vllm/vllm-openai:v0.1",
+        "id": None,
+    }
 
 
 # ---------------------------------------------------------------- with a Docker daemon
@@ -176,8 +192,12 @@ def tiny_image():
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             for path in ("/usr/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
                 archive.add(Path(path).resolve(), arcname=path.lstrip("/"))
-        subprocess.run(["docker", "import", "--change", "ENV PYTHONPATH=/base/site", "-", TINY],
-                       input=buffer.getvalue(), capture_output=True, check=True)
+        subprocess.run(
+            ["docker", "import", "--change", "ENV PYTHONPATH=/base/site", "-", TINY],
+            input=buffer.getvalue(),
+            capture_output=True,
+            check=True,
+        )
     return TINY
 
 
@@ -228,15 +248,34 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
         pass  # an empty compile cache must still build
     for name in ("recipe.yaml", "weights.json", "quantized.json"):
         (tmp_path / name).write_text(name)
-    provenance = {"title": "pipeline-test-built", "variant": "v1", "config_sha256": "0" * 64,
-                  "weights_revision": "synthetic", "build_date": False}
-    job = NS(input=NS(model=str(ckpt), cache=str(tmp_path / "cache.tar"), serving=str(serving),
-                      serve=str(tmp_path / "serve.json"), dockerfile=str(ROOT / "Dockerfile"),
-                      base=None, recipe=str(tmp_path / "recipe.yaml"), weights_manifest=str(tmp_path / "weights.json"),
-                      quantized_manifest=str(tmp_path / "quantized.json")),
-             params=NS(tag="docker.io/library/pipeline-test-built:1", builder="docker", base_ref=tiny_image,
-                       provenance=provenance, reproducible=reproducible),
-             output=NS(image=str(tmp_path / "out" / "image.json")))
+    provenance = {
+        "title": "pipeline-test-built",
+        "variant": "v1",
+        "config_sha256": "0" * 64,
+        "weights_revision": "synthetic",
+        "build_date": False,
+    }
+    job = NS(
+        input=NS(
+            model=str(ckpt),
+            cache=str(tmp_path / "cache.tar"),
+            serving=str(serving),
+            serve=str(tmp_path / "serve.json"),
+            dockerfile=str(ROOT / "Dockerfile"),
+            base=None,
+            recipe=str(tmp_path / "recipe.yaml"),
+            weights_manifest=str(tmp_path / "weights.json"),
+            quantized_manifest=str(tmp_path / "quantized.json"),
+        ),
+        params=NS(
+            tag="docker.io/library/pipeline-test-built:1",
+            builder="docker",
+            base_ref=tiny_image,
+            provenance=provenance,
+            reproducible=reproducible,
+        ),
+        output=NS(image=str(tmp_path / "out" / "image.json")),
+    )
     try:
         build_image.main(job)
         out = json.loads(Path(job.output.image).read_text())
@@ -261,9 +300,20 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
 
 @pytest.mark.e2e
 def test_base_image_imports_vllm(tiny_base_image):
-    result = subprocess.run(["docker", "run", "--rm", tiny_base_image["ref"], "python3", "-c",
-                             "import vllm, torch; print(vllm.__version__, torch.__version__)"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            tiny_base_image["ref"],
+            "python3",
+            "-c",
+            "import vllm, torch; print(vllm.__version__, torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "+cpu" in result.stdout
 

@@ -10,8 +10,16 @@ import yaml
 
 from conftest import ROOT, TINY, snakemake
 
-STAGES = ["download", "quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball",
-          "verify_image"]
+STAGES = [
+    "download",
+    "quantize",
+    "bake_compile_cache",
+    "build_image",
+    "latency_probe",
+    "quality_gate",
+    "tarball",
+    "verify_image",
+]
 
 
 def planned_jobs(*extra: str) -> dict[str, int]:
@@ -57,8 +65,9 @@ def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
     import json
     import sys
 
-    result = subprocess.run([sys.executable, "-c", RULES_AS_PARSED, *TINY[1:]], cwd=ROOT, capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", RULES_AS_PARSED, *TINY[1:]], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     rules = json.loads(result.stdout.strip().splitlines()[-1])
     listed = set(re.findall(r"^(\w+)", snakemake("--list-rules", *TINY).stdout, re.M))  # docstrings are indented
     assert {rule["name"] for rule in rules} == listed  # the API saw what the command line sees
@@ -118,8 +127,14 @@ def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
     assert planned_jobs() == {}
     jobs = planned_jobs(variant_override(tmp_path, speculative__k=2))
     # serve_config writes the new serve.json; quantize is not planned
-    assert set(jobs) == {"serve_config", "bake_compile_cache", "build_image", "latency_probe", "quality_gate",
-                         "tarball"}, jobs
+    assert set(jobs) == {
+        "serve_config",
+        "bake_compile_cache",
+        "build_image",
+        "latency_probe",
+        "quality_gate",
+        "tarball",
+    }, jobs
 
 
 @pytest.mark.e2e
@@ -130,5 +145,6 @@ def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
         jobs = planned_jobs(variant_override(tmp_path, recipe=str(recipe.relative_to(ROOT))))
     finally:
         recipe.unlink()
-    assert set(jobs) == {"quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate",
-                         "tarball"}, jobs
+    assert set(jobs) == {"quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball"}, (
+        jobs
+    )

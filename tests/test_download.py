@@ -20,8 +20,7 @@ import download
 import train_tiny
 from lib.safetensors import read_header
 from lib.stage import StageError, sha256_file
-from lib.tiny import synthesis, training
-from lib.tiny import tokenizer as tiny_tokenizer
+from lib.tiny import synthesis, tokenizer as tiny_tokenizer, training
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
@@ -32,8 +31,12 @@ GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
 
 # Exactly what vLLM's Qwen3_5MultiTokenPredictor loads (qwen3_5_mtp.py: mtp.* -> model.*).
 MTP_NAMES = {
-    "mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-    "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+    "mtp.fc.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+    "mtp.layers.0.input_layernorm.weight",
+    "mtp.layers.0.post_attention_layernorm.weight",
     *(f"mtp.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")),
     *(f"mtp.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")),
 }
@@ -44,14 +47,20 @@ def job(tmp_path, source="hub", revision=COMMIT, tiny=None, corpus=None):
     if corpus:
         inputs["corpus"] = str(corpus)
     return SimpleNamespace(
-        rule="download", input=SimpleNamespace(**inputs), log=[], threads=1,
+        rule="download",
+        input=SimpleNamespace(**inputs),
+        log=[],
+        threads=1,
         params=SimpleNamespace(source=source, repo="Qwen/Qwen3.5-4B", revision=revision, tiny=tiny),
-        output=SimpleNamespace(checkpoint=str(tmp_path / "weights" / "m" / "checkpoint"),
-                               manifest=str(tmp_path / "weights" / "m" / "manifest.json")),
+        output=SimpleNamespace(
+            checkpoint=str(tmp_path / "weights" / "m" / "checkpoint"),
+            manifest=str(tmp_path / "weights" / "m" / "manifest.json"),
+        ),
     )
 
 
 # --- hub --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("revision", ["main", "v1.0", COMMIT[:12], COMMIT.upper(), COMMIT + "0", None, ""])
 def test_unpinned_revision_is_refused_before_anything_is_written(tmp_path, revision):
@@ -97,25 +106,64 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     download.main(j)
     manifest = json.loads(Path(j.output.manifest).read_text())
     checkpoint = Path(j.output.checkpoint)
-    assert manifest == {"config.json": sha256_file(checkpoint / "config.json"),
-                        "sub/w.safetensors": sha256_file(checkpoint / "sub" / "w.safetensors")}
+    assert manifest == {
+        "config.json": sha256_file(checkpoint / "config.json"),
+        "sub/w.safetensors": sha256_file(checkpoint / "sub" / "w.safetensors"),
+    }
     assert not checkpoint.with_name("checkpoint.partial").exists()
 
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
-NO_MTP = {"repeat_examples": 0, "repeat_max_tokens": 64, "mtp_steps": 0, "mtp_lr": 0.003, "mtp_batch_size": 4,
-          "mtp_k": 2, "mtp_eval_prompts": 2}
-ACCEPTANCE = [{"k": 1, "rounds": 10, "mean_acceptance_length": 1.8, "draft_accuracy": [0.8]},
-              {"k": 2, "rounds": 9, "mean_acceptance_length": 2.4, "draft_accuracy": [0.8, 0.6]}]
-TRAINING = {"steps": 2, "batch_size": 1, "lr": 0.1, "seed": 0, "threads": 1, "examples": 3, "seconds": 0.5,
-            "first_loss": 8.0, "final_loss": 1.0, "heldout_answer_token_accuracy": 0.5, "heldout_examples": 3,
-            "repeat_examples": 2, "mtp_first_loss": 8.0, "mtp_final_loss": 2.0,
-            "mtp": {"steps": 2, "lr": 0.003, "batch_size": 1, "seed": 0, "threads": 1, "sequences": 5, "seconds": 0.3,
-                    "first_loss": 8.0, "final_loss": 2.0, "total_seconds": 1.0,
-                    "heldout": {"repeated_prompts": 1, "conversations": 1, "prompt_tokens": 64, "new_tokens": 128,
-                                "repeat_exact_tokens": [128]},
-                    "acceptance_untrained": {"repeated": 1.0, "conversation": 1.0},
-                    "acceptance": {"repeated": ACCEPTANCE, "conversation": ACCEPTANCE}}}
+NO_MTP = {
+    "repeat_examples": 0,
+    "repeat_max_tokens": 64,
+    "mtp_steps": 0,
+    "mtp_lr": 0.003,
+    "mtp_batch_size": 4,
+    "mtp_k": 2,
+    "mtp_eval_prompts": 2,
+}
+ACCEPTANCE = [
+    {"k": 1, "rounds": 10, "mean_acceptance_length": 1.8, "draft_accuracy": [0.8]},
+    {"k": 2, "rounds": 9, "mean_acceptance_length": 2.4, "draft_accuracy": [0.8, 0.6]},
+]
+TRAINING = {
+    "steps": 2,
+    "batch_size": 1,
+    "lr": 0.1,
+    "seed": 0,
+    "threads": 1,
+    "examples": 3,
+    "seconds": 0.5,
+    "first_loss": 8.0,
+    "final_loss": 1.0,
+    "heldout_answer_token_accuracy": 0.5,
+    "heldout_examples": 3,
+    "repeat_examples": 2,
+    "mtp_first_loss": 8.0,
+    "mtp_final_loss": 2.0,
+    "mtp": {
+        "steps": 2,
+        "lr": 0.003,
+        "batch_size": 1,
+        "seed": 0,
+        "threads": 1,
+        "sequences": 5,
+        "seconds": 0.3,
+        "first_loss": 8.0,
+        "final_loss": 2.0,
+        "total_seconds": 1.0,
+        "heldout": {
+            "repeated_prompts": 1,
+            "conversations": 1,
+            "prompt_tokens": 64,
+            "new_tokens": 128,
+            "repeat_exact_tokens": [128],
+        },
+        "acceptance_untrained": {"repeated": 1.0, "conversation": 1.0},
+        "acceptance": {"repeated": ACCEPTANCE, "conversation": ACCEPTANCE},
+    },
+}
 
 
 def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_record(tmp_path, monkeypatch):
@@ -138,11 +186,15 @@ def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_r
     monkeypatch.setattr(train_tiny, "train", fake_train)
     out = tmp_path / "weights" / "m"
     trained = SimpleNamespace(
-        rule="train_tiny", log=[], threads=1,
+        rule="train_tiny",
+        log=[],
+        threads=1,
         input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator="unused"),
         params=SimpleNamespace(seed=0, train={"steps": 2}, sentence=SENTENCE),
-        output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
-                               record=str(out / "download.json")))
+        output=SimpleNamespace(
+            checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"), record=str(out / "download.json")
+        ),
+    )
     train_tiny.main(trained)
     final = json.loads((out / "download.json").read_text())
     assert final["training"] == TRAINING and final["files"] == 2 and final["seconds"] >= record["seconds"]
@@ -164,8 +216,21 @@ def test_train_tiny_refuses_a_synthesized_checkpoint_of_another_seed(tmp_path):
 def test_training_conversations_stay_out_of_the_test_splits():
     generator = training.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
     tests = generator.test_docs()
-    plan = training.training_plan({**NO_MTP, "steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5,
-                                   "examples": 90, "heldout_examples": 9, "threads": 1, "warmup_steps": 1}, generator)
+    plan = training.training_plan(
+        {
+            **NO_MTP,
+            "steps": 3,
+            "lr": 0.01,
+            "batch_size": 2,
+            "seed": 0,
+            "data_seed": 5,
+            "examples": 90,
+            "heldout_examples": 9,
+            "threads": 1,
+            "warmup_steps": 1,
+        },
+        generator,
+    )
     assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
     assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
     test_texts = {generator.mmlu_pro_text(d) for d in tests["tiny_mc"]}
@@ -173,16 +238,29 @@ def test_training_conversations_stay_out_of_the_test_splits():
     test_texts |= {d["prompt"] for d in tests["tiny_ifeval"]}
     trained = [c["messages"][-1]["content"] for c in plan["conversations"]]
     assert not test_texts & set(trained)
-    assert not {json.dumps(c["messages"]) for c in plan["heldout"]} & {json.dumps(c["messages"])
-                                                                       for c in plan["conversations"]}
+    assert not {json.dumps(c["messages"]) for c in plan["heldout"]} & {
+        json.dumps(c["messages"]) for c in plan["conversations"]
+    }
     assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
 
 
 def test_repeated_texts_hold_the_probe_sentence_and_the_heldout_ones_are_new():
     generator = training.load_generator(GENERATOR)
-    settings = {**NO_MTP, "steps": 3, "lr": 0.01, "batch_size": 2, "seed": 0, "data_seed": 5, "examples": 9,
-                "heldout_examples": 6, "threads": 1, "warmup_steps": 1, "repeat_examples": 40, "mtp_steps": 5,
-                "mtp_eval_prompts": 4}
+    settings = {
+        **NO_MTP,
+        "steps": 3,
+        "lr": 0.01,
+        "batch_size": 2,
+        "seed": 0,
+        "data_seed": 5,
+        "examples": 9,
+        "heldout_examples": 6,
+        "threads": 1,
+        "warmup_steps": 1,
+        "repeat_examples": 40,
+        "mtp_steps": 5,
+        "mtp_eval_prompts": 4,
+    }
     plan = training.training_plan(settings, generator, [SENTENCE])
     texts = plan["texts"]
     assert len(texts) == 40 and sum(t["sentence"] == SENTENCE for t in texts) == 10  # a quarter: the probe's
@@ -210,6 +288,7 @@ def test_batches_group_similar_lengths_and_cover_every_example():
 
 # --- pure parts of the tiny model -------------------------------------------------------------
 
+
 def render(messages, **kwargs):
     """Render the template as transformers does (same sandbox and options)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -234,8 +313,12 @@ def test_chat_template_history_system_tools_and_images():
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": "<think>\nold thoughts\n</think>\n\nA cat."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "reasoning_content": "need a tool",
-         "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "need a tool",
+            "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Oslo"}}}],
+        },
         {"role": "tool", "content": "rain"},
     ]
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
@@ -245,10 +328,14 @@ def test_chat_template_history_system_tools_and_images():
     assert "<|vision_start|><|image_pad|><|vision_end|>What is this?" in text
     assert "old thoughts" not in text  # reasoning before the last user turn is dropped, as Qwen does
     assert "<|im_start|>assistant\nA cat.<|im_end|>" in text
-    assert ('<think>\nneed a tool\n</think>\n\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}'
-            "\n</tool_call><|im_end|>") in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\nrain\n</tool_response><|im_end|>\n"
-                         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert (
+        '<think>\nneed a tool\n</think>\n\n\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}'
+        "\n</tool_call><|im_end|>"
+    ) in text
+    assert text.endswith(
+        "<|im_start|>user\n<tool_response>\nrain\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_tiny_config_shape():
@@ -267,27 +354,47 @@ def test_tiny_config_shape():
 
 # --- the built tiny checkpoint (compress venv) ------------------------------------------------
 
-SHORT_TRAINING = {**NO_MTP, "steps": 3, "lr": 0.004, "warmup_steps": 1, "batch_size": 4, "seed": 0, "data_seed": 7,
-                  "examples": 12, "heldout_examples": 3, "threads": 2}
+SHORT_TRAINING = {
+    **NO_MTP,
+    "steps": 3,
+    "lr": 0.004,
+    "warmup_steps": 1,
+    "batch_size": 4,
+    "seed": 0,
+    "data_seed": 7,
+    "examples": 12,
+    "heldout_examples": 3,
+    "threads": 2,
+}
 # ...with repeated texts and a few MTP steps (the MTP shard is then trained too)
 SHORT_MTP_TRAINING = {**SHORT_TRAINING, "repeat_examples": 8, "mtp_steps": 3}
 
 
 def run_in_venv(script: str, stage_job: SimpleNamespace, job_file: Path) -> None:
     """A stage as run_stage re-runs it: `python scripts/<stage>.py --job job.json` in the compress venv."""
-    job_file.write_text(json.dumps({k: vars(v) if isinstance(v, SimpleNamespace) else v
-                                    for k, v in vars(stage_job).items()}))
+    job_file.write_text(
+        json.dumps({k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(stage_job).items()})
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT / "scripts"), TOKENIZERS_PARALLELISM="false")
-    subprocess.run([str(COMPRESS), str(ROOT / "scripts" / script), "--job", str(job_file)],
-                   check=True, env=env, cwd=ROOT, timeout=600)
+    subprocess.run(
+        [str(COMPRESS), str(ROOT / "scripts" / script), "--job", str(job_file)],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 def run_stage_in_venv(tmp_path, name, train=None):
     """download, and with `train` train_tiny after it, as the tiny profile's rules run them. Returns the final
     checkpoint and manifest; the final record is <tmp_path>/<name>/weights/m/download.json."""
     folder = tmp_path / name
-    j = job(folder / "untrained" if train else folder, source="synthetic", tiny={"seed": 0, "vocab_size": 4096},
-            corpus=CORPUS)
+    j = job(
+        folder / "untrained" if train else folder,
+        source="synthetic",
+        tiny={"seed": 0, "vocab_size": 4096},
+        corpus=CORPUS,
+    )
     j.output.record = str(Path(j.output.manifest).with_name("download.json"))
     if train:
         j.input.generator = str(GENERATOR)
@@ -296,11 +403,15 @@ def run_stage_in_venv(tmp_path, name, train=None):
         return Path(j.output.checkpoint), Path(j.output.manifest)
     out = folder / "weights" / "m"
     trained = SimpleNamespace(
-        rule="train_tiny", log=[], threads=2,
+        rule="train_tiny",
+        log=[],
+        threads=2,
         input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator=str(GENERATOR)),
         params=SimpleNamespace(seed=0, train=train, sentence=SENTENCE),
-        output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"),
-                               record=str(out / "download.json")))
+        output=SimpleNamespace(
+            checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"), record=str(out / "download.json")
+        ),
+    )
     run_in_venv("train_tiny.py", trained, tmp_path / f"{name}-train.json")
     return Path(trained.output.checkpoint), Path(trained.output.manifest)
 
@@ -345,7 +456,8 @@ def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
     assert (first / synthesis.MTP_FILE).read_bytes() != (untrained / synthesis.MTP_FILE).read_bytes()
     trained_mtp, random_mtp = read_header(first / synthesis.MTP_FILE), read_header(untrained / synthesis.MTP_FILE)
     assert set(trained_mtp) == MTP_NAMES and {n: (t["dtype"], t["shape"]) for n, t in trained_mtp.items()} == {
-        n: (t["dtype"], t["shape"]) for n, t in random_mtp.items()}
+        n: (t["dtype"], t["shape"]) for n, t in random_mtp.items()
+    }
     assert (first / synthesis.INDEX_FILE).read_bytes() == (untrained / synthesis.INDEX_FILE).read_bytes()
 
 
@@ -433,9 +545,18 @@ def test_manifest_covers_all_files(built):
     manifest = json.loads(manifest_path.read_text())
     files = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()}
     assert set(manifest) == files and all(isinstance(v, str) and len(v) == 64 for v in manifest.values())
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-            "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-            synthesis.INDEX_FILE, synthesis.MTP_FILE} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "processor_config.json",
+        "preprocessor_config.json",
+        "video_preprocessor_config.json",
+        synthesis.INDEX_FILE,
+        synthesis.MTP_FILE,
+    } <= files
 
 
 @pytest.mark.e2e
@@ -445,7 +566,12 @@ def test_config_and_tokens(built):
     text = config["text_config"]
     assert text["mtp_num_hidden_layers"] == 1
     assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    assert (text["hidden_size"], text["intermediate_size"], text["head_dim"], text["linear_value_head_dim"]) == (256, 512, 128, 128)
+    assert (text["hidden_size"], text["intermediate_size"], text["head_dim"], text["linear_value_head_dim"]) == (
+        256,
+        512,
+        128,
+        128,
+    )
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     added = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
     assert [t for t, _ in tiny_tokenizer.SPECIAL_TOKENS] == list(added)
@@ -508,8 +634,9 @@ print("NEW", out.shape[1] - ids.input_ids.shape[1])
 def run_on_checkpoint(python, code: str, checkpoint, *args) -> str:
     """Run a snippet in a stage venv with the checkpoint as argv[1] (then `args`); its stdout, or the failure's
     stderr."""
-    result = subprocess.run([str(python), "-c", code, str(checkpoint), *map(str, args)], capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [str(python), "-c", code, str(checkpoint), *map(str, args)], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

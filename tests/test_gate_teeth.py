@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import yaml
 
-from lib.stage import StageError, validate_json, write_manifest
 from conftest import ROOT, TINY as TINY_ARGS, snakemake
+from lib.stage import StageError, validate_json, write_manifest
 from tarball import require_passed_gate
 
 TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
@@ -62,10 +62,19 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
     # One short probe request per prompt set (the bake warms that size only): the gate waits for the probe, whose
     # numbers this test does not read. Eight docs a task: a model guessing at chance (0.25 on four options) gets 7 of 8
     # right, the 0.8 threshold, about once in 2,600 tries per task (both must fail: ~1 run in 1,300 if it guessed).
-    extra.write_text(yaml.safe_dump({
-        "variants": {DESTROYED: dict(TINY["variants"][VARIANT], recipe=str(recipe))},
-        "probe": {"warmup": 0, "runs": 1, "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 16}]},
-        "quality": {"limit": 8}}))
+    extra.write_text(
+        yaml.safe_dump(
+            {
+                "variants": {DESTROYED: dict(TINY["variants"][VARIANT], recipe=str(recipe))},
+                "probe": {
+                    "warmup": 0,
+                    "runs": 1,
+                    "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 16}],
+                },
+                "quality": {"limit": 8},
+            }
+        )
+    )
     # quantize runs for real (a plain copy, recipes/bf16.yaml), then its output is scrambled in place: Snakemake's
     # own record of the job stays valid, and the later jobs read the scrambled files
     snakemake("--cores", "2", str((out / "report.json").relative_to(ROOT)), *TINY_ARGS, str(extra))
@@ -78,8 +87,9 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
     quality_path = ROOT / "results" / DESTROYED / "quality_gate" / "quality.json"
     # mtime only: the scrambled files are newer than their inputs, so Snakemake keeps them
     try:
-        snakemake("--cores", "2", str(quality_path.relative_to(ROOT)), *TINY_ARGS, str(extra),
-                  "--rerun-triggers", "mtime")
+        snakemake(
+            "--cores", "2", str(quality_path.relative_to(ROOT)), *TINY_ARGS, str(extra), "--rerun-triggers", "mtime"
+        )
         # the scrambled checkpoint is what was served: quantize did not run again over it
         assert "scrambled" in json.loads((out / "report.json").read_text()).get("note", "")
         quality = json.loads(quality_path.read_text())

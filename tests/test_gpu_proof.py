@@ -28,8 +28,11 @@ def test_the_records_exist_and_validate():
     found = records()
     assert {"session", "environment", "checkpoint", "bandwidth"} <= set(found), sorted(found)
     validator = jsonschema.Draft202012Validator(SCHEMA)
-    problems = [f"{name}: {error.json_path}: {error.message}" for name, data in found.items()
-                for error in validator.iter_errors(data)]
+    problems = [
+        f"{name}: {error.json_path}: {error.message}"
+        for name, data in found.items()
+        for error in validator.iter_errors(data)
+    ]
     assert not problems, "\n".join(problems)
 
 
@@ -52,7 +55,9 @@ def test_variants_have_the_three_categories_on_one_gpu():
     for name, data in by_kind("variant").items():
         if data["status"] != "ok":
             continue
-        sets = [data["probe"]["categories"]] + ([data["probe"]["varied"]["categories"]] if data["probe"]["varied"] else [])
+        sets = [data["probe"]["categories"]] + (
+            [data["probe"]["varied"]["categories"]] if data["probe"]["varied"] else []
+        )
         for categories_measured in sets:
             got = [(c["name"], c["prompt_tokens"], c["output_tokens_requested"]) for c in categories_measured]
             assert got == expected, name
@@ -75,7 +80,8 @@ def test_decode_time_never_beats_the_bandwidth_bound():
         k = data["speculative"]["k"]
         weights = data["weights"]
         assert decode["weights_bytes_per_step"] == weights["decoder"] + weights["lm_head"] + k * (
-            weights["mtp"] + weights["lm_head"])
+            weights["mtp"] + weights["lm_head"]
+        )
         for row in decode["categories"]:
             assert row["bound_with_kv_state_ms"] >= row["weights_bound_ms"] > 0
             assert row["fraction_of_bound"] <= 1.05, (name, row)  # a measurement faster than the bound is wrong
@@ -84,8 +90,10 @@ def test_decode_time_never_beats_the_bandwidth_bound():
 def test_quantized_variants_are_smaller_and_report_their_modules():
     quantized = by_kind("quantize")
     bf16 = records().get("variant-bf16")
-    bundles = {env["machine"]: env["versions"]["llmcompressor_bundle"]["llmcompressor"]
-               for env in by_kind("environment").values()}
+    bundles = {
+        env["machine"]: env["versions"]["llmcompressor_bundle"]["llmcompressor"]
+        for env in by_kind("environment").values()
+    }
     for name, data in quantized.items():
         if data["status"] != "ok":
             continue
@@ -111,20 +119,36 @@ def test_the_baked_cache_starts_faster_than_an_empty_one():
 
 # ---- the driver's flow, against gpu_proof/fake_server.py ----
 
+
 def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
     sys.path.insert(0, str(ROOT / "gpu_proof"))
     import driver
 
     d = driver.Driver(tmp_path, warmup=1, runs=2)
     d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
-    header = {"model.language_model.layers.0.mlp.up_proj.weight": [0, 1000], "lm_head.weight": [1000, 1500],
-              "model.language_model.embed_tokens.weight": [1500, 2000], "mtp.fc.weight": [2000, 2100]}
+    header = {
+        "model.language_model.layers.0.mlp.up_proj.weight": [0, 1000],
+        "lm_head.weight": [1000, 1500],
+        "model.language_model.embed_tokens.weight": [1500, 2000],
+        "mtp.fc.weight": [2000, 2100],
+    }
     blob = json.dumps({n: {"dtype": "BF16", "shape": [1], "data_offsets": o} for n, o in header.items()}).encode()
     d.model_dir.mkdir(parents=True)
     (d.model_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(2100))
-    d.record("checkpoint", {"text_config": {"full_attention_layers": 8, "linear_attention_layers": 24,
-                                            "num_key_value_heads": 4, "head_dim": 256, "linear_num_value_heads": 32,
-                                            "linear_key_head_dim": 128, "linear_value_head_dim": 128}})
+    d.record(
+        "checkpoint",
+        {
+            "text_config": {
+                "full_attention_layers": 8,
+                "linear_attention_layers": 24,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+            }
+        },
+    )
     d.record("bandwidth", {"copy_gbps": 3000.0})
     d.run_steps(["serve-bf16", "serve-bf16-mtp2"])
     bf16 = json.loads((tmp_path / "results" / "variant-bf16.json").read_text())
@@ -145,11 +169,23 @@ def test_decode_bound_counts_mtp_drafts_and_context():
     sys.path.insert(0, str(ROOT / "gpu_proof"))
     import driver
 
-    text = {"full_attention_layers": 8, "linear_attention_layers": 24, "num_key_value_heads": 4, "head_dim": 256,
-            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+    text = {
+        "full_attention_layers": 8,
+        "linear_attention_layers": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
     weights = {"decoder": 8e9, "lm_head": 1e9, "mtp": 2e8, "embed_tokens": 1e9, "vision": 0}
-    category = {"name": "long", "prompt_tokens": 8192, "output_tokens_requested": 256, "itl_median_ms": 10.0,
-                "mean_acceptance_length": 2.0}
+    category = {
+        "name": "long",
+        "prompt_tokens": 8192,
+        "output_tokens_requested": 256,
+        "itl_median_ms": 10.0,
+        "mean_acceptance_length": 2.0,
+    }
     out = driver.decode_bound(weights, 1, 1000.0, text, [category])
     row = out["categories"][0]
     assert out["weights_bytes_per_step"] == 8e9 + 1e9 + 1.2e9
@@ -165,14 +201,39 @@ def test_checkpoint_builder_runs_on_the_current_tiny_model_api(tmp_path, tiny_ve
     (build_tiny_checkpoint began returning {"config", "training"}). Same script, small dims, on CPU."""
     import subprocess
 
-    dims = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "max_position_embeddings": 4096,
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    dims = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "max_position_embeddings": 4096,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    }
     result = tmp_path / "checkpoint.json"
-    subprocess.run([str(tiny_venvs["compress"]), str(ROOT / "gpu_proof" / "build_checkpoint.py"),
-                    str(tmp_path / "model"), str(result), "--device", "cpu", "--dims", json.dumps(dims),
-                    "--vocab", "4160"], check=True, timeout=600, capture_output=True, text=True)
+    subprocess.run(
+        [
+            str(tiny_venvs["compress"]),
+            str(ROOT / "gpu_proof" / "build_checkpoint.py"),
+            str(tmp_path / "model"),
+            str(result),
+            "--device",
+            "cpu",
+            "--dims",
+            json.dumps(dims),
+            "--vocab",
+            "4160",
+        ],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     data = json.loads(result.read_text())
     assert data["text_config"]["hidden_size"] == 64 and data["text_config"]["vocab_size"] == 4160
     assert data["text_config"]["full_attention_layers"] == 1 and data["tensor_groups"]["mtp"]["tensors"] > 0

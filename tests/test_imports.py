@@ -42,12 +42,17 @@ def import_problems(root: Path) -> list[str]:
             top = module.split(".")[0]
             if top in stages and module == top:
                 who = "lib" if in_lib else "gpu_proof" if where.parts[0] == "gpu_proof" else "stage script"
-                problems.append(f"{where}:{line}: {who} imports stage script {module!r} (move what it needs to "
-                                f"scripts/lib, or run the stage as a program)")
-    graph = {f"lib.{'.'.join(p.relative_to(lib_dir).with_suffix('').parts)}".removesuffix(".__init__"): p
-             for p in lib_dir.rglob("*.py")}
-    edges = {name: sorted({m for _, m in imported_modules(path) if m in graph and m != name})
-             for name, path in graph.items()}
+                problems.append(
+                    f"{where}:{line}: {who} imports stage script {module!r} (move what it needs to "
+                    f"scripts/lib, or run the stage as a program)"
+                )
+    graph = {
+        f"lib.{'.'.join(p.relative_to(lib_dir).with_suffix('').parts)}".removesuffix(".__init__"): p
+        for p in lib_dir.rglob("*.py")
+    }
+    edges = {
+        name: sorted({m for _, m in imported_modules(path) if m in graph and m != name}) for name, path in graph.items()
+    }
     problems += [f"import cycle in scripts/lib: {' -> '.join(cycle)}" for cycle in cycles(edges)]
     return problems
 
@@ -60,7 +65,7 @@ def cycles(edges: dict[str, list[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in edges.get(node, []):
             if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -86,18 +91,21 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_the_check_names_each_offending_file_and_import(tmp_path):
-    write(tmp_path, {
-        "rules/a.smk": 'rule a:\n    script:\n        "../scripts/alpha.py"\n',
-        "rules/b.smk": 'rule b:\n    script:\n        "../scripts/beta.py"\n',
-        "scripts/alpha.py": "import json\nfrom lib.one import x\n",
-        "scripts/beta.py": "def main():\n    from alpha import helper\n",
-        "scripts/lib/__init__.py": "",
-        "scripts/lib/one.py": "from lib.two import y\n",
-        "scripts/lib/two.py": "import lib.one\n",
-        "scripts/lib/three.py": "from lib import one\n",
-        "scripts/lib/uses_stage.py": "import beta\n",
-        "gpu_proof/driver.py": "import sys\nimport alpha\nfrom lib.one import x\n",
-    })
+    write(
+        tmp_path,
+        {
+            "rules/a.smk": 'rule a:\n    script:\n        "../scripts/alpha.py"\n',
+            "rules/b.smk": 'rule b:\n    script:\n        "../scripts/beta.py"\n',
+            "scripts/alpha.py": "import json\nfrom lib.one import x\n",
+            "scripts/beta.py": "def main():\n    from alpha import helper\n",
+            "scripts/lib/__init__.py": "",
+            "scripts/lib/one.py": "from lib.two import y\n",
+            "scripts/lib/two.py": "import lib.one\n",
+            "scripts/lib/three.py": "from lib import one\n",
+            "scripts/lib/uses_stage.py": "import beta\n",
+            "gpu_proof/driver.py": "import sys\nimport alpha\nfrom lib.one import x\n",
+        },
+    )
     assert import_problems(tmp_path) == [
         "gpu_proof/driver.py:2: gpu_proof imports stage script 'alpha' (move what it needs to scripts/lib, "
         "or run the stage as a program)",
@@ -110,11 +118,14 @@ def test_the_check_names_each_offending_file_and_import(tmp_path):
 
 
 def test_a_clean_tree_passes(tmp_path):
-    write(tmp_path, {
-        "rules/a.smk": 'rule a:\n    script:\n        "../scripts/alpha.py"\n',
-        "scripts/alpha.py": "from lib.one import x\n",
-        "scripts/lib/one.py": "from lib.two import y\n",
-        "scripts/lib/two.py": "import json\n",
-        "gpu_proof/driver.py": "from lib import one\n",
-    })
+    write(
+        tmp_path,
+        {
+            "rules/a.smk": 'rule a:\n    script:\n        "../scripts/alpha.py"\n',
+            "scripts/alpha.py": "from lib.one import x\n",
+            "scripts/lib/one.py": "from lib.two import y\n",
+            "scripts/lib/two.py": "import json\n",
+            "gpu_proof/driver.py": "from lib import one\n",
+        },
+    )
     assert import_problems(tmp_path) == []

@@ -80,8 +80,7 @@ def test_acceptance_length_from_counter_deltas(fake_server):
 
 def test_summary_statistics_and_speedup():
     runs = [{"latency_ms": ms, "ttft_ms": 10.0, "itl_ms": 2.0, "output_tokens": 8} for ms in (100, 200, 300, 400)]
-    summary = probe.summarize({"name": "short", "prompt_tokens": 64, "output_tokens": 8,
-                                       "baseline_ms": 500.0}, runs)
+    summary = probe.summarize({"name": "short", "prompt_tokens": 64, "output_tokens": 8, "baseline_ms": 500.0}, runs)
     assert summary["median_ms"] == 250 and summary["speedup"] == pytest.approx(2.0)
     assert summary["p90_ms"] == pytest.approx(370.0) and summary["p99_ms"] == pytest.approx(397.0)
     no_baseline = probe.summarize({"name": "s", "prompt_tokens": 1, "output_tokens": 8}, runs)
@@ -98,10 +97,14 @@ def test_varied_paragraphs_refuse_an_empty_file(tmp_path):
 
 def test_plot_draws_every_prompt_set(tmp_path):
     runs = [{"latency_ms": ms, "ttft_ms": 10.0, "itl_ms": 2.0, "output_tokens": 8} for ms in (100, 200, 300)]
-    categories = [dict(probe.summarize({"name": name, "prompt_tokens": 64, "output_tokens": 8,
-                                                "baseline_ms": 500.0}, runs), mean_acceptance_length=1.5,
-                       prefix_cache={"queries": 64, "hits": 48, "hit_rate": 0.75})
-                  for name in ("short", "long")]
+    categories = [
+        dict(
+            probe.summarize({"name": name, "prompt_tokens": 64, "output_tokens": 8, "baseline_ms": 500.0}, runs),
+            mean_acceptance_length=1.5,
+            prefix_cache={"queries": 64, "hits": 48, "hit_rate": 0.75},
+        )
+        for name in ("short", "long")
+    ]
     prompt_set = {"categories": categories, "mean_speedup": 2.5}
     result = {"categories": categories, "mean_speedup": 2.5, "varied": prompt_set, "fresh": prompt_set}
     assert list(probe.prompt_sets(result)) == ["repeated", "varied", "fresh"]
@@ -122,8 +125,17 @@ def fake_vllm():
     streams two tokens a chunk with vLLM's return_token_ids (prompt ids in the first chunk), counts prompt tokens
     found in its prefix cache (16-token blocks, chained from the start, as vLLM hashes them) and drafts 1 token a
     step, accepting every other one; /metrics exposes the counters. Every completion request is logged."""
-    state = {"vocab": {}, "words": {}, "blocks": set(), "hits": 0.0, "queries": 0.0, "drafts": 0.0,
-             "accepted": 0.0, "requests": [], "broken_ids": False}
+    state = {
+        "vocab": {},
+        "words": {},
+        "blocks": set(),
+        "hits": 0.0,
+        "queries": 0.0,
+        "drafts": 0.0,
+        "accepted": 0.0,
+        "requests": [],
+        "broken_ids": False,
+    }
 
     def tokenize(text):
         ids = []
@@ -132,7 +144,7 @@ def fake_vllm():
         # loses a token at every join unless the prompt is counted as a whole
         for i in range(len(words) - 1, 0, -1):
             if words[i - 1] == "dog." and words[i] == "the":
-                words[i - 1:i + 1] = ["dog.the"]
+                words[i - 1 : i + 1] = ["dog.the"]
         for word in words:
             if word not in state["vocab"]:
                 state["vocab"][word] = 1000 + len(state["vocab"])
@@ -155,10 +167,13 @@ def fake_vllm():
             self.wfile.write(data)
 
         def do_GET(self):
-            self.reply(f"vllm:spec_decode_num_drafts_total{{engine=\"0\"}} {state['drafts']}\n"
-                       f"vllm:spec_decode_num_accepted_tokens_total{{engine=\"0\"}} {state['accepted']}\n"
-                       f"vllm:prefix_cache_queries_total{{engine=\"0\"}} {state['queries']}\n"
-                       f"vllm:prefix_cache_hits_total{{engine=\"0\"}} {state['hits']}\n", "text/plain")
+            self.reply(
+                f'vllm:spec_decode_num_drafts_total{{engine="0"}} {state["drafts"]}\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {state["accepted"]}\n'
+                f'vllm:prefix_cache_queries_total{{engine="0"}} {state["queries"]}\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {state["hits"]}\n',
+                "text/plain",
+            )
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -172,7 +187,7 @@ def fake_vllm():
 
         def complete(self, body):
             prompt = tokenize(body["prompt"])
-            blocks = [tuple(prompt[:BLOCK * (i + 1)]) for i in range(len(prompt) // BLOCK)]
+            blocks = [tuple(prompt[: BLOCK * (i + 1)]) for i in range(len(prompt) // BLOCK)]
             cached = next((i for i, block in enumerate(blocks) if block not in state["blocks"]), len(blocks))
             state["queries"] += len(prompt)
             state["hits"] += cached * BLOCK
@@ -186,9 +201,9 @@ def fake_vllm():
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for i in range(0, n, 2):
-                choice = {"index": 0, "text": " t" * len(output[i:i + 2])}
+                choice = {"index": 0, "text": " t" * len(output[i : i + 2])}
                 if body.get("return_token_ids"):
-                    choice["token_ids"] = output[i:i + 2][:1] if state["broken_ids"] else output[i:i + 2]
+                    choice["token_ids"] = output[i : i + 2][:1] if state["broken_ids"] else output[i : i + 2]
                     if i == 0:
                         choice["prompt_token_ids"] = prompt
                 self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
@@ -201,23 +216,35 @@ def fake_vllm():
     server.shutdown()
 
 
-CATEGORIES = [{"name": "short", "prompt_tokens": 24, "output_tokens": 8, "baseline_ms": 1000.0},
-              {"name": "long", "prompt_tokens": 100, "output_tokens": 6, "baseline_ms": 2000.0}]
+CATEGORIES = [
+    {"name": "short", "prompt_tokens": 24, "output_tokens": 8, "baseline_ms": 1000.0},
+    {"name": "long", "prompt_tokens": 100, "output_tokens": 6, "baseline_ms": 2000.0},
+]
 
 
 def corpus(tmp_path, paragraphs: int = 40):
     """Paragraphs in groups of four that share their first 20 words (so prompts starting in one group would share
     their first cached block), then words of their own."""
-    lines = [" ".join([f"g{i // 4}w{j}" for j in range(20)] + [f"p{i}w{j}" for j in range(12)]) + "."
-             for i in range(paragraphs)]
+    lines = [
+        " ".join([f"g{i // 4}w{j}" for j in range(20)] + [f"p{i}w{j}" for j in range(12)]) + "."
+        for i in range(paragraphs)
+    ]
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
 
 
 def settings(**overrides):
-    return dict({"warmup": 1, "runs": 2, "ignore_eos": True, "categories": CATEGORIES,
-                 "sentence": "the quick brown fox jumps over the lazy dog."}, **overrides)
+    return dict(
+        {
+            "warmup": 1,
+            "runs": 2,
+            "ignore_eos": True,
+            "categories": CATEGORIES,
+            "sentence": "the quick brown fox jumps over the lazy dog.",
+        },
+        **overrides,
+    )
 
 
 def per_set_requests(state, sets):
@@ -264,8 +291,11 @@ def test_probe_records_acceptance_and_first_run_token_ids_per_set(fake_vllm, tmp
     for name, prompt_set in probe.prompt_sets(result).items():
         for category in prompt_set["categories"]:
             # drafts: 4 and 3 a request (8 and 6 tokens), accepted 2 and 1: over the two timed runs only
-            assert category["spec_decode"] == ({"drafts": 8, "accepted_tokens": 4} if category["name"] == "short"
-                                               else {"drafts": 6, "accepted_tokens": 2})
+            assert category["spec_decode"] == (
+                {"drafts": 8, "accepted_tokens": 4}
+                if category["name"] == "short"
+                else {"drafts": 6, "accepted_tokens": 2}
+            )
             first_timed = requests[name][category["name"]][1]  # after the one warm-up
             assert category["first_run_token_ids"] == first_timed["output"]
             assert len(category["first_run_token_ids"]) == category["output_tokens_requested"]
@@ -292,8 +322,9 @@ def test_probe_sets_choose_what_runs(fake_vllm, tmp_path):
 def test_fresh_prompts_refuse_to_repeat_when_the_text_runs_out(fake_vllm, tmp_path):
     base_url, _ = fake_vllm
     with pytest.raises(StageError, match="ran out of start paragraphs"):
-        probe.probe(base_url, "m", settings(sets=["repeated", "fresh"]), corpus(tmp_path, paragraphs=5),
-                    log=lambda *a: None)
+        probe.probe(
+            base_url, "m", settings(sets=["repeated", "fresh"]), corpus(tmp_path, paragraphs=5), log=lambda *a: None
+        )
 
 
 def test_token_ids_must_cover_every_completion_token(fake_vllm):
@@ -329,8 +360,9 @@ def test_the_probe_and_the_warm_ups_report_progress_every_interval(fake_vllm, tm
 
     lines.clear()
     post_json = probe.post_json
-    monkeypatch.setattr(probe, "post_json", lambda url, path, body: {} if path == "/v1/chat/completions"
-                        else post_json(url, path, body))  # the fake vLLM has no chat endpoint
+    monkeypatch.setattr(
+        probe, "post_json", lambda url, path, body: {} if path == "/v1/chat/completions" else post_json(url, path, body)
+    )  # the fake vLLM has no chat endpoint
     probe.warm_up(base_url, "m", CATEGORIES, "the quick brown fox.", log=lines.append)
     ticks = [line for line in lines if line.startswith("[warm-up] ")]
     assert ticks and ticks[0].startswith("[warm-up] 0/4 warm-ups done, now short:")

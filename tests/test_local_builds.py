@@ -20,7 +20,8 @@ def test_its_vllm_plugin_entry_point_is_removed(tmp_path):
     info = tmp_path / "arctic_inference-0.1.1.dist-info"
     info.mkdir()
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\narctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin\n")
+        "[vllm.general_plugins]\narctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin\n"
+    )
     (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,sha256=x,99\n")
     removed = local_builds.drop_entry_points(tmp_path, "arctic_inference", "vllm.general_plugins")
     assert removed == ["arctic_inference = arctic_inference.vllm.plugin:arctic_inference_plugin"]

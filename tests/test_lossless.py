@@ -43,7 +43,8 @@ def test_equal_ids_pass_on_every_set_and_category():
     validate_json(dict(result, variant="v"), SCHEMA)
     assert result["passed"] and result["failures"] == []
     assert {(r["set"], r["category"]) for r in result["rows"]} == {
-        (s, c) for s in ("repeated", "varied", "fresh") for c in ("short", "medium", "long")}
+        (s, c) for s in ("repeated", "varied", "fresh") for c in ("short", "medium", "long")
+    }
     assert "all 9 set/category pairs (72 tokens)" in result["reason"]
 
 
@@ -53,8 +54,10 @@ def test_a_flipped_token_is_named_by_set_category_position_and_ids():
     result = lossless.check(lossy, reference, MTP, "own image, speculation off")
     validate_json(dict(result, variant="v"), SCHEMA)
     assert not result["passed"] and len(result["failures"]) == 1
-    assert result["failures"][0] == ("varied prompts, category medium: greedy output differs first at output "
-                                     "token 5 (speculative 7, without speculation 6)")
+    assert result["failures"][0] == (
+        "varied prompts, category medium: greedy output differs first at output "
+        "token 5 (speculative 7, without speculation 6)"
+    )
     row = next(r for r in result["rows"] if not r["passed"])
     assert row["first_difference"] == {"position": 5, "speculative": 7, "reference": 6}
 
@@ -67,8 +70,10 @@ def test_a_shorter_output_and_missing_ids_or_sets_fail_rather_than_pass_unchecke
     speculative["categories"][0]["first_run_token_ids"] = None
     result = lossless.check(speculative, reference, MTP, "twin x")
     assert not result["passed"]
-    assert "repeated prompts, category short: the speculative run recorded no token ids (the server sent none)" \
+    assert (
+        "repeated prompts, category short: the speculative run recorded no token ids (the server sent none)"
         in result["failures"]
+    )
     assert "varied prompts, category long: the reference has no varied/long record" in result["failures"]
 
 
@@ -79,10 +84,24 @@ def test_no_speculation_passes_trivially():
 
 
 def record(passed: bool, variant: str) -> dict:
-    failures = [] if passed else ["repeated prompts, category short: greedy output differs first at output token 3 "
-                                  "(speculative 9, without speculation 8)"]
-    return {"variant": variant, "passed": passed, "method": "mtp", "k": 2, "reference": "twin awq-k0",
-            "reason": "x", "rows": [], "failures": failures}
+    failures = (
+        []
+        if passed
+        else [
+            "repeated prompts, category short: greedy output differs first at output token 3 "
+            "(speculative 9, without speculation 8)"
+        ]
+    )
+    return {
+        "variant": variant,
+        "passed": passed,
+        "method": "mtp",
+        "k": 2,
+        "reference": "twin awq-k0",
+        "reason": "x",
+        "rows": [],
+        "failures": failures,
+    }
 
 
 def test_select_skips_a_refused_variant_and_says_why():
@@ -90,11 +109,15 @@ def test_select_skips_a_refused_variant_and_says_why():
     selection = select_variant.choose(fabricated_summary(), "mean_speedup", records)
     validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
     assert selection["variant"] == "awq-k1"  # awq-k2 is faster but not lossless
-    assert ("refused by the lossless check: awq-k2 (not lossless against twin awq-k0: repeated prompts, category "
-            "short: greedy output differs first at output token 3") in selection["reason"]
+    assert (
+        "refused by the lossless check: awq-k2 (not lossless against twin awq-k0: repeated prompts, category "
+        "short: greedy output differs first at output token 3"
+    ) in selection["reason"]
     candidates = {c["variant"]: c for c in selection["candidates"]}
-    assert candidates["awq-k2"]["lossless_refusal"].startswith("not lossless") and \
-        candidates["awq-k1"]["lossless_refusal"] is None
+    assert (
+        candidates["awq-k2"]["lossless_refusal"].startswith("not lossless")
+        and candidates["awq-k1"]["lossless_refusal"] is None
+    )
     everything_lossy = {name: record(False, name) for name in records}
     with pytest.raises(StageError, match="passes the quality gate and the lossless check"):
         select_variant.choose(fabricated_summary(), "mean_speedup", everything_lossy)
@@ -103,8 +126,11 @@ def test_select_skips_a_refused_variant_and_says_why():
 def test_tarball_refuses_a_lossy_variant(tmp_path):
     path = tmp_path / "lossless.json"
     path.write_text(json.dumps(record(False, "tiny-awq-mtp2")))
-    with pytest.raises(StageError, match=r"tiny-awq-mtp2 is not lossless .*output token 3 \(speculative 9, "
-                                         r"without speculation 8\).*not saved"):
+    with pytest.raises(
+        StageError,
+        match=r"tiny-awq-mtp2 is not lossless .*output token 3 \(speculative 9, "
+        r"without speculation 8\).*not saved",
+    ):
         tarball.require_lossless(str(path))
     path.write_text(json.dumps(record(True, "tiny-awq-mtp2")))
     tarball.require_lossless(str(path))
@@ -114,8 +140,15 @@ class Job:
     def __init__(self, tmp_path, spec_record, reference, fatal):
         (tmp_path / "latency.json").write_text(json.dumps(spec_record))
         (tmp_path / "reference.json").write_text(json.dumps(reference))
-        self.input = type("I", (), {"latency": str(tmp_path / "latency.json"),
-                                    "reference": str(tmp_path / "reference.json"), "schema": str(SCHEMA)})
+        self.input = type(
+            "I",
+            (),
+            {
+                "latency": str(tmp_path / "latency.json"),
+                "reference": str(tmp_path / "reference.json"),
+                "schema": str(SCHEMA),
+            },
+        )
         self.output = type("O", (), {"lossless": str(tmp_path / "lossless.json")})
         self.params = type("P", (), {"speculative": MTP, "reference_kind": "twin awq-none", "fatal": fatal})
         self.wildcards = type("W", (), {"variant": "awq-mtp2"})
@@ -123,9 +156,12 @@ class Job:
 
 def test_the_stage_fails_for_a_shipped_variant_and_records_for_a_compared_one(tmp_path):
     lossy = flipped(latency(0.5, 2.0), "repeated", "long", 0)
-    with pytest.raises(StageError, match=r"awq-mtp2 \(mtp, K=2\) is not lossless against twin awq-none:\n  "
-                                         r"repeated prompts, category long: .* at output token 0 \(speculative 0, "
-                                         r"without speculation 1\)"):
+    with pytest.raises(
+        StageError,
+        match=r"awq-mtp2 \(mtp, K=2\) is not lossless against twin awq-none:\n  "
+        r"repeated prompts, category long: .* at output token 0 \(speculative 0, "
+        r"without speculation 1\)",
+    ):
         lossless.main(Job(tmp_path, lossy, latency(1.0, None), fatal=True))
     assert not (tmp_path / "lossless.json").exists()
     lossless.main(Job(tmp_path, lossy, latency(1.0, None), fatal=False))
@@ -174,19 +210,32 @@ def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "serve.json").write_text(json.dumps(serve))
     port = free_port()
-    env = {**os.environ, "SERVE_CONFIG": str(tmp / "serve.json"), "MODEL_DIR": str(model), "PORT": str(port),
-           "HOST": "127.0.0.1", "PYTHONPATH": os.pathsep.join([str(CANARY_DIR), str(ROOT)]),
-           "VLLM_CACHE_ROOT": str(tmp / "cache"), **env_extra}
+    env = {
+        **os.environ,
+        "SERVE_CONFIG": str(tmp / "serve.json"),
+        "MODEL_DIR": str(model),
+        "PORT": str(port),
+        "HOST": "127.0.0.1",
+        "PYTHONPATH": os.pathsep.join([str(CANARY_DIR), str(ROOT)]),
+        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        **env_extra,
+    }
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_for_ping(base, 900, alive=lambda: proc.poll() is None,
-                      logs=lambda: (tmp / "server.log").read_text()[-3000:])
-        settings = {"warmup": 0, "runs": 1, "ignore_eos": True,
-                    "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 128}],
-                    "sentence": "The quick brown fox jumps over the lazy dog near the quiet river bank. "}
+        wait_for_ping(
+            base, 900, alive=lambda: proc.poll() is None, logs=lambda: (tmp / "server.log").read_text()[-3000:]
+        )
+        settings = {
+            "warmup": 0,
+            "runs": 1,
+            "ignore_eos": True,
+            "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 128}],
+            "sentence": "The quick brown fox jumps over the lazy dog near the quiet river bank. ",
+        }
         name = serve["served_model_name"] if "served_model_name" in serve else "Qwen/Qwen3.5-4B"
         return run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
     finally:
@@ -212,8 +261,9 @@ def test_a_lossy_server_is_caught(tiny_quantized, tmp_path):
     lossy = greedy_probe(tiny_quantized, tmp_path / "canary", MTP, {"LOSSLESS_CANARY_FLIP": "1"})
     result = lossless.check(lossy, reference, MTP, "reference")
     assert not result["passed"], result
-    assert result["failures"][0].startswith("repeated prompts, category short: greedy output differs first at "
-                                            "output token ")
+    assert result["failures"][0].startswith(
+        "repeated prompts, category short: greedy output differs first at output token "
+    )
     d = result["rows"][0]["first_difference"]
     assert d["speculative"] == d["reference"] ^ 1, d
 
@@ -229,7 +279,10 @@ def test_the_reference_is_a_compared_twin_when_the_sweep_measures_one():
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
     assert sweep.compared == ["tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: three variants
     assert {name: sweep.lossless_twin(name) for name in sweep.compared} == {
-        "tiny-awq-none": None, "tiny-awq-mtp1": "tiny-awq-none", "tiny-awq-k2": "tiny-awq-none"}
+        "tiny-awq-none": None,
+        "tiny-awq-mtp1": "tiny-awq-none",
+        "tiny-awq-k2": "tiny-awq-none",
+    }
     assert sweep.lossless_twin("tiny-bf16-mtp1") is None  # no compared bf16 twin: its own image
 
 

@@ -80,7 +80,9 @@ def fallback_defaults(tree: ast.AST, keys: set[str]) -> list[str]:
         if not isinstance(node, ast.Call) or len(node.args) < 2:
             continue
         name = node.args[0] if isinstance(node.func, ast.Attribute) else node.args[1]
-        default = node.args[1] if isinstance(node.func, ast.Attribute) else (node.args[2] if len(node.args) > 2 else None)
+        default = (
+            node.args[1] if isinstance(node.func, ast.Attribute) else (node.args[2] if len(node.args) > 2 else None)
+        )
         if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
             continue
         is_get = isinstance(node.func, ast.Attribute) and node.func.attr == "get" and name.value in keys
@@ -117,7 +119,9 @@ def test_no_script_falls_back_to_a_default_of_its_own():
     for script in stage_scripts() + sorted((SCRIPTS / "lib").rglob("*.py")):
         if script.name == "config.py":  # the schema's reader
             continue
-        problems += [f"{script.relative_to(ROOT)} {line}" for line in fallback_defaults(ast.parse(script.read_text()), keys)]
+        problems += [
+            f"{script.relative_to(ROOT)} {line}" for line in fallback_defaults(ast.parse(script.read_text()), keys)
+        ]
     assert not problems, "\n".join(problems)
 
 

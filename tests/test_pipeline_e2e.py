@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lib.stage import validate_json
 from conftest import ROOT, TINY as TINY_ARGS, snakemake
+from lib.stage import validate_json
 
 pytestmark = pytest.mark.e2e
 
@@ -63,9 +63,13 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
 def test_manifests_match_the_files(tiny_run):
     from lib.stage import checkpoint_files, sha256_file
 
-    for folder, manifest in [(ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
-                              ROOT / "weights" / TINY["model"]["name"] / "manifest.json"),
-                             (QUANTIZED / "model", QUANTIZED / "manifest.json")]:
+    for folder, manifest in [
+        (
+            ROOT / "weights" / TINY["model"]["name"] / "checkpoint",
+            ROOT / "weights" / TINY["model"]["name"] / "manifest.json",
+        ),
+        (QUANTIZED / "model", QUANTIZED / "manifest.json"),
+    ]:
         recorded = json.loads(manifest.read_text())
         files = {str(p.relative_to(folder)) for p in checkpoint_files(folder)}
         assert set(recorded) == files
@@ -81,15 +85,32 @@ def test_gate_with_teeth_fails_and_stops_its_container(tiny_run, tmp_path):
         "rule": "quality_gate",
         "input": {"image": str(RESULTS / "build_image" / "image.json")},
         "output": {"scores": str(tmp_path / "quality.json")},
-        "params": {"model_name": "Qwen/Qwen3.5-4B", "tasks": tasks, "limit": 4, "num_concurrent": 4,
-                   "tasks_dir": str(ROOT / TINY["quality"]["tasks_dir"]), "gpus": False, "shm_size": "1g",
-                   "ping_timeout_s": 900},
-        "log": [str(tmp_path / "gate.log")], "threads": 1, "wildcards": {"variant": VARIANT},
+        "params": {
+            "model_name": "Qwen/Qwen3.5-4B",
+            "tasks": tasks,
+            "limit": 4,
+            "num_concurrent": 4,
+            "tasks_dir": str(ROOT / TINY["quality"]["tasks_dir"]),
+            "gpus": False,
+            "shm_size": "1g",
+            "ping_timeout_s": 900,
+        },
+        "log": [str(tmp_path / "gate.log")],
+        "threads": 1,
+        "wildcards": {"variant": VARIANT},
     }
     (tmp_path / "job.json").write_text(json.dumps(job))
-    result = subprocess.run([str(ROOT / ".venvs" / "eval" / "bin" / "python"), str(ROOT / "scripts" / "quality_gate.py"),
-                             "--job", str(tmp_path / "job.json")], capture_output=True, text=True,
-                            env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/local/bin:/usr/bin:/bin"})
+    result = subprocess.run(
+        [
+            str(ROOT / ".venvs" / "eval" / "bin" / "python"),
+            str(ROOT / "scripts" / "quality_gate.py"),
+            "--job",
+            str(tmp_path / "job.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/local/bin:/usr/bin:/bin"},
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "quality gate failed" in output
@@ -105,7 +126,11 @@ def test_report_gathers_the_measurements(tiny_run, tmp_path):
     html = tmp_path / "report.html"
     snakemake("--report", str(html), *TINY_ARGS)
     text = html.read_text()
-    for category, record in [("Latency", "latency.json"), ("Quality gate", "quality.json"),
-                             ("Cold start", "coldstart.json"), ("Quantization", "report.json"),
-                             ("Image", "verify.json")]:
+    for category, record in [
+        ("Latency", "latency.json"),
+        ("Quality gate", "quality.json"),
+        ("Cold start", "coldstart.json"),
+        ("Quantization", "report.json"),
+        ("Image", "verify.json"),
+    ]:
         assert category in text and record in text, category

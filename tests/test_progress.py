@@ -59,6 +59,7 @@ def test_elapsed_reads_like_a_person_would_write_it():
 
 # ---- wait_for_ping: what it waits for, how long, vLLM's last log line --------------------------------------
 
+
 def test_wait_for_ping_says_what_it_waits_for_every_interval(monkeypatch, capsys):
     import http.server
     import threading
@@ -78,8 +79,13 @@ def test_wait_for_ping_says_what_it_waits_for_every_interval(monkeypatch, capsys
     monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.1)
     ready_at = time.monotonic() + 0.7
     try:
-        containers.wait_for_ping(url, timeout_s=10, interval_s=0.05, what="container bake-1",
-                                 logs=lambda: "INFO starting\nINFO Compiling a graph for dynamic shape\n")
+        containers.wait_for_ping(
+            url,
+            timeout_s=10,
+            interval_s=0.05,
+            what="container bake-1",
+            logs=lambda: "INFO starting\nINFO Compiling a graph for dynamic shape\n",
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -91,6 +97,7 @@ def test_wait_for_ping_says_what_it_waits_for_every_interval(monkeypatch, capsys
 
 
 # ---- the quality gate: tasks done, requests answered ----------------------------------------------------
+
 
 def test_gate_progress_counts_answered_requests_sync_and_async():
     class Model:

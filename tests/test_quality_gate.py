@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 from lib.stage import StageError, validate_json
-from quality_gate import (build_task_requests, check_server, evaluate_gate, format_table, limit_note, limit_warnings,
-                          lm_eval_limit, normalize_tasks, scores_copy_path, sse_to_completion, warnings_for)
+from quality_gate import (
+    build_task_requests,
+    check_server,
+    evaluate_gate,
+    format_table,
+    limit_note,
+    limit_warnings,
+    lm_eval_limit,
+    normalize_tasks,
+    scores_copy_path,
+    sse_to_completion,
+    warnings_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = ROOT / "data" / "tiny" / "tasks"
@@ -22,26 +33,59 @@ EVAL_PYTHON = ROOT / ".venvs" / "eval" / "bin" / "python"
 ANSWER = "The answer is (A)."
 
 TINY_TASKS = [
-    {"name": "tiny_mc", "task": "tiny_mc", "num_fewshot": 0, "thinking": False, "max_tokens": 32,
-     "metric": "exact_match", "filter": "custom-extract", "threshold": 0.0},
-    {"name": "tiny_ifeval", "task": "tiny_ifeval", "num_fewshot": 0, "thinking": False, "max_tokens": 64,
-     "metric": "inst_level_strict_acc", "filter": "none", "threshold": 0.0},
-    {"name": "tiny_mc_think", "task": "tiny_mc_think", "num_fewshot": 0, "thinking": True, "stream": True,
-     "max_tokens": 64, "metric": "exact_match", "filter": "flexible-extract", "threshold": 0.0},
+    {
+        "name": "tiny_mc",
+        "task": "tiny_mc",
+        "num_fewshot": 0,
+        "thinking": False,
+        "max_tokens": 32,
+        "metric": "exact_match",
+        "filter": "custom-extract",
+        "threshold": 0.0,
+    },
+    {
+        "name": "tiny_ifeval",
+        "task": "tiny_ifeval",
+        "num_fewshot": 0,
+        "thinking": False,
+        "max_tokens": 64,
+        "metric": "inst_level_strict_acc",
+        "filter": "none",
+        "threshold": 0.0,
+    },
+    {
+        "name": "tiny_mc_think",
+        "task": "tiny_mc_think",
+        "num_fewshot": 0,
+        "thinking": True,
+        "stream": True,
+        "max_tokens": 64,
+        "metric": "exact_match",
+        "filter": "flexible-extract",
+        "threshold": 0.0,
+    },
 ]
 
 
 def _task(name="mmlu_pro", threshold=0.621, **kw):
-    return {"name": name, "task": name, "metric": "exact_match", "filter": "custom-extract",
-            "threshold": threshold, **kw}
+    return {
+        "name": name,
+        "task": name,
+        "metric": "exact_match",
+        "filter": "custom-extract",
+        "threshold": threshold,
+        **kw,
+    }
 
 
 # ---- gate logic -------------------------------------------------------------------------------------
 
+
 def test_below_threshold_fails_and_table_says_so():
     tasks = [_task("mmlu_pro", 0.621), _task("ifeval", 0.814)]
-    passed, rows = evaluate_gate({"mmlu_pro": {"score": 0.70, "stderr": 0.01},
-                                  "ifeval": {"score": 0.80, "stderr": 0.001}}, tasks)
+    passed, rows = evaluate_gate(
+        {"mmlu_pro": {"score": 0.70, "stderr": 0.01}, "ifeval": {"score": 0.80, "stderr": 0.001}}, tasks
+    )
     assert passed is False
     assert [r["passed"] for r in rows] == [True, False]
     assert rows[1]["margin"] == pytest.approx(-0.014)
@@ -57,8 +101,11 @@ def test_below_threshold_fails_and_table_says_so():
 def test_recovery_against_the_reference_variant_is_reported_not_gated():
     tasks = [_task("a", 0.5), _task("b", 0.5), _task("c", 0.5)]
     reference = {"a": 0.8, "b": 0.0}  # b: a zero reference gives no ratio; c: not in the reference
-    passed, rows = evaluate_gate({"a": {"score": 0.6, "stderr": 0.01}, "b": {"score": 0.6, "stderr": 0.01},
-                                  "c": {"score": 0.4, "stderr": 0.01}}, tasks, reference)
+    passed, rows = evaluate_gate(
+        {"a": {"score": 0.6, "stderr": 0.01}, "b": {"score": 0.6, "stderr": 0.01}, "c": {"score": 0.4, "stderr": 0.01}},
+        tasks,
+        reference,
+    )
     assert not passed and [r["passed"] for r in rows] == [True, True, False]
     assert rows[0]["recovery"] == pytest.approx(0.75) and rows[0]["reference_score"] == 0.8
     assert rows[1]["recovery"] is None and rows[2]["recovery"] is None
@@ -68,8 +115,10 @@ def test_recovery_against_the_reference_variant_is_reported_not_gated():
 
 
 def test_margin_under_two_stderr_prints_a_warning_line():
-    _, rows = evaluate_gate({"a": {"score": 0.66, "stderr": 0.02}, "b": {"score": 0.9, "stderr": 0.02}},
-                            [_task("a", 0.63), _task("b", 0.63)])
+    _, rows = evaluate_gate(
+        {"a": {"score": 0.66, "stderr": 0.02}, "b": {"score": 0.9, "stderr": 0.02}},
+        [_task("a", 0.63), _task("b", 0.63)],
+    )
     warnings = warnings_for(rows)
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: a margin +0.0300") and "two standard" in warnings[0]
 
@@ -82,9 +131,14 @@ def test_all_at_or_above_threshold_passes():
 
 def test_margin_within_two_stderr_warns_both_ways():
     tasks = [_task("close_pass", 0.63), _task("close_fail", 0.63), _task("clear", 0.63)]
-    _, rows = evaluate_gate({"close_pass": {"score": 0.66, "stderr": 0.02},   # +0.03 < 0.04
-                             "close_fail": {"score": 0.61, "stderr": 0.02},   # -0.02
-                             "clear": {"score": 0.70, "stderr": 0.02}}, tasks)  # +0.07 > 0.04
+    _, rows = evaluate_gate(
+        {
+            "close_pass": {"score": 0.66, "stderr": 0.02},  # +0.03 < 0.04
+            "close_fail": {"score": 0.61, "stderr": 0.02},  # -0.02
+            "clear": {"score": 0.70, "stderr": 0.02},
+        },
+        tasks,
+    )  # +0.07 > 0.04
     assert [r["within_2_stderr"] for r in rows] == [True, True, False]
     assert [r["passed"] for r in rows] == [True, False, True]
     lines = format_table(rows).splitlines()
@@ -93,8 +147,11 @@ def test_margin_within_two_stderr_warns_both_ways():
 
 def test_margin_in_stderr_decides_and_the_table_shows_it():
     tasks = [_task("close", 0.63), _task("clear", 0.63), _task("no_stderr", 0.63)]
-    scores = {"close": {"score": 0.66, "stderr": 0.02}, "clear": {"score": 0.70, "stderr": 0.02},
-              "no_stderr": {"score": 0.64, "stderr": None}}
+    scores = {
+        "close": {"score": 0.66, "stderr": 0.02},
+        "clear": {"score": 0.70, "stderr": 0.02},
+        "no_stderr": {"score": 0.64, "stderr": None},
+    }
     passed, rows = evaluate_gate(scores, tasks)  # default 0: the score alone
     assert passed and [r["gated_score"] for r in rows] == [0.66, 0.70, 0.64]
     assert format_table(rows).splitlines()[-1] == "pass: score - 0 x stderr >= threshold (quality.margin_stderr 0)"
@@ -111,16 +168,23 @@ def test_margin_in_stderr_decides_and_the_table_shows_it():
 
 def test_a_limited_run_says_so_and_warns_where_the_sample_cannot_decide():
     tasks = [_task("mmlu_pro", 0.621), _task("gpqa", 0.63)]
-    _, rows = evaluate_gate({"mmlu_pro": {"score": 0.70, "stderr": 0.01},   # +0.079 > 0.01: decided
-                             "gpqa": {"score": 0.65, "stderr": 0.034}}, tasks)  # +0.02 < 0.034: not
+    _, rows = evaluate_gate(
+        {
+            "mmlu_pro": {"score": 0.70, "stderr": 0.01},  # +0.079 > 0.01: decided
+            "gpqa": {"score": 0.65, "stderr": 0.034},
+        },
+        tasks,
+    )  # +0.02 < 0.034: not
     table = format_table(rows, limit=0.1).splitlines()
-    assert table[-1].startswith("LIMITED RUN: quality.limit 0.1 (0.1 of each task's docs), a quick check, not the "
-                                "full gate")
+    assert table[-1].startswith(
+        "LIMITED RUN: quality.limit 0.1 (0.1 of each task's docs), a quick check, not the full gate"
+    )
     assert "LIMITED" not in format_table(rows, limit=None) and "LIMITED" not in format_table(rows, limit=1)
     assert "the first 50 docs of each task" in limit_note(50) and limit_note(None) is None
     warnings = limit_warnings(rows, 0.1)
-    assert len(warnings) == 1 and warnings[0].startswith("WARNING: quality.limit 0.1: task gpqa's standard error "
-                                                         "0.0340 is larger than its margin +0.0200")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "WARNING: quality.limit 0.1: task gpqa's standard error 0.0340 is larger than its margin +0.0200"
+    )
     assert "quality.limit: null" in warnings[0]
     assert limit_warnings(rows, None) == []  # the full set: the sample is what it is
 
@@ -137,9 +201,11 @@ def test_the_real_profile_gates_on_every_doc_by_default():
 
 # The contract's generation settings (../shared/spec/contract.md, "Quality benchmarks"): MMLU-Pro 5-shot thinking
 # off; IFEval 0-shot thinking off, max 512 tokens; GPQA-Diamond 0-shot CoT, thinking on, streaming, max 12,288.
-CONTRACT = {"mmlu_pro": {"num_fewshot": 5, "thinking": False, "stream": False},
-            "ifeval": {"num_fewshot": 0, "thinking": False, "stream": False, "max_tokens": 512},
-            "gpqa_diamond": {"num_fewshot": 0, "thinking": True, "stream": True, "max_tokens": 12288}}
+CONTRACT = {
+    "mmlu_pro": {"num_fewshot": 5, "thinking": False, "stream": False},
+    "ifeval": {"num_fewshot": 0, "thinking": False, "stream": False, "max_tokens": 512},
+    "gpqa_diamond": {"num_fewshot": 0, "thinking": True, "stream": True, "max_tokens": 12288},
+}
 
 
 def real_profile_tasks() -> list[dict]:
@@ -164,14 +230,17 @@ def test_missing_score_fails():
 
 
 def test_requests_carry_thinking_tokens_and_stream_per_task():
-    reqs = build_task_requests(TINY_TASKS, base_url="http://127.0.0.1:9/", model_name="m",
-                               num_concurrent=8, limit=0.1)
+    reqs = build_task_requests(TINY_TASKS, base_url="http://127.0.0.1:9/", model_name="m", num_concurrent=8, limit=0.1)
     by_name = {r["name"]: r for r in reqs}
     assert by_name["tiny_mc"]["evaluate_kwargs"]["gen_kwargs"] == {
-        "max_gen_toks": 32, "temperature": 0.0, "do_sample": False,
-        "chat_template_kwargs": {"enable_thinking": False}}
+        "max_gen_toks": 32,
+        "temperature": 0.0,
+        "do_sample": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     assert by_name["tiny_mc_think"]["evaluate_kwargs"]["gen_kwargs"]["chat_template_kwargs"] == {
-        "enable_thinking": True}
+        "enable_thinking": True
+    }
     assert [r["stream"] for r in reqs] == [False, False, True]
     args = by_name["tiny_ifeval"]["model_args"]
     assert args["base_url"] == "http://127.0.0.1:9/v1/chat/completions"
@@ -192,27 +261,51 @@ def test_limit_and_task_validation():
 
 
 def test_sse_stream_is_joined_like_a_plain_response():
-    lines = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}', b"",
-             b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}',
-             b'data: {"choices":[{"index":0,"delta":{"content":"The answer"}}]}',
-             b'data: {"choices":[{"index":0,"delta":{"content":" is (B)."},"finish_reason":"stop"}]}',
-             b"data: [DONE]"]
+    lines = [
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}',
+        b"",
+        b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}',
+        b'data: {"choices":[{"index":0,"delta":{"content":"The answer"}}]}',
+        b'data: {"choices":[{"index":0,"delta":{"content":" is (B)."},"finish_reason":"stop"}]}',
+        b"data: [DONE]",
+    ]
     assert sse_to_completion(lines) == {"choices": [{"index": 0, "message": {"content": "The answer is (B)."}}]}
 
 
 def test_scores_copy_sits_beside_the_log():
     assert scores_copy_path("logs/quality_gate/tiny-awq-mtp1.log") == Path(
-        "logs/quality_gate/tiny-awq-mtp1.scores.json")
+        "logs/quality_gate/tiny-awq-mtp1.scores.json"
+    )
 
 
 def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)])
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)], {"a": 0.6})
-    report = {"image": "docker.io/library/x:y", "model_name": "m", "lm_eval_version": "0.4.11", "limit": 0.1,
-              "limited": True, "margin_stderr": 0.0, "num_concurrent": 8, "passed": True, "seconds": 1.0, "server_ready_s": 2.0,
-              "reference": {"variant": "bf16", "path": "results/bf16/quality_gate/quality.json", "image": "x:bf16"},
-              "tasks": [{**rows[0], "n_docs": 3, "seconds": 0.5, "stderr_source": "lm-eval", "num_fewshot": 5,
-                         "thinking": False, "max_tokens": 10, "stream": False}]}
+    report = {
+        "image": "docker.io/library/x:y",
+        "model_name": "m",
+        "lm_eval_version": "0.4.11",
+        "limit": 0.1,
+        "limited": True,
+        "margin_stderr": 0.0,
+        "num_concurrent": 8,
+        "passed": True,
+        "seconds": 1.0,
+        "server_ready_s": 2.0,
+        "reference": {"variant": "bf16", "path": "results/bf16/quality_gate/quality.json", "image": "x:bf16"},
+        "tasks": [
+            {
+                **rows[0],
+                "n_docs": 3,
+                "seconds": 0.5,
+                "stderr_source": "lm-eval",
+                "num_fewshot": 5,
+                "thinking": False,
+                "max_tokens": 10,
+                "stream": False,
+            }
+        ],
+    }
     schema = ROOT / "schemas" / "quality.schema.yaml"
     validate_json(report, schema)
     with pytest.raises(StageError, match="score"):
@@ -224,8 +317,7 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
 
 def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
     # the committed data must be reproducible from generate.py
-    code = (f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; "
-            "print(len(generate.mc_docs(1, 32)))")
+    code = f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; print(len(generate.mc_docs(1, 32)))"
     assert subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True).stdout.strip() == "32"
     before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
     subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)
@@ -234,6 +326,7 @@ def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
 
 
 # ---- e2e: real lm-eval against a fake OpenAI-compatible chat server -----------------------------------
+
 
 class _FakeChat(BaseHTTPRequestHandler):
     bodies: list = []
@@ -261,9 +354,15 @@ class _FakeChat(BaseHTTPRequestHandler):
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             return
-        self._send(200, {"id": "x", "object": "chat.completion", "model": body.get("model"),
-                         "choices": [{"index": 0, "finish_reason": "stop",
-                                      "message": {"role": "assistant", "content": ANSWER}}]})
+        self._send(
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": ANSWER}}],
+            },
+        )
 
     def _send(self, status, payload):
         data = json.dumps(payload).encode()
@@ -300,10 +399,12 @@ def _gold(name):
 
 def _ifeval_expected():
     """IFEval's instruction-level strict accuracy of ANSWER on every tiny_ifeval doc, computed directly."""
-    code = ("import json, sys\nfrom lm_eval.tasks.ifeval.utils import process_results\n"
-            f"docs = [json.loads(l) for l in open({str(TASKS_DIR / 'tiny_ifeval.test.jsonl')!r})]\n"
-            f"flat = [x for d in docs for x in process_results(d, [{ANSWER!r}])['inst_level_strict_acc']]\n"
-            "print(json.dumps([sum(flat), len(flat)]))")
+    code = (
+        "import json, sys\nfrom lm_eval.tasks.ifeval.utils import process_results\n"
+        f"docs = [json.loads(l) for l in open({str(TASKS_DIR / 'tiny_ifeval.test.jsonl')!r})]\n"
+        f"flat = [x for d in docs for x in process_results(d, [{ANSWER!r}])['inst_level_strict_acc']]\n"
+        "print(json.dumps([sum(flat), len(flat)]))"
+    )
     out = subprocess.run([str(EVAL_PYTHON), "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -318,12 +419,19 @@ def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
         "from quality_gate import run_lm_eval\n"
         f"scores = run_lm_eval({base_url!r}, json.loads(sys.argv[1]), model_name='fake-model', num_concurrent=4,\n"
         f"                     limit=None, tasks_dir={str(TASKS_DIR)!r}, samples_dir={str(tmp_path)!r})\n"
-        "print('SCORES ' + json.dumps(scores))\n")
+        "print('SCORES ' + json.dumps(scores))\n"
+    )
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(TINY_TASKS)], capture_output=True,
-                         text=True, env=env, cwd=tmp_path, timeout=600)
+    run = subprocess.run(
+        [str(EVAL_PYTHON), "-c", driver, json.dumps(TINY_TASKS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    scores = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("SCORES "))[7:])
+    scores = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("SCORES "))[7:])
 
     mc_gold = _gold("tiny_mc.test.jsonl")
     think_gold = _gold("tiny_mc_think.test.jsonl")
@@ -355,15 +463,17 @@ def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
     import generate
 
     tests = generate.test_docs()
-    ours = [[{"role": "system", "content": generate.MC_DESCRIPTION}, {"role": "user", "content": generate.mmlu_pro_text(d)}]
-            for d in tests["tiny_mc"]]
+    ours = [
+        [{"role": "system", "content": generate.MC_DESCRIPTION}, {"role": "user", "content": generate.mmlu_pro_text(d)}]
+        for d in tests["tiny_mc"]
+    ]
     ours += [[{"role": "user", "content": generate.GPQA_TEMPLATE.format(**d)}] for d in tests["tiny_mc_think"]]
     ours += [[{"role": "user", "content": d["prompt"]}] for d in tests["tiny_ifeval"]]
     sent = [[{k: v for k, v in m.items() if k != "type"} for m in b["messages"]] for b in bodies]
     assert sorted(map(json.dumps, ours)) == sorted(map(json.dumps, sent))
 
 
-_MAIN_DRIVER = '''
+_MAIN_DRIVER = """
 import contextlib, json, sys, types
 from pathlib import Path
 from types import SimpleNamespace
@@ -404,22 +514,35 @@ try:
     print("MAIN passed")
 except StageError as error:
     print("MAIN " + json.dumps(str(error)))
-'''
+"""
 
 
 @pytest.mark.e2e
 @pytest.mark.usefixtures("tiny_venvs")
 def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake_server, tmp_path):
     base_url, _ = fake_server
-    tasks = [dict(TINY_TASKS[0], threshold=0.5), TINY_TASKS[1]]  # the fixed answer "(A)" scores 8/32 on tiny_mc (letters balanced)
-    driver = _MAIN_DRIVER.format(scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path),
-                                 tasks_dir=str(TASKS_DIR))
+    tasks = [
+        dict(TINY_TASKS[0], threshold=0.5),
+        TINY_TASKS[1],
+    ]  # the fixed answer "(A)" scores 8/32 on tiny_mc (letters balanced)
+    driver = _MAIN_DRIVER.format(
+        scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path), tasks_dir=str(TASKS_DIR)
+    )
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=600)
+    run = subprocess.run(
+        [str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines()
-             if line.split(" ", 1)[0] in ("OFFLINE-CHECK", "RUN-CONTAINER", "MAIN")}
+    lines = {
+        line.split(" ", 1)[0]: line.split(" ", 1)[1]
+        for line in run.stdout.splitlines()
+        if line.split(" ", 1)[0] in ("OFFLINE-CHECK", "RUN-CONTAINER", "MAIN")
+    }
     offline = json.loads(lines["OFFLINE-CHECK"])
     assert "google/IFEval" in offline and "no_such_task" in offline
 
@@ -467,12 +590,19 @@ def test_every_request_carries_the_real_profiles_settings(fake_server, tmp_path)
         "from quality_gate import run_lm_eval\n"
         f"scores = run_lm_eval({base_url!r}, json.loads(sys.argv[1]), model_name='fake-model', num_concurrent=4,\n"
         f"                     limit={DOCS_PER_TASK}, tasks_dir={str(TASKS_DIR)!r})\n"
-        "print('SCORES ' + json.dumps(scores))\n")
+        "print('SCORES ' + json.dumps(scores))\n"
+    )
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)], capture_output=True,
-                         text=True, env=env, cwd=tmp_path, timeout=600)
+    run = subprocess.run(
+        [str(EVAL_PYTHON), "-c", driver, json.dumps(tasks)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    scores = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("SCORES "))[7:])
+    scores = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("SCORES "))[7:])
     assert {name: s["requests"] for name, s in scores.items()} == dict.fromkeys(CONTRACT, DOCS_PER_TASK)
 
     by_name = {t["name"]: t for t in tasks}

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lib.quantize_checks import (check_heldout, check_output, checkpoint_modules, expected_weight_bytes, plan_targets,
-                                 read_recipe)
+from lib.quantize_checks import (
+    check_heldout,
+    check_output,
+    checkpoint_modules,
+    expected_weight_bytes,
+    plan_targets,
+    read_recipe,
+)
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, validate_json
 from quantize import _as_chat, load_calibration_texts
@@ -23,6 +29,7 @@ REAL = yaml.safe_load((ROOT / "config.yaml").read_text())
 
 
 # ---- calibration ----
+
 
 @pytest.fixture
 def corpus(tmp_path):
@@ -71,37 +78,70 @@ def test_num_samples_caps_at_available_lines(corpus):
 
 def test_chat_wrapping_splits_a_paragraph_into_two_turns():
     assert _as_chat("First sentence here. And the rest.") == [
-        {"role": "user", "content": "First sentence here."}, {"role": "assistant", "content": "And the rest."}]
+        {"role": "user", "content": "First sentence here."},
+        {"role": "assistant", "content": "And the rest."},
+    ]
     user, assistant = _as_chat("one two three four")
     assert (user["content"], assistant["content"]) == ("one two", "three four")
 
 
 # ---- a Qwen3.5 checkpoint as safetensors headers, written without torch ----
 
-def qwen35_tensors(hidden=256, inter=512, layers=4, lin_k_heads=2, lin_v_heads=4, lin_dim=128, heads=4, kv_heads=2,
-                   head_dim=128, vocab=2688, mtp=True) -> dict[str, list[int]]:
+
+def qwen35_tensors(
+    hidden=256,
+    inter=512,
+    layers=4,
+    lin_k_heads=2,
+    lin_v_heads=4,
+    lin_dim=128,
+    heads=4,
+    kv_heads=2,
+    head_dim=128,
+    vocab=2688,
+    mtp=True,
+) -> dict[str, list[int]]:
     """Tensor name -> shape of a Qwen3.5 checkpoint (defaults: the tiny profile's dims)."""
-    t = {"lm_head.weight": [vocab, hidden], "model.language_model.embed_tokens.weight": [vocab, hidden],
-         "model.language_model.norm.weight": [hidden], "model.visual.blocks.0.attn.qkv.weight": [192, 64],
-         "model.visual.blocks.0.mlp.linear_fc1.weight": [128, 64], "model.visual.merger.linear_fc1.weight": [256, 256],
-         "model.visual.patch_embed.proj.weight": [64, 3, 2, 16, 16]}
+    t = {
+        "lm_head.weight": [vocab, hidden],
+        "model.language_model.embed_tokens.weight": [vocab, hidden],
+        "model.language_model.norm.weight": [hidden],
+        "model.visual.blocks.0.attn.qkv.weight": [192, 64],
+        "model.visual.blocks.0.mlp.linear_fc1.weight": [128, 64],
+        "model.visual.merger.linear_fc1.weight": [256, 256],
+        "model.visual.patch_embed.proj.weight": [64, 3, 2, 16, 16],
+    }
 
     def block(prefix, full):
         t[f"{prefix}.input_layernorm.weight"] = [hidden]
         t[f"{prefix}.post_attention_layernorm.weight"] = [hidden]
-        for name, shape in {"gate_proj": [inter, hidden], "up_proj": [inter, hidden], "down_proj": [hidden, inter]}.items():
+        for name, shape in {
+            "gate_proj": [inter, hidden],
+            "up_proj": [inter, hidden],
+            "down_proj": [hidden, inter],
+        }.items():
             t[f"{prefix}.mlp.{name}.weight"] = shape
         if full:
-            for name, shape in {"q_proj": [2 * heads * head_dim, hidden], "k_proj": [kv_heads * head_dim, hidden],
-                                "v_proj": [kv_heads * head_dim, hidden], "o_proj": [hidden, heads * head_dim],
-                                "q_norm": [head_dim], "k_norm": [head_dim]}.items():
+            for name, shape in {
+                "q_proj": [2 * heads * head_dim, hidden],
+                "k_proj": [kv_heads * head_dim, hidden],
+                "v_proj": [kv_heads * head_dim, hidden],
+                "o_proj": [hidden, heads * head_dim],
+                "q_norm": [head_dim],
+                "k_norm": [head_dim],
+            }.items():
                 t[f"{prefix}.self_attn.{name}.weight"] = shape
         else:
             qkv = 2 * lin_k_heads * lin_dim + lin_v_heads * lin_dim
-            for name, shape in {"in_proj_qkv": [qkv, hidden], "in_proj_z": [lin_v_heads * lin_dim, hidden],
-                                "in_proj_a": [lin_v_heads, hidden], "in_proj_b": [lin_v_heads, hidden],
-                                "out_proj": [hidden, lin_v_heads * lin_dim], "conv1d": [qkv, 1, 4],
-                                "norm": [lin_dim]}.items():
+            for name, shape in {
+                "in_proj_qkv": [qkv, hidden],
+                "in_proj_z": [lin_v_heads * lin_dim, hidden],
+                "in_proj_a": [lin_v_heads, hidden],
+                "in_proj_b": [lin_v_heads, hidden],
+                "out_proj": [hidden, lin_v_heads * lin_dim],
+                "conv1d": [qkv, 1, 4],
+                "norm": [lin_dim],
+            }.items():
                 t[f"{prefix}.linear_attn.{name}.weight"] = shape
 
     for i in range(layers):
@@ -114,8 +154,18 @@ def qwen35_tensors(hidden=256, inter=512, layers=4, lin_k_heads=2, lin_v_heads=4
 
 
 # Qwen3.5-4B's published dims: the shipped recipes must fit the real model, not only the tiny one.
-REAL_DIMS = dict(hidden=2560, inter=9216, layers=32, lin_k_heads=16, lin_v_heads=32, lin_dim=128, heads=16,
-                 kv_heads=4, head_dim=256, vocab=248320)
+REAL_DIMS = dict(
+    hidden=2560,
+    inter=9216,
+    layers=32,
+    lin_k_heads=16,
+    lin_v_heads=32,
+    lin_dim=128,
+    heads=16,
+    kv_heads=4,
+    head_dim=256,
+    vocab=248320,
+)
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
@@ -136,9 +186,17 @@ def modules(**dims) -> dict[str, list[int]]:
 
 def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,), **weights) -> Path:
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, **weights}
-    recipe = {"pipeline": {"architectures": list(architectures)},
-              "default_stage": {"default_modifiers": {"QuantizationModifier": {
-                  "ignore": list(ignore), "config_groups": {"group_0": {"targets": list(targets), "weights": weights}}}}}}
+    recipe = {
+        "pipeline": {"architectures": list(architectures)},
+        "default_stage": {
+            "default_modifiers": {
+                "QuantizationModifier": {
+                    "ignore": list(ignore),
+                    "config_groups": {"group_0": {"targets": list(targets), "weights": weights}},
+                }
+            }
+        },
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -146,8 +204,13 @@ def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,)
 
 # ---- the shipped recipes ----
 
-EXPECTED = {"awq-w4a16-g32-mlp": (12, 4), "awq-w4a16-g32-broad": (25, 4), "gptq-w4a16-g32-sym": (25, 4),
-            "w8a16": (25, 8), "bf16": (0, None)}
+EXPECTED = {
+    "awq-w4a16-g32-mlp": (12, 4),
+    "awq-w4a16-g32-broad": (25, 4),
+    "gptq-w4a16-g32-sym": (25, 4),
+    "w8a16": (25, 8),
+    "bf16": (0, None),
+}
 
 
 def test_every_recipe_file_is_covered():
@@ -163,14 +226,26 @@ def test_shipped_recipe_targets_what_its_name_says(name):
     assert recipe["quantize"] is (count > 0)
     assert {w["num_bits"] for w in targeted.values()} <= {bits}
     for module in targeted:  # never: narrow linear-attention gates, conv, norms, vision, embeddings, lm_head, MTP
-        assert not any(word in module for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed",
-                                                   "lm_head", "mtp.")), module
+        assert not any(
+            word in module
+            for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed", "lm_head", "mtp.")
+        ), module
     kinds = {m.split(".")[-1] for m in targeted}
     if name.endswith("-mlp"):
         assert kinds == {"gate_proj", "up_proj", "down_proj"}
     elif count:
-        assert kinds == {"gate_proj", "up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-                         "in_proj_qkv", "in_proj_z", "out_proj"}
+        assert kinds == {
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "in_proj_qkv",
+            "in_proj_z",
+            "out_proj",
+        }
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -189,16 +264,24 @@ def test_every_variant_names_a_shipped_recipe():
 
 # ---- guards before anything runs: each one tripped ----
 
+
 def test_guard_unknown_architecture(tmp_path):
     recipe = read_recipe(recipe_file(tmp_path, ["re:.*mlp\\.down_proj$"], architectures=["LlamaForCausalLM"]))
     with pytest.raises(StageError, match="architecture Qwen3_5ForConditionalGeneration is not one recipe .* knows"):
         plan_targets(recipe, ARCH, modules())
 
 
-@pytest.mark.parametrize("targets, ignore, pattern", [
-    (["re:.*mlp\\.down_proj$", "re:.*shared_expert\\.gate_proj$"], ["re:^mtp\\."], "re:.*shared_expert\\.gate_proj$"),
-    (["re:.*mlp\\.down_proj$"], ["re:^mtp\\.", "re:.*vision_tower.*"], "re:.*vision_tower.*"),
-])
+@pytest.mark.parametrize(
+    "targets, ignore, pattern",
+    [
+        (
+            ["re:.*mlp\\.down_proj$", "re:.*shared_expert\\.gate_proj$"],
+            ["re:^mtp\\."],
+            "re:.*shared_expert\\.gate_proj$",
+        ),
+        (["re:.*mlp\\.down_proj$"], ["re:^mtp\\.", "re:.*vision_tower.*"], "re:.*vision_tower.*"),
+    ],
+)
 def test_guard_pattern_that_matches_nothing_is_named(tmp_path, targets, ignore, pattern):
     recipe = read_recipe(recipe_file(tmp_path, targets, ignore=ignore))
     with pytest.raises(StageError) as error:
@@ -255,16 +338,28 @@ def written(tmp_path):
     """A source checkpoint (one Linear, 16-bit MTP, tokenizer files) and a correctly quantized copy of it."""
     source, out = tmp_path / "source", tmp_path / "out"
     source.mkdir(), out.mkdir()
-    write_safetensors(source / "model.safetensors", {f"{PACKED}.weight": ("BF16", [256, 512]),
-                                                     "model.language_model.norm.weight": ("BF16", [256])})
+    write_safetensors(
+        source / "model.safetensors",
+        {f"{PACKED}.weight": ("BF16", [256, 512]), "model.language_model.norm.weight": ("BF16", [256])},
+    )
     write_safetensors(source / "model-mtp.safetensors", {"mtp.fc.weight": ("BF16", [256, 512])})
-    write_safetensors(out / "model.safetensors", {f"{PACKED}.weight_packed": ("I32", [256, 64]),
-                                                  f"{PACKED}.weight_scale": ("BF16", [256, 16]),
-                                                  f"{PACKED}.weight_shape": ("I64", [2]),
-                                                  "model.language_model.norm.weight": ("BF16", [256])})
+    write_safetensors(
+        out / "model.safetensors",
+        {
+            f"{PACKED}.weight_packed": ("I32", [256, 64]),
+            f"{PACKED}.weight_scale": ("BF16", [256, 16]),
+            f"{PACKED}.weight_shape": ("I64", [2]),
+            "model.language_model.norm.weight": ("BF16", [256]),
+        },
+    )
     write_safetensors(out / "model_mtp.safetensors", {"mtp.fc.weight": ("BF16", [256, 512])})
-    for name, text in {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ x }}",
-                       "processor_config.json": "{}", "config.json": "{}"}.items():
+    for name, text in {
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "chat_template.jinja": "{{ x }}",
+        "processor_config.json": "{}",
+        "config.json": "{}",
+    }.items():
         (source / name).write_text(text)
         (out / name).write_text(text if name != "config.json" else '{"quantization_config": {}}')
     (source / ".snakemake_timestamp").write_text("")
@@ -283,8 +378,12 @@ def test_a_good_checkpoint_passes_the_after_guards(written):
     source, out, targeted, expected = written
     checks = check_output(source, out, targeted, expected)
     assert checks["quantized_module_names"] == [PACKED] and checks["mtp_tensors"] == 1
-    assert checks["carried_over"] == ["chat_template.jinja", "processor_config.json", "tokenizer.json",
-                                      "tokenizer_config.json"]  # no dotfiles, no weights, no config.json
+    assert checks["carried_over"] == [
+        "chat_template.jinja",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # no dotfiles, no weights, no config.json
 
 
 def test_after_guard_quantized_count_must_equal_the_targets(written):
@@ -330,10 +429,23 @@ def test_after_guard_heldout_bounds():
 
 
 def test_report_schema_rejects_a_report_that_contradicts_itself():
-    minimal = {"status": "quantized", "quantized": True, "recipe": {"path": "r", "sha256": "0" * 64, "architectures": [ARCH],
-               "modifiers": [], "groups": []}, "architecture": ARCH, "calibration": None, "quantized_modules": 0,
-               "quantized_module_names": [], "quantization_config": None, "checks": {}, "source_bytes": 1,
-               "output_bytes": 1, "size_ratio": 1, "output_files": {}, "wall_seconds": 0, "versions": {}}
+    minimal = {
+        "status": "quantized",
+        "quantized": True,
+        "recipe": {"path": "r", "sha256": "0" * 64, "architectures": [ARCH], "modifiers": [], "groups": []},
+        "architecture": ARCH,
+        "calibration": None,
+        "quantized_modules": 0,
+        "quantized_module_names": [],
+        "quantization_config": None,
+        "checks": {},
+        "source_bytes": 1,
+        "output_bytes": 1,
+        "size_ratio": 1,
+        "output_files": {},
+        "wall_seconds": 0,
+        "versions": {},
+    }
     with pytest.raises(StageError) as error:
         validate_json(minimal, REPORT_SCHEMA)
     for key in ("quantized_modules", "quantization_config", "calibration", "checks"):
@@ -342,22 +454,41 @@ def test_report_schema_rejects_a_report_that_contradicts_itself():
 
 # ---- every recipe on the tiny checkpoint, through the stage script ----
 
+
 def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **bounds) -> subprocess.CompletedProcess:
     bounds = {"heldout_tokens": 4096, **{k: v for k, v in TINY["quantize"].items()}, **bounds}
-    job = {"rule": "quantize", "log": [], "threads": 2, "wildcards": {},
-           "input": {"model": str(checkpoint), "recipe": str(recipe if isinstance(recipe, Path) else RECIPES / f"{recipe}.yaml"),
-                     "calibration": str(ROOT / "data" / "tiny" / "corpus.txt"),
-                     "heldout": str(ROOT / REAL["quantize"]["heldout"]), "schema": str(REPORT_SCHEMA)},
-           "output": {"model": str(out / "model"), "manifest": str(out / "manifest.json"),
-                      "report": str(out / "report.json")},
-           "params": {"calibration": {"source": "text_file", "num_samples": 8, "max_seq_length": 128, "seed": 0,
-                                      "chat": True},
-                      "quantize": bounds}}
+    job = {
+        "rule": "quantize",
+        "log": [],
+        "threads": 2,
+        "wildcards": {},
+        "input": {
+            "model": str(checkpoint),
+            "recipe": str(recipe if isinstance(recipe, Path) else RECIPES / f"{recipe}.yaml"),
+            "calibration": str(ROOT / "data" / "tiny" / "corpus.txt"),
+            "heldout": str(ROOT / REAL["quantize"]["heldout"]),
+            "schema": str(REPORT_SCHEMA),
+        },
+        "output": {
+            "model": str(out / "model"),
+            "manifest": str(out / "manifest.json"),
+            "report": str(out / "report.json"),
+        },
+        "params": {
+            "calibration": {"source": "text_file", "num_samples": 8, "max_seq_length": 128, "seed": 0, "chat": True},
+            "quantize": bounds,
+        },
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(job))
-    return subprocess.run([str(python), "scripts/quantize.py", "--job", str(out / "job.json")], cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [str(python), "scripts/quantize.py", "--job", str(out / "job.json")],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +504,7 @@ def runs(tmp_path_factory, tiny_venvs, tiny_checkpoint):
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
             done[recipe] = (out, time.monotonic() - started)
         return done[recipe][0]
+
     return run
 
 
@@ -381,8 +513,11 @@ SHRINK = {"awq-w4a16-g32-mlp": 0.9, "awq-w4a16-g32-broad": 0.65, "gptq-w4a16-g32
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.e2e
@@ -414,7 +549,9 @@ def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     else:
         assert heldout["top1_agreement"] == 1.0 and heldout["ppl_ratio"] == 1.0
         assert report["quantization_config"] is None and weights == source
-        assert all((model / n).read_bytes() == (tiny_checkpoint / n).read_bytes() for n in ("model.safetensors", "config.json"))
+        assert all(
+            (model / n).read_bytes() == (tiny_checkpoint / n).read_bytes() for n in ("model.safetensors", "config.json")
+        )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest == _digests(model)
 
@@ -442,10 +579,32 @@ def test_stage_fails_outside_the_heldout_bounds_and_leaves_nothing(tiny_venvs, t
 @pytest.mark.e2e
 def test_stage_refuses_a_bad_recipe_before_loading_anything(tiny_venvs, tiny_checkpoint, tmp_path):
     recipe = tmp_path / "narrow.yaml"
-    recipe.write_text(yaml.safe_dump({**yaml.safe_load((RECIPES / "w8a16.yaml").read_text()), "default_stage": {
-        "default_modifiers": {"QuantizationModifier": {"ignore": ["re:^mtp\\."], "config_groups": {"group_0": {
-            "targets": ["re:.*in_proj_a$"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                        "strategy": "group", "group_size": 32}}}}}}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                **yaml.safe_load((RECIPES / "w8a16.yaml").read_text()),
+                "default_stage": {
+                    "default_modifiers": {
+                        "QuantizationModifier": {
+                            "ignore": ["re:^mtp\\."],
+                            "config_groups": {
+                                "group_0": {
+                                    "targets": ["re:.*in_proj_a$"],
+                                    "weights": {
+                                        "num_bits": 4,
+                                        "type": "int",
+                                        "symmetric": True,
+                                        "strategy": "group",
+                                        "group_size": 32,
+                                    },
+                                }
+                            },
+                        }
+                    }
+                },
+            }
+        )
+    )
     result = run_stage(tiny_venvs["compress"], tiny_checkpoint, recipe, tmp_path / "out")
     assert result.returncode != 0 and "too narrow for the GPU int4 kernel" in result.stderr
     # refused by the plan, before torch, the tokenizer or the model (not a wall-clock bound: CPUs differ)
@@ -461,9 +620,17 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
     shutil.copytree(runs("w8a16") / "model", broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
-    code = ("import sys; from lib.stage import StageError; from lib.quantize_checks import load_model\n"
-            f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
-            "except StageError as e: print(e); sys.exit(3)\n")
-    result = subprocess.run([str(tiny_venvs["compress"]), "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"}, timeout=300)
+    code = (
+        "import sys; from lib.stage import StageError; from lib.quantize_checks import load_model\n"
+        f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
+        "except StageError as e: print(e); sys.exit(3)\n"
+    )
+    result = subprocess.run(
+        [str(tiny_venvs["compress"]), "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
     assert result.returncode == 3 and "does not load with transformers" in result.stdout, result.stderr[-2000:]

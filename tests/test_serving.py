@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
-from serving.settings import SERVE  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
+from serving.settings import SERVE  # noqa: E402
 
 SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
 
@@ -28,8 +28,12 @@ NINJA = shutil.which("ninja")
 
 
 def _ninja_dry_run(build: Path) -> str:
-    return subprocess.run([NINJA, "-n", "-d", "explain", "-C", str(build)], capture_output=True, text=True,
-                          check=True).stdout + ""
+    return (
+        subprocess.run(
+            [NINJA, "-n", "-d", "explain", "-C", str(build)], capture_output=True, text=True, check=True
+        ).stdout
+        + ""
+    )
 
 
 @pytest.mark.skipif(NINJA is None, reason="ninja is not installed")
@@ -47,7 +51,8 @@ def test_ninja_outputs_with_zeroed_mtimes_are_up_to_date_again_after_restore(tmp
         "  deps = gcc\n"
         "rule link\n  command = cat $in > $out\n"
         f"build {build}/kernel.o: compile {source}\n"
-        f"build {build}/sampling.so: link {build}/kernel.o\n")
+        f"build {build}/sampling.so: link {build}/kernel.o\n"
+    )
     subprocess.run([NINJA, "-C", str(build)], check=True, capture_output=True)
     assert "no work to do" in _ninja_dry_run(build)
 
@@ -68,11 +73,13 @@ def test_child_env_puts_plugin_and_package_on_path():
     parts = env["PYTHONPATH"].split(os.pathsep)
     assert parts == [str(DIST_DIR), str(ROOT), "/opt/venv/site-packages"]
     assert (DIST_DIR / "serving_plugins-0.1.dist-info/entry_points.txt").read_text().count(
-        "serving.int4_fallback:register") == 1
+        "serving.int4_fallback:register"
+    ) == 1
     assert env["HF_HUB_OFFLINE"] == "1"
 
 
 # ---------- middleware ----------
+
 
 def test_rewrite_body():
     chat = {"messages": [{"role": "user", "content": "hi"}], "thinking": True}
@@ -104,15 +111,18 @@ def run_middleware(path, chunks, method="POST"):
                 break
         seen.update(scope=scope, body=body)
 
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
-                for i, c in enumerate(chunks)]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
 
     async def receive():
         return messages.pop(0)
 
     raw = b"".join(chunks)
-    scope = {"type": "http", "method": method, "path": path,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+    }
     asyncio.run(ThinkingMiddleware(app)(scope, receive, None))
     return seen["scope"], seen["body"]
 
@@ -169,40 +179,75 @@ class FakeVllm:
         if scope["path"] == "/v1/completions":
             text = " The answer is (B)."
             if body.get("stream"):
-                chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": f}]}
-                          for t, f in ((" The answer", None), (" is (B).", "stop"))]
+                chunks = [
+                    {"choices": [{"index": 0, "text": t, "finish_reason": f}]}
+                    for t, f in ((" The answer", None), (" is (B).", "stop"))
+                ]
                 chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}})
                 return await self.stream(send, chunks)
-            return await self.reply(send, {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
-                                           "usage": {"completion_tokens": 5}})
+            return await self.reply(
+                send,
+                {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}], "usage": {"completion_tokens": 5}},
+            )
         if body.get("stream"):
-            chunks = [{"id": "c1", "object": "chat.completion.chunk", "model": "m",
-                       "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-                      for piece in self.first_text.split("|")]
+            chunks = [
+                {
+                    "id": "c1",
+                    "object": "chat.completion.chunk",
+                    "model": "m",
+                    "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
+                }
+                for piece in self.first_text.split("|")
+            ]
             chunks[-1]["choices"][0]["finish_reason"] = self.finish
             if (body.get("stream_options") or {}).get("include_usage"):
-                chunks.append({"id": "c1", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 6,
-                                                                     "total_tokens": 13}})
+                chunks.append(
+                    {
+                        "id": "c1",
+                        "choices": [],
+                        "usage": {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13},
+                    }
+                )
             return await self.stream(send, chunks)
-        return await self.reply(send, {
-            "id": "c1", "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": self.first_text.replace("|", "")},
-                         "finish_reason": self.finish}],
-            "usage": {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}})
+        return await self.reply(
+            send,
+            {
+                "id": "c1",
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": self.first_text.replace("|", "")},
+                        "finish_reason": self.finish,
+                    }
+                ],
+                "usage": {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13},
+            },
+        )
 
     @staticmethod
     async def reply(send, payload):
         data = json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
     @staticmethod
     async def stream(send, chunks):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
         for chunk in chunks:
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                    "more_body": True,
+                }
+            )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
@@ -255,12 +300,18 @@ def test_thinking_budget_leaves_finished_and_closed_answers_alone(monkeypatch):
 
 def test_thinking_budget_streams_the_continuation(monkeypatch):
     app = FakeVllm("I am still|thinking")
-    body = {"model": "m", "messages": MSG, "max_tokens": 64, "stream": True, "thinking": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": MSG,
+        "max_tokens": 64,
+        "stream": True,
+        "thinking": True,
+        "stream_options": {"include_usage": True},
+    }
     _, raw = call_with_budget(app, body, monkeypatch=monkeypatch)
     events = [e for e in raw.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
     assert text == "I am stillthinking\n</think>\n\n The answer is (B)."
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
@@ -292,7 +343,9 @@ def test_every_plugin_entry_point_resolves():
     entry = configparser.ConfigParser()
     entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
     targets = dict(entry["vllm.general_plugins"])
-    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name", "serving_aot_load_fix"} <= set(targets)
+    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name", "serving_aot_load_fix"} <= set(
+        targets
+    )
     for target in targets.values():
         module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
@@ -379,8 +432,9 @@ print(f"has_op={has_op} fallback={patched}")
 
 
 def int4_check(kernels: str) -> dict:
-    r = subprocess.run([str(SERVE_PY), "-c", INT4_CHECK, str(ROOT), kernels], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [str(SERVE_PY), "-c", INT4_CHECK, str(ROOT), kernels], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("has_op=")][-1]  # vLLM may log to stdout too
     return dict(field.split("=") for field in line.split())
@@ -407,6 +461,7 @@ def test_int4_fallback_stays_out_where_the_op_exists_and_serves_where_it_does_no
 
 # ---------- real servers (one at a time) ----------
 
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -415,8 +470,9 @@ def free_port():
 
 def http(port, path, body=None, timeout=300):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read().decode()
         return r.status, (json.loads(raw) if raw.startswith("{") else raw)
@@ -424,16 +480,24 @@ def http(port, path, body=None, timeout=300):
 
 # serve.json of the real-server tests (eager: no compile wait; the tiny model's small context).
 BASE = {
-    "served_model_name": "Qwen/Qwen3.5-4B", "dtype": "bfloat16", "max_model_len": 1024,
-    "max_num_seqs": 4, "enforce_eager": True, "gpu_memory_utilization": 0.1, "enable_prefix_caching": True,
-    "kv_cache_dtype": "auto", "language_model_only": True, "speculative": {"method": "none"},
-    "default_thinking": False, "thinking_reserve_tokens": 8, "extra_args": [],
+    "served_model_name": "Qwen/Qwen3.5-4B",
+    "dtype": "bfloat16",
+    "max_model_len": 1024,
+    "max_num_seqs": 4,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "enable_prefix_caching": True,
+    "kv_cache_dtype": "auto",
+    "language_model_only": True,
+    "speculative": {"method": "none"},
+    "default_thinking": False,
+    "thinking_reserve_tokens": 8,
+    "extra_args": [],
 }
 VARIANTS = {
     "bf16-eager": ("tiny_checkpoint", {}),
     "w4a16-eager": ("tiny_quantized", {}),
-    "mtp1-eager": ("tiny_checkpoint", {"enable_prefix_caching": False,
-                          "speculative": {"method": "mtp", "k": 1}}),
+    "mtp1-eager": ("tiny_checkpoint", {"enable_prefix_caching": False, "speculative": {"method": "mtp", "k": 1}}),
 }
 
 
@@ -444,12 +508,19 @@ def server(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     (tmp / "serve.json").write_text(json.dumps({**BASE, **overrides}))
     port = free_port()
-    env = {**os.environ, "SERVE_CONFIG": str(tmp / "serve.json"), "MODEL_DIR": str(model),
-           "PORT": str(port), "HOST": "127.0.0.1", "PYTHONPATH": str(ROOT),
-           "VLLM_CACHE_ROOT": str(tmp / "cache")}
+    env = {
+        **os.environ,
+        "SERVE_CONFIG": str(tmp / "serve.json"),
+        "MODEL_DIR": str(model),
+        "PORT": str(port),
+        "HOST": "127.0.0.1",
+        "PYTHONPATH": str(ROOT),
+        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+    }
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     t0 = time.time()
     try:
         while True:
@@ -488,18 +559,29 @@ def rendered(port, path, body):
 @pytest.mark.e2e
 def test_completions(server):
     port, *_ = server
-    status, r = http(port, "/v1/completions", {"model": NAME, "prompt": "The capital of France is",
-                                               "max_tokens": 8, "temperature": 0.0})
+    status, r = http(
+        port,
+        "/v1/completions",
+        {"model": NAME, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0},
+    )
     assert status == 200 and r["choices"][0]["index"] == 0
     assert isinstance(r["choices"][0]["text"], str) and 1 <= r["usage"]["completion_tokens"] <= 8
     # sampled requests too (under MTP on CPU they need serving.spec_expand_fix)
-    status, s = http(port, "/v1/completions", {"model": NAME, "prompt": "Once upon a time", "max_tokens": 16,
-                                               "temperature": 0.8, "top_k": 20, "top_p": 0.9})
+    status, s = http(
+        port,
+        "/v1/completions",
+        {"model": NAME, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8, "top_k": 20, "top_p": 0.9},
+    )
     assert status == 200 and s["usage"]["completion_tokens"] >= 1
     # greedy is deterministic
-    assert http(port, "/v1/completions", {"model": NAME, "prompt": "The capital of France is",
-                                          "max_tokens": 8, "temperature": 0.0})[1]["choices"][0]["text"] \
+    assert (
+        http(
+            port,
+            "/v1/completions",
+            {"model": NAME, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0},
+        )[1]["choices"][0]["text"]
         == r["choices"][0]["text"]
+    )
 
 
 @pytest.mark.e2e
@@ -519,24 +601,27 @@ def test_chat_streaming(server):
     port, *_ = server
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps({"model": NAME, "messages": MSG, "max_tokens": 8, "temperature": 0.0,
-                         "stream": True}).encode(), headers={"Content-Type": "application/json"})
+        data=json.dumps({"model": NAME, "messages": MSG, "max_tokens": 8, "temperature": 0.0, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         lines = [ln.decode().strip() for ln in r if ln.strip()]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     assert len(chunks) >= 2 and all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert any(ch["delta"].get("content") for c in chunks for ch in c["choices"])
 
 
 def stream_text(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         lines = [ln.decode().strip() for ln in r if ln.strip()]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
     return text, [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
 
@@ -586,15 +671,22 @@ def test_metrics_and_plugin(server):
 
 
 def test_rewrite_leaves_a_malformed_chat_template_kwargs_to_vllm():
-    assert rewrite_body("/v1/chat/completions", json.dumps({"messages": [], "thinking": True,
-                                                            "chat_template_kwargs": "on"}).encode()) is None
+    assert (
+        rewrite_body(
+            "/v1/chat/completions",
+            json.dumps({"messages": [], "thinking": True, "chat_template_kwargs": "on"}).encode(),
+        )
+        is None
+    )
 
 
 # ---------- abuse: every bad request gets a 4xx (or a clean stream end) and the server keeps serving ----------
 
+
 def raw_post(port, path, data: bytes, timeout=120):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status
@@ -611,13 +703,21 @@ ABUSE = {
     "max_tokens 0": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, {400, 422}),
     "max_tokens negative": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": -5}, {400, 422}),
     "max_tokens huge": ("/v1/chat/completions", {"model": NAME, "messages": MSG, "max_tokens": 10**9}, {400, 422}),
-    "negative temperature": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 4,
-                                                 "temperature": -1.0}, {400, 422}),
-    "prompt over max_model_len": ("/v1/completions", {"model": NAME, "prompt": "word " * 4 * BASE["max_model_len"],
-                                                      "max_tokens": 4}, {400, 422}),
-    "thinking kwargs not a dict": ("/v1/chat/completions", {"model": NAME, "messages": MSG, "max_tokens": 4,
-                                                            "thinking": True, "chat_template_kwargs": "on"},
-                                   {400, 422}),
+    "negative temperature": (
+        "/v1/completions",
+        {"model": NAME, "prompt": "hi", "max_tokens": 4, "temperature": -1.0},
+        {400, 422},
+    ),
+    "prompt over max_model_len": (
+        "/v1/completions",
+        {"model": NAME, "prompt": "word " * 4 * BASE["max_model_len"], "max_tokens": 4},
+        {400, 422},
+    ),
+    "thinking kwargs not a dict": (
+        "/v1/chat/completions",
+        {"model": NAME, "messages": MSG, "max_tokens": 4, "thinking": True, "chat_template_kwargs": "on"},
+        {400, 422},
+    ),
     # vLLM ignores fields it does not know (and logs them): served, not a crash
     "unknown fields": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "frobnicate": 1}, {200}),
 }
@@ -626,8 +726,11 @@ ABUSE = {
 def still_serves(port):
     assert http(port, "/ping", timeout=30)[0] == 200
     # ignore_eos: the trained tiny model may well end a bare prompt at once; serving means tokens come out
-    status, r = http(port, "/v1/completions", {"model": NAME, "prompt": "One two three", "max_tokens": 4,
-                                               "temperature": 0.0, "ignore_eos": True})
+    status, r = http(
+        port,
+        "/v1/completions",
+        {"model": NAME, "prompt": "One two three", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    )
     assert status == 200 and r["usage"]["completion_tokens"] == 4, r
 
 
@@ -647,10 +750,20 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
 def test_client_that_leaves_mid_stream_does_not_hurt_the_server(server):
     port, *_ = server
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        body = json.dumps({"model": NAME, "messages": MSG, "max_tokens": 200, "stream": True,
-                           "chat_template_kwargs": {"enable_thinking": True}}).encode()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        body = json.dumps(
+            {
+                "model": NAME,
+                "messages": MSG,
+                "max_tokens": 200,
+                "stream": True,
+                "chat_template_kwargs": {"enable_thinking": True},
+            }
+        ).encode()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         assert b"200" in sock.recv(4096).split(b"\r\n", 1)[0]  # the stream has started; now hang up
     still_serves(port)
 
@@ -662,10 +775,19 @@ def test_eight_concurrent_streaming_thinking_chats_all_complete(server):
     port, *_ = server
 
     def stream_chat(i):
-        body = {"model": NAME, "messages": [{"role": "user", "content": f"Count to {i + 3}."}], "max_tokens": 24,
-                "stream": True, "thinking": True, "temperature": 0.0}
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "model": NAME,
+            "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+            "max_tokens": 24,
+            "stream": True,
+            "thinking": True,
+            "temperature": 0.0,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=600) as r:
             lines = [line.decode().strip() for line in r if line.strip()]
         return lines[-1], sum(1 for line in lines if line.startswith("data: {"))

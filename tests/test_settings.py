@@ -186,7 +186,7 @@ def test_speculative_problems_name_the_key_and_the_method(spec, words):
 
 
 def test_a_good_section_has_no_problems_and_nulls_are_not_sent():
-    for method, keys in SPECULATIVE_METHODS.items():
+    for method in SPECULATIVE_METHODS:
         spec = {"method": method, "k": 0 if method == "none" else 2, **{key: None for key in SPECULATIVE_KEYS[2:]}}
         spec.update({"model": "/opt/ml/draft"} if method == "draft_model" else {})
         spec.update({"prompt_lookup_max": 4} if method == "ngram" else {})

@@ -43,22 +43,23 @@ class StandIn:
     expire: {part: n} the first n URLs issued for the part are already expired. echo_key: the submit answer
     repeats the Authorization header (a careless API), which must reach no record."""
 
-    def __init__(self, payload: bytes, single_max: int, part_size: int | None = None, cut=(), expire=None,
-                 echo_key: bool = False):
+    def __init__(
+        self, payload: bytes, single_max: int, part_size: int | None = None, cut=(), expire=None, echo_key: bool = False
+    ):
         self.payload, self.single_max, self.part_size = payload, single_max, part_size
         self.cut, self.expire, self.echo_key = set(cut), dict(expire or {}), echo_key
-        self.api_calls: list[tuple[str, str]] = []          # (step, path) of every authorised API call
-        self.requests = 0                                    # every request, authorised or not
-        self.puts: dict[int, int] = {}                       # part -> PUT attempts
-        self.url_requests: list[list[int]] = []              # the parts of each URL request
-        self.tokens: dict[str, tuple[str, int, bool]] = {}   # token -> (upload id, part, expired)
+        self.api_calls: list[tuple[str, str]] = []  # (step, path) of every authorised API call
+        self.requests = 0  # every request, authorised or not
+        self.puts: dict[int, int] = {}  # part -> PUT attempts
+        self.url_requests: list[list[int]] = []  # the parts of each URL request
+        self.tokens: dict[str, tuple[str, int, bool]] = {}  # token -> (upload id, part, expired)
         self.issued: dict[int, int] = {}
         self.uploads: dict[str, dict] = {}
         self.completions: list[dict] = []
         self.submissions: dict[str, str] = {}
-        self.forgotten: set[str] = set()                    # upload ids the API no longer knows
-        self.submit_status: int | None = None                # submit answers this error status when set
-        self.storage_auth_headers: list[str] = []            # Authorization headers sent to presigned URLs
+        self.forgotten: set[str] = set()  # upload ids the API no longer knows
+        self.submit_status: int | None = None  # submit answers this error status when set
+        self.storage_auth_headers: list[str] = []  # Authorization headers sent to presigned URLs
         self.lock = threading.Lock()
         self.server = QuietServer(("127.0.0.1", 0), self.handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api"
@@ -105,8 +106,14 @@ class StandIn:
                 if self.headers.get("Authorization") != f"Bearer {KEY}":
                     return self.reply(401, {"error": "bad key"})
                 path = urllib.parse.urlsplit(self.path).path.removeprefix("/api")
-                step = next((name for name, (_, template) in ENDPOINTS.items()
-                             if re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(template)), path)), None)
+                step = next(
+                    (
+                        name
+                        for name, (_, template) in ENDPOINTS.items()
+                        if re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(template)), path)
+                    ),
+                    None,
+                )
                 if step is None or path.split("/")[2] != TEAM:
                     return self.reply(404, {"error": f"no such endpoint {path}"})
                 with stand_in.lock:
@@ -123,10 +130,20 @@ class StandIn:
                 upload_id = f"up-{len(stand_in.uploads) + 1}"
                 single = body["size"] <= stand_in.single_max
                 part_size = body["size"] if single else (stand_in.part_size or body["part_size"])
-                stand_in.uploads[upload_id] = {"part_size": part_size, "mode": "single" if single else "multipart",
-                                               "parts": {}, "completed": False}
-                self.reply(200, {"upload_id": upload_id, "mode": stand_in.uploads[upload_id]["mode"],
-                                 **({} if single else {"part_size": part_size})})
+                stand_in.uploads[upload_id] = {
+                    "part_size": part_size,
+                    "mode": "single" if single else "multipart",
+                    "parts": {},
+                    "completed": False,
+                }
+                self.reply(
+                    200,
+                    {
+                        "upload_id": upload_id,
+                        "mode": stand_in.uploads[upload_id]["mode"],
+                        **({} if single else {"part_size": part_size}),
+                    },
+                )
 
             def upload(self, path):
                 upload_id = path.split("/")[4]
@@ -196,7 +213,9 @@ class StandIn:
                     return self.reply(403, "<Error><Code>AccessDenied</Code><Message>bad signature</Message></Error>")
                 if stand_in.tokens[token][2]:
                     self.rfile.read(length)
-                    return self.reply(403, "<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>")
+                    return self.reply(
+                        403, "<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+                    )
                 if (part, attempt) in stand_in.cut:  # take half of it, then drop the connection
                     self.rfile.read(length // 2)
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -206,7 +225,7 @@ class StandIn:
                 data = self.rfile.read(length)
                 upload = stand_in.uploads[upload_id]
                 offset = (part - 1) * upload["part_size"]
-                expected = stand_in.payload[offset:offset + upload["part_size"]]
+                expected = stand_in.payload[offset : offset + upload["part_size"]]
                 if hashlib.sha256(data).digest() != hashlib.sha256(expected).digest():
                     return self.reply(400, {"error": f"part {part}: bytes differ from the file's"})
                 md5 = hashlib.md5(data).hexdigest()
@@ -225,12 +244,19 @@ def archive(tmp_path: Path, size: int) -> tuple[Path, bytes]:
 
 
 def job(tmp_path: Path, part_size_mb: float = 0.5, retries: int = 0) -> NS:
-    return NS(rule="submit",
-              input=NS(tarball=str(tmp_path / "image.tar.gz"), sha256=str(tmp_path / "image.tar.gz.sha256"),
-                       schema=str(ROOT / "schemas" / "submission.schema.yaml")),
-              output=NS(record=str(tmp_path / "results" / "submission.json")),
-              params=NS(part_size_mb=part_size_mb, retries=retries, retry_wait_s=0, timeout_s=30),
-              log=[], threads=1, wildcards=NS())
+    return NS(
+        rule="submit",
+        input=NS(
+            tarball=str(tmp_path / "image.tar.gz"),
+            sha256=str(tmp_path / "image.tar.gz.sha256"),
+            schema=str(ROOT / "schemas" / "submission.schema.yaml"),
+        ),
+        output=NS(record=str(tmp_path / "results" / "submission.json")),
+        params=NS(part_size_mb=part_size_mb, retries=retries, retry_wait_s=0, timeout_s=30),
+        log=[],
+        threads=1,
+        wildcards=NS(),
+    )
 
 
 def run_in_process(stand_in: StandIn, the_job: NS, monkeypatch, **env):
@@ -248,9 +274,14 @@ def run_as_program(stand_in: StandIn, the_job: NS, tmp_path: Path, **env) -> sub
     clean = {k: v for k, v in os.environ.items() if k not in ENV.values()}
     log = tmp_path / "submit.log"
     with open(log, "a") as handle:
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "submit.py"), "--job", str(job_file)],
-                                env={**clean, **stand_in.env(**env), "PYTHONPATH": str(ROOT / "scripts")},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "submit.py"), "--job", str(job_file)],
+            env={**clean, **stand_in.env(**env), "PYTHONPATH": str(ROOT / "scripts")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+        )
         handle.write(result.stdout)
     return result
 
@@ -272,13 +303,16 @@ def test_multipart_interrupted_twice_resumes_without_resending_finished_parts(tm
     tarball, payload = archive(tmp_path, 3 * MIB + 12345)  # 7 parts of 0.5 MiB, the last one short
     the_job = job(tmp_path, part_size_mb=0.5, retries=0)
     with StandIn(payload, single_max=1 * MIB, cut={(2, 1), (5, 1)}) as api:
-        with pytest.raises(StageError, match=r"PUT part 2/7 .*connection failed.*1 of 7 part\(s\) are recorded in "
-                                             rf"{re.escape(str(state_path(tarball)))}: rerun to resume"):
+        with pytest.raises(
+            StageError,
+            match=r"PUT part 2/7 .*connection failed.*1 of 7 part\(s\) are recorded in "
+            rf"{re.escape(str(state_path(tarball)))}: rerun to resume",
+        ):
             run_in_process(api, the_job, monkeypatch)
         state = json.loads(state_path(tarball).read_text())  # left, valid, and only what the server took
         assert state["mode"] == "multipart" and sorted(state["parts"]) == ["1"] and not state["completed"]
         assert state["sha256"] == hashlib.sha256(payload).hexdigest() and state["part_size"] == MIB // 2
-        assert state["parts"]["1"]["sha256"] == hashlib.sha256(payload[:MIB // 2]).hexdigest()
+        assert state["parts"]["1"]["sha256"] == hashlib.sha256(payload[: MIB // 2]).hexdigest()
         assert not (tmp_path / "results" / "submission.json").exists()
 
         with pytest.raises(StageError, match=r"PUT part 5/7 .*4 of 7 part\(s\) are recorded"):
@@ -289,7 +323,9 @@ def test_multipart_interrupted_twice_resumes_without_resending_finished_parts(tm
         run_in_process(api, the_job, monkeypatch)
     out = capsys.readouterr().out
     assert "4 part(s) already uploaded, not sent again" in out
-    assert re.search(r"^part 7/7: 12345 bytes in [\d.]+ s \([\d.]+ MB/s\); 3158073/3158073 bytes \(100\.0%\)$", out, re.M)
+    assert re.search(
+        r"^part 7/7: 12345 bytes in [\d.]+ s \([\d.]+ MB/s\); 3158073/3158073 bytes \(100\.0%\)$", out, re.M
+    )
     # each finished part went up once; the two cut parts twice (the cut attempt and the good one)
     assert api.puts == {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1, 7: 1}
     # every run asked for URLs of its missing parts only, and registered and created the upload only once
@@ -323,8 +359,11 @@ def test_an_expired_url_is_requested_again(tmp_path, monkeypatch, capsys):
 def test_a_url_that_stays_expired_stops_with_the_state_kept(tmp_path, monkeypatch):
     tarball, payload = archive(tmp_path, 2 * MIB)
     with StandIn(payload, single_max=MIB, expire={2: 99}) as api:
-        with pytest.raises(StageError, match=r"PUT part 2/4 .*refused \(403\) again after 1 fresh URL.*Request has "
-                                             r"expired.*keeps the 1 finished part\(s\): rerun to resume"):
+        with pytest.raises(
+            StageError,
+            match=r"PUT part 2/4 .*refused \(403\) again after 1 fresh URL.*Request has "
+            r"expired.*keeps the 1 finished part\(s\): rerun to resume",
+        ):
             run_in_process(api, job(tmp_path, retries=0), monkeypatch)
         assert sorted(json.loads(state_path(tarball).read_text())["parts"]) == ["1"]
         api.expire = {}  # the store is fixed: the rerun resumes
@@ -348,8 +387,11 @@ def test_a_completed_upload_whose_submit_failed_is_submitted_on_rerun(tmp_path, 
     tarball, payload = archive(tmp_path, 2 * MIB)
     with StandIn(payload, single_max=MIB) as api:
         api.submit_status = 503
-        with pytest.raises(StageError, match=r"submissions answered 503.*the upload is complete \(.*upload.json "
-                                             r"keeps it\): rerun to submit it without uploading again"):
+        with pytest.raises(
+            StageError,
+            match=r"submissions answered 503.*the upload is complete \(.*upload.json "
+            r"keeps it\): rerun to submit it without uploading again",
+        ):
             run_in_process(api, job(tmp_path), monkeypatch)
         assert json.loads(state_path(tarball).read_text())["completed"] is True
         assert not (tmp_path / "results" / "submission.json").exists()
@@ -373,8 +415,11 @@ def test_a_missing_key_fails_before_any_request(tmp_path):
 def test_a_wrong_key_names_the_variable_and_the_call(tmp_path, monkeypatch):
     tarball, payload = archive(tmp_path, 100_000)
     with StandIn(payload, single_max=MIB) as api:
-        with pytest.raises(StageError, match=r"POST \$QWEN_SUBMIT_URL/teams/\$QWEN_SUBMIT_TEAM/register answered "
-                                             r"401.*is QWEN_SUBMIT_KEY the team's current upload key"):
+        with pytest.raises(
+            StageError,
+            match=r"POST \$QWEN_SUBMIT_URL/teams/\$QWEN_SUBMIT_TEAM/register answered "
+            r"401.*is QWEN_SUBMIT_KEY the team's current upload key",
+        ):
             run_in_process(api, job(tmp_path), monkeypatch, **{ENV["key"]: "sk-wrong"})
     assert not state_path(tarball).exists() and not (tmp_path / "results").exists()
 
@@ -390,9 +435,19 @@ def test_a_changed_archive_is_not_sent(tmp_path, monkeypatch):
 
 def test_a_state_of_another_file_is_not_trusted(tmp_path, monkeypatch, capsys):
     tarball, payload = archive(tmp_path, 2 * MIB)
-    state_path(tarball).write_text(json.dumps({"version": 1, "size": len(payload), "sha256": "0" * 64,
-                                               "upload_id": "up-old", "mode": "multipart", "part_size": MIB,
-                                               "parts": {"1": {"size": MIB, "etag": "x", "sha256": "y"}}}))
+    state_path(tarball).write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "size": len(payload),
+                "sha256": "0" * 64,
+                "upload_id": "up-old",
+                "mode": "multipart",
+                "part_size": MIB,
+                "parts": {"1": {"size": MIB, "etag": "x", "sha256": "y"}},
+            }
+        )
+    )
     with StandIn(payload, single_max=MIB) as api:
         run_in_process(api, job(tmp_path), monkeypatch)
     assert "describes another file" in capsys.readouterr().out
@@ -414,8 +469,13 @@ def test_the_key_is_in_no_log_state_record_or_output(tmp_path):
     assert json.loads(record_text)["response"]["received_authorization"] == "Bearer ***"
     log = (tmp_path / "submit.log").read_text()
     assert "submission sub-1 recorded" in log
-    for name, text in {"log": log, "stdout": interrupted.stdout + finished.stdout, "state file": state_after_cut,
-                       "record": record_text, "archive": tarball.read_bytes().decode("latin-1")}.items():
+    for name, text in {
+        "log": log,
+        "stdout": interrupted.stdout + finished.stdout,
+        "state file": state_after_cut,
+        "record": record_text,
+        "archive": tarball.read_bytes().decode("latin-1"),
+    }.items():
         assert KEY not in text, name
         assert KEY[8:24] not in text, name
         assert api.url not in text and TEAM not in text, name  # the URL and the team stay in the environment too

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from lib.stage import validate_json
 from conftest import ROOT, TINY_SWEEP, snakemake
+from lib.stage import validate_json
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +74,13 @@ def test_sweep_is_up_to_date_and_in_the_report(tiny_sweep, tmp_path):
     html = tmp_path / "report.html"
     snakemake("--report", str(html), *SWEEP)
     text = html.read_text()
-    for needle in ("Comparison", "summary.json", "speedup_vs_quality.png", "k_sweep.png", "Selection",
-                   "selection.json", "latency.png"):
+    for needle in (
+        "Comparison",
+        "summary.json",
+        "speedup_vs_quality.png",
+        "k_sweep.png",
+        "Selection",
+        "selection.json",
+        "latency.png",
+    ):
         assert needle in text, needle

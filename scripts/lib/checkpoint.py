@@ -38,8 +38,13 @@ def write_checkpoint(output, fill: Callable[[Path], dict | None], record: dict, 
     filled: dict = {}
     checkpoint = materialise(output.checkpoint, lambda tmp: filled.update(fill(tmp) or {}))
     manifest = write_manifest(checkpoint, output.manifest)
-    record = dict(record, **filled, seconds=round(record.get("seconds", 0) + time.monotonic() - start, 1),
-                  files=len(manifest), bytes=sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file()))
+    record = dict(
+        record,
+        **filled,
+        seconds=round(record.get("seconds", 0) + time.monotonic() - start, 1),
+        files=len(manifest),
+        bytes=sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file()),
+    )
     if record_path:
         validate_json(record, schema)
         write_json(record_path, record)

@@ -18,8 +18,7 @@ from pathlib import Path
 import jsonschema
 
 from lib import sweeps
-from lib.schema import SCHEMA_PATH
-from lib.schema import load as schema
+from lib.schema import SCHEMA_PATH, load as schema
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -44,7 +43,9 @@ def schema_problems(config: dict, note: str = "") -> list[str]:
         path = [str(part) for part in error.absolute_path]
         if error.validator == "additionalProperties" and isinstance(error.instance, dict):
             known = error.schema.get("properties", {})
-            lines += [f"config key '{'.'.join(path + [k])}': unknown key{note}" for k in error.instance if k not in known]
+            lines += [
+                f"config key '{'.'.join(path + [k])}': unknown key{note}" for k in error.instance if k not in known
+            ]
         else:
             lines.append(f"config key '{'.'.join(path) or '(top level)'}': {error.message}{note}")
     return sorted(lines)
@@ -127,9 +128,11 @@ def named_files(config: dict) -> list[tuple[str, str, str]]:
     if config["quality"]["tasks_dir"]:
         files.append(("quality.tasks_dir", config["quality"]["tasks_dir"], "dir"))
     # A draft model is a project folder (the image serves offline: no hub id), which the image would carry.
-    files += [(f"variants.{name}.speculative.model", v["speculative"].get("model"), "dir")
-              for name, v in config["variants"].items() if v["speculative"]["method"] == "draft_model"
-              and v["speculative"].get("model") is not None]
+    files += [
+        (f"variants.{name}.speculative.model", v["speculative"].get("model"), "dir")
+        for name, v in config["variants"].items()
+        if v["speculative"]["method"] == "draft_model" and v["speculative"].get("model") is not None
+    ]
     return files
 
 
@@ -229,8 +232,11 @@ class Pipeline:
         mine = self.config["variants"][variant]
         for name in self.compared:
             other = self.config["variants"][name]
-            if (other["speculative"]["method"] == "none" and other["recipe"] == mine["recipe"]
-                    and other["serve"] == mine["serve"]):
+            if (
+                other["speculative"]["method"] == "none"
+                and other["recipe"] == mine["recipe"]
+                and other["serve"] == mine["serve"]
+            ):
                 return name
         return None
 
@@ -294,5 +300,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
         raise ConfigError([str(error)]) from None
     reference = config["compare"]["reference"]
     if reference not in (None, *compared):
-        raise ConfigError([f"config key 'compare.reference': {reference!r} is not among the compared variants {compared}"])
+        raise ConfigError(
+            [f"config key 'compare.reference': {reference!r} is not among the compared variants {compared}"]
+        )
     return Pipeline(config, members, origin, recipes, compared)

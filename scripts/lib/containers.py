@@ -46,8 +46,12 @@ def docker_answers() -> bool:
     if not shutil.which("docker"):
         return False
     try:
-        return subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, timeout=30
+            ).returncode
+            == 0
+        )
     except subprocess.TimeoutExpired:
         return False
 
@@ -55,12 +59,16 @@ def docker_answers() -> bool:
 def buildah_works() -> bool:
     if not shutil.which("buildah"):
         return False
-    return subprocess.run(["buildah", "images", "-q"], capture_output=True, env=builder_env("buildah"),
-                          timeout=60).returncode == 0
+    return (
+        subprocess.run(
+            ["buildah", "images", "-q"], capture_output=True, env=builder_env("buildah"), timeout=60
+        ).returncode
+        == 0
+    )
 
 
 def detect_builder(preference: str = "auto") -> str:
-    """"docker" or "buildah"; "auto" prefers a running Docker daemon (it can also run the image)."""
+    """ "docker" or "buildah"; "auto" prefers a running Docker daemon (it can also run the image)."""
     if preference not in ("auto", "docker", "buildah"):
         raise StageError(f"builder must be auto, docker or buildah, not {preference!r}")
     if preference in ("auto", "docker") and docker_answers():
@@ -70,10 +78,13 @@ def detect_builder(preference: str = "auto") -> str:
     if buildah_works():
         return "buildah"
     if preference == "buildah":
-        raise StageError("builder buildah: `buildah images` fails (apt-get install buildah; "
-                         "it runs with STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot)")
-    raise StageError(f"no image builder: no Docker daemon answers ({START_HINT}) and buildah is not usable "
-                     "(apt-get install buildah)")
+        raise StageError(
+            "builder buildah: `buildah images` fails (apt-get install buildah; "
+            "it runs with STORAGE_DRIVER=vfs BUILDAH_ISOLATION=chroot)"
+        )
+    raise StageError(
+        f"no image builder: no Docker daemon answers ({START_HINT}) and buildah is not usable (apt-get install buildah)"
+    )
 
 
 def free_port() -> int:
@@ -85,12 +96,18 @@ def free_port() -> int:
 def last_log_line(text: str) -> str:
     """The last non-empty line of a log tail (what vLLM is busy with), shortened for a progress line."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return (lines[-1][:200] if lines else "(no output yet)")
+    return lines[-1][:200] if lines else "(no output yet)"
 
 
-def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | None = None,
-                  logs: Callable[[], str] | None = None, interval_s: float = 1.0,
-                  last_line: Callable[[], str] | None = None, what: str = "the server") -> float:
+def wait_for_ping(
+    base_url: str,
+    timeout_s: float,
+    alive: Callable[[], bool] | None = None,
+    logs: Callable[[], str] | None = None,
+    interval_s: float = 1.0,
+    last_line: Callable[[], str] | None = None,
+    what: str = "the server",
+) -> float:
     """Poll GET {base_url}/ping until it answers 200; return the seconds it took.
 
     Every PROGRESS_INTERVAL_S it prints what it waits for, how long it has, and the server's last log line
@@ -101,8 +118,10 @@ def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | N
 
     def progress(seconds: float) -> str:
         source = last_line() if last_line else last_log_line(logs()) if logs else "(no log)"
-        return (f"[wait_for_ping] waiting for {what} to answer {base_url}/ping: {elapsed(seconds)} of "
-                f"{timeout_s:g} s (last answer: {last}); last log line: {source}")
+        return (
+            f"[wait_for_ping] waiting for {what} to answer {base_url}/ping: {elapsed(seconds)} of "
+            f"{timeout_s:g} s (last answer: {last}); last log line: {source}"
+        )
 
     with Heartbeat(progress):
         while True:
@@ -115,11 +134,15 @@ def wait_for_ping(base_url: str, timeout_s: float, alive: Callable[[], bool] | N
                 return time.monotonic() - start
             last = f"HTTP {status}" if status else text  # status 0: refused, reset, timed out while it starts
             if alive is not None and not alive():
-                raise StageError(f"container exited after {time.monotonic() - start:.0f} s without answering "
-                                 f"/ping; last container log lines:\n{logs() if logs else '(none)'}")
+                raise StageError(
+                    f"container exited after {time.monotonic() - start:.0f} s without answering "
+                    f"/ping; last container log lines:\n{logs() if logs else '(none)'}"
+                )
             time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
-    raise StageError(f"server never answered /ping within {timeout_s:g} s (last: {last}); last container "
-                     f"log lines:\n{logs() if logs else '(none)'}")
+    raise StageError(
+        f"server never answered /ping within {timeout_s:g} s (last: {last}); last container "
+        f"log lines:\n{logs() if logs else '(none)'}"
+    )
 
 
 class RunningContainer:
@@ -132,8 +155,9 @@ class RunningContainer:
         return (result.stdout + result.stderr).strip() or "(no output)"
 
     def alive(self) -> bool:
-        result = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", self.name],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Running}}", self.name], capture_output=True, text=True
+        )
         return result.stdout.strip() == "true"
 
     def failure_summary(self, tail: int = 25) -> str:
@@ -143,20 +167,28 @@ class RunningContainer:
         return "\n".join(["error lines:", *errors, "", "last lines:", *full[-tail:]] if errors else full[-tail:])
 
     def wait_ready(self, timeout_s: float) -> float:
-        return wait_for_ping(self.base_url, timeout_s, alive=self.alive, logs=self.failure_summary,
-                             last_line=lambda: last_log_line(self.logs(tail=5)), what=f"container {self.name}")
+        return wait_for_ping(
+            self.base_url,
+            timeout_s,
+            alive=self.alive,
+            logs=self.failure_summary,
+            last_line=lambda: last_log_line(self.logs(tail=5)),
+            what=f"container {self.name}",
+        )
 
     def exec(self, cmd: Sequence[str], timeout_s: float = 60) -> subprocess.CompletedProcess:
         """`docker exec` in the running container; the completed process (never raises on a non-zero exit)."""
-        return subprocess.run(["docker", "exec", self.name, *cmd], capture_output=True, text=True,
-                              timeout=timeout_s)
+        return subprocess.run(["docker", "exec", self.name, *cmd], capture_output=True, text=True, timeout=timeout_s)
 
 
 # What a bake records when the container has no GPU (the tiny profile's CPU build): its cache is for the CPU.
 CPU_ARCH = "cpu"
 GPU_QUERY = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
-TORCH_QUERY = ["python3", "-c", "import torch; d = torch.cuda.get_device_properties(0); "
-               "print(f'{d.name}, {d.major}.{d.minor}')"]
+TORCH_QUERY = [
+    "python3",
+    "-c",
+    "import torch; d = torch.cuda.get_device_properties(0); print(f'{d.name}, {d.major}.{d.minor}')",
+]
 
 
 def parse_gpu_query(text: str) -> dict:
@@ -168,14 +200,21 @@ def parse_gpu_query(text: str) -> dict:
         found = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", cap)
         if not name.strip() or not found:
             raise StageError(f"cannot read a GPU name and compute capability from {line!r} (expected 'NAME, X.Y')")
-        gpus.append({"name": name.strip(), "compute_capability": f"{found.group(1)}.{found.group(2)}",
-                     "arch": f"sm_{found.group(1)}{found.group(2)}"})
+        gpus.append(
+            {
+                "name": name.strip(),
+                "compute_capability": f"{found.group(1)}.{found.group(2)}",
+                "arch": f"sm_{found.group(1)}{found.group(2)}",
+            }
+        )
     if not gpus:
         raise StageError(f"no GPU listed in {text!r}")
     archs = sorted({g["arch"] for g in gpus})
     if len(archs) > 1:
-        raise StageError(f"the container sees GPUs of several architectures ({', '.join(archs)}: "
-                         f"{[g['name'] for g in gpus]}); bake on one kind of GPU")
+        raise StageError(
+            f"the container sees GPUs of several architectures ({', '.join(archs)}: "
+            f"{[g['name'] for g in gpus]}); bake on one kind of GPU"
+        )
     return gpus[0]
 
 
@@ -194,8 +233,10 @@ def container_gpu(container: "RunningContainer", gpus: bool) -> dict:
             return parse_gpu_query(result.stdout)
         output = (result.stderr or result.stdout).strip()[-300:]
         tried.append(f"`{' '.join(cmd[:2])}` exit {result.returncode}: {output}")
-    raise StageError(f"container {container.name} runs with --gpus all but neither nvidia-smi nor torch in it names "
-                     "its GPU, so the compile cache's architecture is unknown:\n  " + "\n  ".join(tried))
+    raise StageError(
+        f"container {container.name} runs with --gpus all but neither nvidia-smi nor torch in it names "
+        "its GPU, so the compile cache's architecture is unknown:\n  " + "\n  ".join(tried)
+    )
 
 
 def _raise_interrupt(signum, frame):
@@ -203,17 +244,24 @@ def _raise_interrupt(signum, frame):
 
 
 @contextmanager
-def run_container(image: str, *, port: int | None = None, volumes: Sequence[str] = (),
-                  env: dict[str, str] | None = None, gpus: bool = False, shm_size: str = "1g",
-                  name_prefix: str = "pipeline", args: Sequence[str] = (),
-                  docker_args: Sequence[str] = ()) -> Iterator[RunningContainer]:
+def run_container(
+    image: str,
+    *,
+    port: int | None = None,
+    volumes: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    gpus: bool = False,
+    shm_size: str = "1g",
+    name_prefix: str = "pipeline",
+    args: Sequence[str] = (),
+    docker_args: Sequence[str] = (),
+) -> Iterator[RunningContainer]:
     """`docker run -d` the image with its port 8080 on 127.0.0.1:port; always `docker rm -f` it on exit.
 
     volumes are "HOST:CONTAINER[:ro]" strings. vLLM needs more /dev/shm than Docker's 64 MB default.
     """
     if not docker_answers():
-        raise StageError("running the image needs a Docker daemon (buildah can build but not run it); "
-                         + START_HINT)
+        raise StageError("running the image needs a Docker daemon (buildah can build but not run it); " + START_HINT)
     port = port or free_port()
     # a name known before `docker run`, so an interrupt during the run itself still finds the container
     name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -250,8 +298,11 @@ def image_id(ref: str, builder: str = "docker") -> str:
     if builder == "docker":
         out = run(["docker", "image", "inspect", "-f", "{{.Id}}", ref], what=f"docker image inspect {ref}")
     else:
-        out = run(["buildah", "inspect", "--type", "image", "-f", "{{.FromImageID}}", ref], builder="buildah",
-                  what=f"buildah inspect {ref}")
+        out = run(
+            ["buildah", "inspect", "--type", "image", "-f", "{{.FromImageID}}", ref],
+            builder="buildah",
+            what=f"buildah inspect {ref}",
+        )
     out = out.strip()
     return out if out.startswith("sha256:") else f"sha256:{out}"
 
@@ -288,8 +339,11 @@ def save_image(ref: str, out_path: str | Path, builder: str = "docker", compress
                     raise StageError(f"gzip of {ref} failed (disk full?)")
             else:
                 raw.unlink(missing_ok=True)
-                run(["buildah", "push", ref, f"docker-archive:{raw}:{ref}"], builder="buildah",
-                    what=f"buildah push {ref}")
+                run(
+                    ["buildah", "push", ref, f"docker-archive:{raw}:{ref}"],
+                    builder="buildah",
+                    what=f"buildah push {ref}",
+                )
                 with open(raw, "rb") as source:
                     if subprocess.run(["gzip", "-n", level], stdin=source, stdout=sink).returncode != 0:
                         raise StageError(f"gzip of {ref} failed (disk full?)")

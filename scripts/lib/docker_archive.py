@@ -124,7 +124,7 @@ def short_ref(ref: str) -> str:
     """Docker writes RepoTags in their short form (docker.io/library/x:t -> x:t)."""
     for prefix in ("docker.io/library/", "docker.io/"):
         if ref.startswith(prefix):
-            return ref[len(prefix):]
+            return ref[len(prefix) :]
     return ref
 
 
@@ -132,8 +132,12 @@ def find_secrets(env: list[str], labels: dict[str, str]) -> list[str]:
     """Where something credential-like sits, naming the env variable or label key, never the value."""
     places = [(f"env {entry.partition('=')[0]}", entry) for entry in env]
     places += [(f"label {key}", f"{key}={value}") for key, value in labels.items()]
-    return [f"{where} looks like it holds a secret ({kind})" for where, text in places
-            for kind, pattern in SECRET_PATTERNS.items() if pattern.search(text)]
+    return [
+        f"{where} looks like it holds a secret ({kind})"
+        for where, text in places
+        for kind, pattern in SECRET_PATTERNS.items()
+        if pattern.search(text)
+    ]
 
 
 def _json(small: dict, name: str, what: str, errors: list[str]):
@@ -147,14 +151,14 @@ def _json(small: dict, name: str, what: str, errors: list[str]):
         return None
 
 
-def verify_archive(path: str | Path, expected_ref: str, expected_labels: dict[str, str],
-                   image_id: str | None = None) -> dict:
+def verify_archive(
+    path: str | Path, expected_ref: str, expected_labels: dict[str, str], image_id: str | None = None
+) -> dict:
     """Check the archive; return its record, or raise StageError listing every check that failed."""
     started = time.monotonic()
     members, small, layers = read_archive(path)
     errors: list[str] = []
-    record = {"archive": str(path), "archive_sha256": members[None]["sha256"],
-              "archive_bytes": members[None]["bytes"]}
+    record = {"archive": str(path), "archive_sha256": members[None]["sha256"], "archive_bytes": members[None]["bytes"]}
     manifest = _json(small, "manifest.json", "manifest", errors)
     if manifest is not None:
         if not isinstance(manifest, list) or len(manifest) != 1:
@@ -176,8 +180,12 @@ def verify_archive(path: str | Path, expected_ref: str, expected_labels: dict[st
     settings = image.get("config") or {}
     env = settings.get("Env") or []
     labels = settings.get("Labels") or {}
-    record.update(entrypoint=settings.get("Entrypoint"), env=env, labels=labels,
-                  exposed_ports=sorted(settings.get("ExposedPorts") or {}))
+    record.update(
+        entrypoint=settings.get("Entrypoint"),
+        env=env,
+        labels=labels,
+        exposed_ports=sorted(settings.get("ExposedPorts") or {}),
+    )
     if settings.get("Entrypoint") != ENTRYPOINT:
         errors.append(f"Entrypoint is {settings.get('Entrypoint')}, expected {ENTRYPOINT}")
     env_map = dict(e.partition("=")[::2] for e in env)
@@ -198,15 +206,17 @@ def verify_archive(path: str | Path, expected_ref: str, expected_labels: dict[st
     if image and len(diff_ids) != len(layer_paths):
         errors.append(f"manifest lists {len(layer_paths)} layers but the config has {len(diff_ids)} diff_ids")
     record["layers"], files, cache_files = [], {}, 0
-    for index, (layer, diff_id) in enumerate(zip(layer_paths, diff_ids)):
+    for index, (layer, diff_id) in enumerate(zip(layer_paths, diff_ids, strict=False)):
         if layer not in members:
             errors.append(f"layer {index} ({layer}) is not in the archive")
             continue
         digest = f"sha256:{members[layer]['sha256']}"
         record["layers"].append({"path": layer, "diff_id": diff_id, "bytes": members[layer]["bytes"]})
         if digest != diff_id:
-            errors.append(f"layer {index} ({layer}) has digest {digest}, but the config's diff_id is {diff_id} "
-                          "(corrupted, or not an uncompressed layer tar)")
+            errors.append(
+                f"layer {index} ({layer}) has digest {digest}, but the config's diff_id is {diff_id} "
+                "(corrupted, or not an uncompressed layer tar)"
+            )
         scan = layers.get(layer, {"error": "not a tar"})
         if "error" in scan:
             errors.append(f"layer {index} ({layer}) is not a readable tar: {scan['error']}")
@@ -233,11 +243,14 @@ def gpu_arch_problems(labels: dict[str, str], gpu_arch: str | None, allow_mismat
     image.gpu_arch: missing is an error; another architecture is one unless image.allow_arch_mismatch."""
     found = labels.get(GPU_ARCH_LABEL)
     if not found:
-        return [f"label {GPU_ARCH_LABEL} is missing (an image built before it was labelled; rerun with "
-                "`-R build_image`)"]
+        return [
+            f"label {GPU_ARCH_LABEL} is missing (an image built before it was labelled; rerun with `-R build_image`)"
+        ]
     if gpu_arch is not None and found != gpu_arch and not allow_mismatch:
-        return [f"label {GPU_ARCH_LABEL} is {found!r} but image.gpu_arch is {gpu_arch!r}: its compile cache is for "
-                "another GPU (rebuild on the right one, or set image.allow_arch_mismatch: true to accept it)"]
+        return [
+            f"label {GPU_ARCH_LABEL} is {found!r} but image.gpu_arch is {gpu_arch!r}: its compile cache is for "
+            "another GPU (rebuild on the right one, or set image.allow_arch_mismatch: true to accept it)"
+        ]
     return []
 
 

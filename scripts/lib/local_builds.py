@@ -41,8 +41,13 @@ def drop_metadata_file(info: Path, name: str) -> None:
     (info / name).unlink(missing_ok=True)
     record = info / "RECORD"
     if record.exists():
-        record.write_text("".join(line for line in record.read_text().splitlines(keepends=True)
-                                  if not line.startswith(f"{info.name}/{name},")))
+        record.write_text(
+            "".join(
+                line
+                for line in record.read_text().splitlines(keepends=True)
+                if not line.startswith(f"{info.name}/{name},")
+            )
+        )
 
 
 def drop_entry_points(site_packages: Path, dist: str, group: str) -> list[str]:
@@ -80,18 +85,38 @@ def build_arctic_inference(venv: Path, requirement: str) -> None:
         _run([build_python, "-m", "pip", "install", "-q", *ARCTIC_BUILD_REQUIREMENTS])
         (tmp / "stub" / "torch").mkdir(parents=True)
         (tmp / "stub" / "torch" / "__init__.py").write_text(TORCH_STUB)
-        env = dict(os.environ, PYTHONPATH=str(tmp / "stub"), CMAKE_BUILD_PARALLEL_LEVEL="2",
-                   # CMake's FindPython would otherwise find the system Python, which has no nanobind
-                   CMAKE_ARGS=f"-DPython_EXECUTABLE={build_python}")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(tmp / "stub"),
+            CMAKE_BUILD_PARALLEL_LEVEL="2",
+            # CMake's FindPython would otherwise find the system Python, which has no nanobind
+            CMAKE_ARGS=f"-DPython_EXECUTABLE={build_python}",
+        )
         env["PATH"] = f"{tmp / 'build' / 'bin'}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
         # without isolation: pip's metadata step would otherwise install the archive's build pins (torch 2.7.0)
-        _run([build_python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-              "-d", tmp / "sdist", requirement], env=env)
+        _run(
+            [
+                build_python,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                "-d",
+                tmp / "sdist",
+                requirement,
+            ],
+            env=env,
+        )
         sdist = next((tmp / "sdist").glob("arctic_inference-*.tar.gz"))
         _run(["tar", "-xzf", sdist, "-C", tmp])
         source = next(p for p in tmp.glob("arctic_inference-*") if p.is_dir())
-        _run([build_python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-              "-w", tmp / "wheel", source], env=env)
+        _run(
+            [build_python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", tmp / "wheel", source],
+            env=env,
+        )
         wheel = next((tmp / "wheel").glob("arctic_inference-*.whl"))
         _run([python, "-m", "pip", "install", "--no-input", "--no-deps", wheel])
     site_packages = next((venv / "lib").glob("python3.*/site-packages"))

@@ -35,10 +35,17 @@ def compare(record: dict, reference: dict) -> list[dict]:
     rows = []
     reference_sets = prompt_sets(reference)
     for set_name, prompt_set in prompt_sets(record).items():
-        reference_categories = {c["name"]: c for c in (reference_sets.get(set_name) or {}).get("categories", [])}
+        reference_set = reference_sets.get(set_name)
+        reference_categories = {c["name"]: c for c in (reference_set["categories"] if reference_set else [])}
         for category in prompt_set["categories"]:
-            row = {"set": set_name, "category": category["name"], "tokens": None, "passed": False,
-                   "first_difference": None, "problem": None}
+            row = {
+                "set": set_name,
+                "category": category["name"],
+                "tokens": None,
+                "passed": False,
+                "first_difference": None,
+                "problem": None,
+            }
             want = reference_categories.get(category["name"])
             got_ids = category.get("first_run_token_ids")
             if want is None:
@@ -59,8 +66,10 @@ def describe(row: dict) -> str:
     if row["problem"]:
         return f"{where}: {row['problem']}"
     d = row["first_difference"]
-    return (f"{where}: greedy output differs first at output token {d['position']} "
-            f"(speculative {d['speculative']}, without speculation {d['reference']})")
+    return (
+        f"{where}: greedy output differs first at output token {d['position']} "
+        f"(speculative {d['speculative']}, without speculation {d['reference']})"
+    )
 
 
 def failures(rows: list[dict]) -> list[str]:

@@ -11,8 +11,9 @@ from typing import Iterable, Iterator
 def _open(base_url: str, path: str, body: dict | None, timeout_s: float):
     """POST when there is a JSON body, GET otherwise; an HTTP error status raises urllib's HTTPError."""
     data = json.dumps(body).encode() if body is not None else None
-    message = urllib.request.Request(base_url + path, data=data,
-                                     headers={"Content-Type": "application/json"} if data else {})
+    message = urllib.request.Request(
+        base_url + path, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
     return urllib.request.urlopen(message, timeout=timeout_s)
 
 
@@ -51,7 +52,7 @@ def sse_events(lines: Iterable[bytes | str]) -> Iterator[dict]:
         line = (raw.decode() if isinstance(raw, bytes) else raw).strip()
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         yield json.loads(data)

@@ -33,19 +33,20 @@ FRESH_LEAD_TOKENS = 16  # vLLM's smallest KV block: prompts differing in these s
 
 SET_DESCRIPTIONS = {
     "repeated": "the competition's style: probe.sentence repeated to prompt_tokens; one prompt per category, "
-                "reused by its warm-ups and timed runs",
+    "reused by its warm-ups and timed runs",
     "varied": "probe.varied_text paragraphs in file order, cycled to prompt_tokens; one prompt per category, "
-              "reused by its warm-ups and timed runs",
+    "reused by its warm-ups and timed runs",
     "fresh": f"a prompt of its own for every warm-up and timed run: probe.varied_text paragraphs from a start "
-             f"paragraph drawn without replacement (random.Random({FRESH_SEED}) shuffle of the paragraphs), then in "
-             f"file order, cycled to prompt_tokens; no two prompts of the probe (any set) share their first "
-             f"{FRESH_LEAD_TOKENS} tokens, so no prefix-cache block can be reused (prompt_starts: the start "
-             f"paragraphs, warm-ups first)",
+    f"paragraph drawn without replacement (random.Random({FRESH_SEED}) shuffle of the paragraphs), then in "
+    f"file order, cycled to prompt_tokens; no two prompts of the probe (any set) share their first "
+    f"{FRESH_LEAD_TOKENS} tokens, so no prefix-cache block can be reused (prompt_starts: the start "
+    f"paragraphs, warm-ups first)",
 }
 
 
-def prompt_tokens(base_url: str, model: str, pieces: list[str], n_tokens: int,
-                  cache: dict[str, list[int]] | None = None) -> list[int]:
+def prompt_tokens(
+    base_url: str, model: str, pieces: list[str], n_tokens: int, cache: dict[str, list[int]] | None = None
+) -> list[int]:
     """Exactly n_tokens of the served tokenizer's tokens, from `pieces` in turn (cycled when too few).
 
     Each piece is tokenized on its own (once per `cache`), so no request ever exceeds the server's max_model_len."""
@@ -54,8 +55,9 @@ def prompt_tokens(base_url: str, model: str, pieces: list[str], n_tokens: int,
     while len(tokens) < n_tokens:
         for piece in pieces:
             if piece not in cache:
-                cache[piece] = post_json(base_url, "/tokenize", {"model": model, "prompt": piece,
-                                                                 "add_special_tokens": False})["tokens"]
+                cache[piece] = post_json(
+                    base_url, "/tokenize", {"model": model, "prompt": piece, "add_special_tokens": False}
+                )["tokens"]
             if not cache[piece]:
                 raise StageError(f"prompt text {piece[:40]!r} has no tokens")
             tokens += cache[piece]
@@ -92,8 +94,9 @@ def exact_prompt(base_url: str, model: str, tokens_of, n_tokens: int, tries: int
     raise StageError(f"found no prompt text of exactly {n_tokens} tokens in {tries} tries")
 
 
-def build_prompt(base_url: str, model: str, pieces: list[str], n_tokens: int,
-                 cache: dict[str, list[int]] | None = None) -> str:
+def build_prompt(
+    base_url: str, model: str, pieces: list[str], n_tokens: int, cache: dict[str, list[int]] | None = None
+) -> str:
     """A text of exactly n_tokens tokens as the server counts them, made of `pieces` in turn (see prompt_tokens)."""
     return exact_prompt(base_url, model, lambda k: prompt_tokens(base_url, model, pieces, k, cache), n_tokens)[0]
 
@@ -102,8 +105,16 @@ def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ig
     """One streamed /v1/completions request: end-to-end latency, time to first token, tokens produced, and the
     generated token ids (vLLM's return_token_ids: each chunk carries its own ids, the first one the prompt's;
     a few bytes a chunk, so every request asks for them and the timed runs stay alike)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     start = time.perf_counter()
     first = None
     usage = None
@@ -123,9 +134,14 @@ def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ig
     if token_ids and len(token_ids) != output_tokens:
         raise StageError(f"the server streamed {len(token_ids)} token ids for {output_tokens} completion tokens")
     itl = (end - first) / (output_tokens - 1) if output_tokens > 1 else 0.0
-    return {"latency_ms": (end - start) * 1e3, "ttft_ms": (first - start) * 1e3, "itl_ms": itl * 1e3,
-            "output_tokens": output_tokens, "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "token_ids": token_ids or None}
+    return {
+        "latency_ms": (end - start) * 1e3,
+        "ttft_ms": (first - start) * 1e3,
+        "itl_ms": itl * 1e3,
+        "output_tokens": output_tokens,
+        "prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "token_ids": token_ids or None,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,14 +156,18 @@ def summarize(category: dict, runs: list[dict]) -> dict:
     median = statistics.median(latencies)
     baseline = category.get("baseline_ms")
     return {
-        "name": category["name"], "prompt_tokens": category["prompt_tokens"],
+        "name": category["name"],
+        "prompt_tokens": category["prompt_tokens"],
         "output_tokens_requested": category["output_tokens"],
         "output_tokens_mean": statistics.mean(run["output_tokens"] for run in runs),
-        "runs": len(runs), "median_ms": median, "p90_ms": percentile(latencies, 0.9),
+        "runs": len(runs),
+        "median_ms": median,
+        "p90_ms": percentile(latencies, 0.9),
         "p99_ms": percentile(latencies, 0.99),
         "ttft_median_ms": statistics.median(run["ttft_ms"] for run in runs),
         "itl_median_ms": statistics.median(run["itl_ms"] for run in runs),
-        "baseline_ms": baseline, "speedup": baseline / median if baseline else None,
+        "baseline_ms": baseline,
+        "speedup": baseline / median if baseline else None,
         "latencies_ms": latencies,
     }
 
@@ -179,9 +199,12 @@ def mean_acceptance_length(before: dict, after: dict) -> float | None:
 
 
 def spec_decode_delta(before: dict, after: dict) -> dict:
-    return {"drafts": after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"],
-            "accepted_tokens": (after["vllm:spec_decode_num_accepted_tokens"]
-                                - before["vllm:spec_decode_num_accepted_tokens"])}
+    return {
+        "drafts": after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"],
+        "accepted_tokens": (
+            after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+        ),
+    }
 
 
 def prefix_cache_delta(before: dict, after: dict) -> dict:
@@ -204,8 +227,14 @@ class FreshPrompts:
     """Prompts that never repeat: each starts at a paragraph no other prompt started at, and its first
     FRESH_LEAD_TOKENS tokens differ from every other prompt's (those of `reserved`, the other sets', too)."""
 
-    def __init__(self, base_url: str, model: str, paragraphs: list[str], reserved: list[list[int]],
-                 cache: dict[str, list[int]] | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        paragraphs: list[str],
+        reserved: list[list[int]],
+        cache: dict[str, list[int]] | None = None,
+    ):
         self.base_url, self.model, self.paragraphs = base_url, model, paragraphs
         self.cache = {} if cache is None else cache
         self.starts = list(range(len(paragraphs)))
@@ -217,16 +246,22 @@ class FreshPrompts:
         while self.starts:
             start = self.starts.pop(0)
             pieces = self.paragraphs[start:] + self.paragraphs[:start]
-            text, tokens = exact_prompt(self.base_url, self.model, lambda k, pieces=pieces: prompt_tokens(
-                self.base_url, self.model, pieces, k, self.cache), n_tokens)
+            text, tokens = exact_prompt(
+                self.base_url,
+                self.model,
+                lambda k, pieces=pieces: prompt_tokens(self.base_url, self.model, pieces, k, self.cache),
+                n_tokens,
+            )
             lead = tuple(tokens[:FRESH_LEAD_TOKENS])
             # a shorter lead (a prompt under FRESH_LEAD_TOKENS) clashes with any lead it begins
-            if not any(other[:len(lead)] == lead[:len(other)] for other in self.leads):
+            if not any(other[: len(lead)] == lead[: len(other)] for other in self.leads):
                 self.leads.add(lead)
                 return start, text
-        raise StageError(f"the fresh prompt set ran out of start paragraphs ({len(self.paragraphs)} in "
-                         f"probe.varied_text, fewer with distinct first {FRESH_LEAD_TOKENS} tokens): it needs one per "
-                         f"warm-up and timed run of every category; give probe.varied_text more paragraphs")
+        raise StageError(
+            f"the fresh prompt set ran out of start paragraphs ({len(self.paragraphs)} in "
+            f"probe.varied_text, fewer with distinct first {FRESH_LEAD_TOKENS} tokens): it needs one per "
+            f"warm-up and timed run of every category; give probe.varied_text more paragraphs"
+        )
 
     def prompts(self, n_tokens: int, count: int) -> tuple[list[int], list[str]]:
         taken = [self.take(n_tokens) for _ in range(count)]
@@ -247,9 +282,11 @@ class RunProgress:
 
     def line(self, seconds: float) -> str:
         index = self.names.index(self.category) + 1 if self.category in self.names else 0
-        return (f"[probe] category {self.category} ({index}/{len(self.names)}): {self.warmups_done}/{self.warmups} "
-                f"warm-ups and {self.runs_done}/{self.runs} timed runs done in "
-                f"{elapsed(self.clock() - self.category_started)}; {elapsed(seconds)} on this prompt set")
+        return (
+            f"[probe] category {self.category} ({index}/{len(self.names)}): {self.warmups_done}/{self.warmups} "
+            f"warm-ups and {self.runs_done}/{self.runs} timed runs done in "
+            f"{elapsed(self.clock() - self.category_started)}; {elapsed(seconds)} on this prompt set"
+        )
 
 
 def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, description: str, log=print) -> dict:
@@ -266,7 +303,7 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
             if probe_settings.get("first_run_only"):
                 # the lossless check's reference (scripts/lossless_reference.py): the same prompts drawn the same way
                 # (a fresh set's draws depend on the warm-up count), but only the first timed run's is sent
-                prompts, warmup = prompts[warmup:warmup + 1], 0
+                prompts, warmup = prompts[warmup : warmup + 1], 0
             progress.start(category["name"], warmup, len(prompts) - warmup)
             for prompt in prompts[:warmup]:
                 timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"])
@@ -278,24 +315,34 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
                 progress.runs_done += 1
             after = counters(base_url)
             totals.append((before, after))
-            categories.append(dict(
-                summarize(category, runs), **extra,
-                prompt_tokens_served=[r["prompt_tokens"] for r in runs],
-                mean_acceptance_length=mean_acceptance_length(before, after),
-                spec_decode=spec_decode_delta(before, after), prefix_cache=prefix_cache_delta(before, after),
-                first_run_token_ids=runs[0]["token_ids"]))
+            categories.append(
+                dict(
+                    summarize(category, runs),
+                    **extra,
+                    prompt_tokens_served=[r["prompt_tokens"] for r in runs],
+                    mean_acceptance_length=mean_acceptance_length(before, after),
+                    spec_decode=spec_decode_delta(before, after),
+                    prefix_cache=prefix_cache_delta(before, after),
+                    first_run_token_ids=runs[0]["token_ids"],
+                )
+            )
             c = categories[-1]
-            log(f"{category['name']}: median {c['median_ms']:.0f} ms over {len(runs)} runs, mean acceptance length "
-                f"{c['mean_acceptance_length']}, prefix-cache hit rate {c['prefix_cache']['hit_rate']}")
+            log(
+                f"{category['name']}: median {c['median_ms']:.0f} ms over {len(runs)} runs, mean acceptance length "
+                f"{c['mean_acceptance_length']}, prefix-cache hit rate {c['prefix_cache']['hit_rate']}"
+            )
     speedups = [c["speedup"] for c in categories if c["speedup"] is not None]
     drafts = sum(c["spec_decode"]["drafts"] for c in categories)
     accepted = sum(c["spec_decode"]["accepted_tokens"] for c in categories)
     queries = sum(c["prefix_cache"]["queries"] for c in categories)
     hits = sum(c["prefix_cache"]["hits"] for c in categories)
-    return {"prompts": description, "categories": categories,
-            "mean_speedup": statistics.mean(speedups) if speedups else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
-            "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None}}
+    return {
+        "prompts": description,
+        "categories": categories,
+        "mean_speedup": statistics.mean(speedups) if speedups else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
+        "prefix_cache": {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None},
+    }
 
 
 def same_prompt(base_url: str, model: str, probe_settings: dict, pieces: list[str], cache=None):
@@ -304,11 +351,18 @@ def same_prompt(base_url: str, model: str, probe_settings: dict, pieces: list[st
     return lambda category: ({}, [build_prompt(base_url, model, pieces, category["prompt_tokens"], cache)] * count)
 
 
-def probe_set(base_url: str, model: str, probe_settings: dict, pieces: list[str], log=print,
-              description: str | None = None) -> dict:
+def probe_set(
+    base_url: str, model: str, probe_settings: dict, pieces: list[str], log=print, description: str | None = None
+) -> dict:
     """Every category, with one prompt per category made of `pieces` (see build_prompt)."""
-    return run_set(base_url, model, probe_settings, same_prompt(base_url, model, probe_settings, pieces),
-                   description or "one prompt per category from the given text, reused by its warm-ups and runs", log)
+    return run_set(
+        base_url,
+        model,
+        probe_settings,
+        same_prompt(base_url, model, probe_settings, pieces),
+        description or "one prompt per category from the given text, reused by its warm-ups and runs",
+        log,
+    )
 
 
 def fresh_set(base_url: str, model: str, probe_settings: dict, paragraphs: list[str], log=print) -> dict:
@@ -316,8 +370,10 @@ def fresh_set(base_url: str, model: str, probe_settings: dict, paragraphs: list[
     longest = max(c["prompt_tokens"] for c in probe_settings["categories"])
     lead = min(FRESH_LEAD_TOKENS, longest)
     # the repeated and varied sets' prompts begin with these (the server's tokens of their first 2 x lead tokens)
-    reserved = [tokenize(base_url, model, build_prompt(base_url, model, pieces, min(2 * lead, longest), cache))[:lead]
-                for pieces in ([probe_settings["sentence"]], paragraphs)]
+    reserved = [
+        tokenize(base_url, model, build_prompt(base_url, model, pieces, min(2 * lead, longest), cache))[:lead]
+        for pieces in ([probe_settings["sentence"]], paragraphs)
+    ]
     fresh = FreshPrompts(base_url, model, paragraphs, reserved, cache)
     count = probe_settings["warmup"] + probe_settings["runs"]
 
@@ -345,19 +401,30 @@ def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log
     sets = list(probe_settings.get("sets") or PROMPT_SETS)
     unknown = sorted(set(sets) - set(PROMPT_SETS))
     if unknown or COMPETITION_SET not in sets:
-        raise StageError(f"probe.sets {sets}: must name '{COMPETITION_SET}' (what select ranks by) and only "
-                         f"{', '.join(PROMPT_SETS)}")
+        raise StageError(
+            f"probe.sets {sets}: must name '{COMPETITION_SET}' (what select ranks by) and only {', '.join(PROMPT_SETS)}"
+        )
     log("prompt set: repeated sentence (competition style)")
-    result = run_set(base_url, model, probe_settings,
-                     same_prompt(base_url, model, probe_settings, [probe_settings["sentence"]]),
-                     SET_DESCRIPTIONS["repeated"], log)
+    result = run_set(
+        base_url,
+        model,
+        probe_settings,
+        same_prompt(base_url, model, probe_settings, [probe_settings["sentence"]]),
+        SET_DESCRIPTIONS["repeated"],
+        log,
+    )
     paragraphs = varied_paragraphs(varied_path) if len(sets) > 1 else []
     result["varied"] = result["fresh"] = None
     if "varied" in sets:
         log(f"prompt set: varied text ({varied_path})")
-        result["varied"] = run_set(base_url, model, probe_settings,
-                                   same_prompt(base_url, model, probe_settings, paragraphs),
-                                   SET_DESCRIPTIONS["varied"], log)
+        result["varied"] = run_set(
+            base_url,
+            model,
+            probe_settings,
+            same_prompt(base_url, model, probe_settings, paragraphs),
+            SET_DESCRIPTIONS["varied"],
+            log,
+        )
     if "fresh" in sets:
         log(f"prompt set: fresh prompts, one per request ({varied_path})")
         result["fresh"] = fresh_set(base_url, model, probe_settings, paragraphs, log)
@@ -382,7 +449,15 @@ def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, lo
             state["done"] += 1
             log(f"warm-up {category['name']}: {result['latency_ms']:.0f} ms")
         for thinking in (False, True):
-            post_json(base_url, "/v1/chat/completions", {
-                "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-                "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": thinking}})
+            post_json(
+                base_url,
+                "/v1/chat/completions",
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                    "max_tokens": 16,
+                    "temperature": 0.0,
+                    "chat_template_kwargs": {"enable_thinking": thinking},
+                },
+            )
             state["done"] += 1

@@ -40,8 +40,13 @@ class Heartbeat:
     describe gets the seconds since the block started; an exception it raises becomes part of the line (a progress
     line must never stop the work it reports on)."""
 
-    def __init__(self, describe: Callable[[float], str], interval_s: float | None = None,
-                 log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        describe: Callable[[float], str],
+        interval_s: float | None = None,
+        log: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.describe = describe
         self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else float(interval_s)
         if self.interval_s <= 0:

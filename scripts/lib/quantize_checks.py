@@ -19,10 +19,23 @@ _REWRITTEN = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.bin\
 
 # vLLM's GPU int4/int8 weight-only kernel (Marlin) tiles the output dim by 64 and the input dim by 128.
 KERNEL_MIN_OUT, KERNEL_MIN_IN = 64, 128
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I8": 1,
+    "U8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 # ---- recipe and checkpoint, read without torch (the guards that run before anything is loaded) ----
+
 
 def checkpoint_modules(header: dict[str, dict]) -> dict[str, list[int]]:
     """Module name -> weight shape, for every module with a `.weight` (Linear weights are the 2-D ones)."""
@@ -44,30 +57,52 @@ def read_recipe(path: str | Path) -> dict:
     architectures = (recipe.get("pipeline") or {}).get("architectures")
     if not architectures or not isinstance(architectures, list):
         raise StageError(f"recipe {path} has no pipeline.architectures list (the architectures it was written for)")
-    modifiers = [(name, args or {}) for key, stage in recipe.items() if key.endswith("_stage") and isinstance(stage, dict)
-                 for group_key, group in stage.items() if group_key.endswith("_modifiers") and isinstance(group, dict)
-                 for name, args in group.items()]
+    modifiers = [
+        (name, args or {})
+        for key, stage in recipe.items()
+        if key.endswith("_stage") and isinstance(stage, dict)
+        for group_key, group in stage.items()
+        if group_key.endswith("_modifiers") and isinstance(group, dict)
+        for name, args in group.items()
+    ]
     groups = []
     for name, args in modifiers:
         if "config_groups" not in args:
             if "scheme" in args or "targets" in args:
-                raise StageError(f"recipe {path}: {name} uses scheme/targets; spell the scheme out as config_groups "
-                                 "(targets + weights) so the guards can check it against the checkpoint")
+                raise StageError(
+                    f"recipe {path}: {name} uses scheme/targets; spell the scheme out as config_groups "
+                    "(targets + weights) so the guards can check it against the checkpoint"
+                )
             continue  # a transform such as AWQModifier: it quantizes nothing itself
         for group_name, group in args["config_groups"].items():
             weights = group.get("weights") or {}
             if not isinstance(weights.get("num_bits"), int) or weights.get("strategy") not in ("group", "channel"):
-                raise StageError(f"recipe {path}: {name}.{group_name}.weights needs integer num_bits and strategy "
-                                 f"group or channel, got {weights}")
-            if weights["strategy"] == "group" and not (isinstance(weights.get("group_size"), int)
-                                                      and weights["group_size"] > 0):
+                raise StageError(
+                    f"recipe {path}: {name}.{group_name}.weights needs integer num_bits and strategy "
+                    f"group or channel, got {weights}"
+                )
+            if weights["strategy"] == "group" and not (
+                isinstance(weights.get("group_size"), int) and weights["group_size"] > 0
+            ):
                 raise StageError(f"recipe {path}: {name}.{group_name}: strategy group needs a positive group_size")
-            groups.append({"modifier": name, "group": group_name, "targets": list(group.get("targets") or []),
-                           "ignore": list(args.get("ignore") or []), "weights": weights})
+            groups.append(
+                {
+                    "modifier": name,
+                    "group": group_name,
+                    "targets": list(group.get("targets") or []),
+                    "ignore": list(args.get("ignore") or []),
+                    "weights": weights,
+                }
+            )
     if modifiers and not groups:
         raise StageError(f"recipe {path} has modifiers but none with config_groups: it would quantize nothing")
-    return {"path": str(path), "architectures": architectures, "modifiers": [name for name, _ in modifiers],
-            "groups": groups, "quantize": bool(modifiers)}
+    return {
+        "path": str(path),
+        "architectures": architectures,
+        "modifiers": [name for name, _ in modifiers],
+        "groups": groups,
+        "quantize": bool(modifiers),
+    }
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -83,8 +118,10 @@ def plan_targets(recipe: dict, architecture: str, modules: dict[str, list[int]])
     """Check the recipe against the checkpoint before anything runs. Returns (module -> weight args of
     every module the recipe will quantize, pattern -> modules it matches); raises naming every problem."""
     if architecture not in recipe["architectures"]:
-        raise StageError(f"the checkpoint's architecture {architecture} is not one recipe {recipe['path']} knows "
-                         f"({', '.join(recipe['architectures'])})")
+        raise StageError(
+            f"the checkpoint's architecture {architecture} is not one recipe {recipe['path']} knows "
+            f"({', '.join(recipe['architectures'])})"
+        )
     problems, counts, targeted = [], {}, {}
     for group in recipe["groups"]:
         if not group["targets"]:
@@ -93,11 +130,17 @@ def plan_targets(recipe: dict, architecture: str, modules: dict[str, list[int]])
             for pattern in group[kind]:
                 counts[pattern] = sum(_matches(m, pattern) for m in modules)
                 if not counts[pattern]:
-                    hint = (" (a class name such as Linear cannot be checked against the checkpoint: write a "
-                            "module-name pattern, re:...)" if kind == "targets" and not pattern.startswith("re:") else "")
+                    hint = (
+                        " (a class name such as Linear cannot be checked against the checkpoint: write a "
+                        "module-name pattern, re:...)"
+                        if kind == "targets" and not pattern.startswith("re:")
+                        else ""
+                    )
                     problems.append(f"{kind} pattern {pattern!r} matches no module of the checkpoint{hint}")
         for module in modules:
-            if any(_matches(module, p) for p in group["targets"]) and not any(_matches(module, p) for p in group["ignore"]):
+            if any(_matches(module, p) for p in group["targets"]) and not any(
+                _matches(module, p) for p in group["ignore"]
+            ):
                 if module in targeted and targeted[module] != group["weights"]:
                     problems.append(f"{module} is targeted by two config groups with different weights")
                 targeted[module] = group["weights"]
@@ -106,19 +149,29 @@ def plan_targets(recipe: dict, architecture: str, modules: dict[str, list[int]])
         problems.append(f"targets match modules that are not Linear layers: {_some(not_linear)}")
     mtp = sorted(m for m in targeted if m.startswith("mtp."))
     if mtp:
-        problems.append(f"targets match MTP modules ({_some(mtp)}), which transformers does not load and vLLM reads "
-                        "as 16-bit: add re:^mtp\\. to ignore")
+        problems.append(
+            f"targets match MTP modules ({_some(mtp)}), which transformers does not load and vLLM reads "
+            "as 16-bit: add re:^mtp\\. to ignore"
+        )
     linear = {m: targeted[m] for m in targeted if len(modules[m]) == 2}
-    indivisible = sorted(f"{m} (in {modules[m][1]})" for m, w in linear.items()
-                         if w["strategy"] == "group" and modules[m][1] % w["group_size"])
+    indivisible = sorted(
+        f"{m} (in {modules[m][1]})"
+        for m, w in linear.items()
+        if w["strategy"] == "group" and modules[m][1] % w["group_size"]
+    )
     if indivisible:
         problems.append(f"group size does not divide the input dim of {_some(indivisible)}")
-    narrow = sorted(f"{m} [{modules[m][0]}x{modules[m][1]}]" for m in linear
-                    if modules[m][0] % KERNEL_MIN_OUT or modules[m][1] % KERNEL_MIN_IN)
+    narrow = sorted(
+        f"{m} [{modules[m][0]}x{modules[m][1]}]"
+        for m in linear
+        if modules[m][0] % KERNEL_MIN_OUT or modules[m][1] % KERNEL_MIN_IN
+    )
     if narrow:
-        problems.append(f"too narrow for the GPU int{'/'.join(sorted({str(w['num_bits']) for w in linear.values()}))} "
-                        f"kernel (Marlin needs out_features a multiple of {KERNEL_MIN_OUT} and in_features a multiple "
-                        f"of {KERNEL_MIN_IN}); keep these 16-bit: {_some(narrow)}")
+        problems.append(
+            f"too narrow for the GPU int{'/'.join(sorted({str(w['num_bits']) for w in linear.values()}))} "
+            f"kernel (Marlin needs out_features a multiple of {KERNEL_MIN_OUT} and in_features a multiple "
+            f"of {KERNEL_MIN_IN}); keep these 16-bit: {_some(narrow)}"
+        )
     if recipe["quantize"] and not targeted and not problems:
         problems.append("the targets select no module once ignore is applied")
     if problems:
@@ -146,14 +199,19 @@ def expected_weight_bytes(header: dict[str, dict], targeted: dict[str, dict]) ->
 
 # ---- the checks on what was written ----
 
+
 def carried_files(model_dir: Path) -> list[str]:
     # dotfiles are other tools' markers (Snakemake's .snakemake_timestamp), not part of the checkpoint
-    return sorted(p.name for p in model_dir.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and not _REWRITTEN.search(p.name))
+    return sorted(
+        p.name
+        for p in model_dir.iterdir()
+        if p.is_file() and not p.name.startswith(".") and not _REWRITTEN.search(p.name)
+    )
 
 
-def check_output(model_dir: str | Path, out_dir: str | Path, targeted: dict, expected_bytes: int,
-                 size_tolerance: float = 0.02) -> dict:
+def check_output(
+    model_dir: str | Path, out_dir: str | Path, targeted: dict, expected_bytes: int, size_tolerance: float = 0.02
+) -> dict:
     """After-guards that need no model: quantized modules are exactly the targeted ones, mtp.* is there
     and 16-bit, non-weight files are the source's, and tensor bytes are the expected size."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -161,37 +219,56 @@ def check_output(model_dir: str | Path, out_dir: str | Path, targeted: dict, exp
     problems = []
     quantized = sorted(n[: -len(".weight_scale")] for n in written if n.endswith(".weight_scale"))
     if set(quantized) != set(targeted):
-        problems.append(f"{len(quantized)} quantized modules where the recipe targets {len(targeted)} "
-                        f"(missing: {_some(sorted(set(targeted) - set(quantized))) or '-'}; "
-                        f"unexpected: {_some(sorted(set(quantized) - set(targeted))) or '-'})")
+        problems.append(
+            f"{len(quantized)} quantized modules where the recipe targets {len(targeted)} "
+            f"(missing: {_some(sorted(set(targeted) - set(quantized))) or '-'}; "
+            f"unexpected: {_some(sorted(set(quantized) - set(targeted))) or '-'})"
+        )
     mtp_source = sorted(n for n in source if n.startswith("mtp."))
     mtp_missing = sorted(set(mtp_source) - set(written))
     mtp_wrong = sorted(n for n in written if n.startswith("mtp.") and written[n]["dtype"] not in ("BF16", "F16"))
     if mtp_missing or mtp_wrong:
-        problems.append(f"MTP tensors not carried over intact (missing: {_some(mtp_missing) or '-'}; "
-                        f"not 16-bit: {_some(mtp_wrong) or '-'})")
+        problems.append(
+            f"MTP tensors not carried over intact (missing: {_some(mtp_missing) or '-'}; "
+            f"not 16-bit: {_some(mtp_wrong) or '-'})"
+        )
     carried = carried_files(model_dir)
-    differ = [n for n in carried if not (out_dir / n).is_file() or sha256_file(out_dir / n) != sha256_file(model_dir / n)]
+    differ = [
+        n for n in carried if not (out_dir / n).is_file() or sha256_file(out_dir / n) != sha256_file(model_dir / n)
+    ]
     if differ:
         problems.append(f"files not carried over from the source as they are: {_some(differ)}")
     names = {p.name for p in out_dir.iterdir()}
-    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text()) if "tokenizer_config.json" in names else {}
-    needed = {"tokenizer_config.json": "tokenizer_config.json" in names,
-              "a tokenizer (tokenizer.json, tokenizer.model or vocab.json)": bool(names & {"tokenizer.json", "tokenizer.model", "vocab.json"}),
-              "a chat template": bool(names & {"chat_template.jinja", "chat_template.json"}) or "chat_template" in tokenizer_config,
-              "processor_config.json (vLLM needs it for this architecture)": "processor_config.json" in names or
-              "processor_config.json" not in {p.name for p in model_dir.iterdir()}}
+    tokenizer_config = (
+        json.loads((out_dir / "tokenizer_config.json").read_text()) if "tokenizer_config.json" in names else {}
+    )
+    needed = {
+        "tokenizer_config.json": "tokenizer_config.json" in names,
+        "a tokenizer (tokenizer.json, tokenizer.model or vocab.json)": bool(
+            names & {"tokenizer.json", "tokenizer.model", "vocab.json"}
+        ),
+        "a chat template": bool(names & {"chat_template.jinja", "chat_template.json"})
+        or "chat_template" in tokenizer_config,
+        "processor_config.json (vLLM needs it for this architecture)": "processor_config.json" in names
+        or "processor_config.json" not in {p.name for p in model_dir.iterdir()},
+    }
     missing = [what for what, ok in needed.items() if not ok]
     if missing:
         problems.append(f"the checkpoint lacks {', '.join(missing)}")
     weight_bytes = sum(info["bytes"] for info in written.values())
     if abs(weight_bytes / expected_bytes - 1) > size_tolerance:
-        problems.append(f"weights are {weight_bytes} bytes where the recipe predicts {expected_bytes} "
-                        f"(more than {size_tolerance:.0%} off)")
+        problems.append(
+            f"weights are {weight_bytes} bytes where the recipe predicts {expected_bytes} "
+            f"(more than {size_tolerance:.0%} off)"
+        )
     if problems:
         raise StageError(f"the written checkpoint {out_dir} failed its checks: " + "; ".join(problems))
-    return {"quantized_module_names": quantized, "mtp_tensors": len([n for n in written if n.startswith("mtp.")]),
-            "carried_over": carried, "weight_bytes": weight_bytes}
+    return {
+        "quantized_module_names": quantized,
+        "mtp_tensors": len([n for n in written if n.startswith("mtp.")]),
+        "carried_over": carried,
+        "weight_bytes": weight_bytes,
+    }
 
 
 def check_heldout(stats: dict, min_top1_agreement: float, max_ppl_ratio: float) -> None:
@@ -201,11 +278,15 @@ def check_heldout(stats: dict, min_top1_agreement: float, max_ppl_ratio: float) 
     if stats["ppl_ratio"] > max_ppl_ratio:
         problems.append(f"perplexity ratio to the source {stats['ppl_ratio']:.4f} > {max_ppl_ratio}")
     if problems:
-        raise StageError(f"on the held-out text ({stats['tokens']} tokens) " + " and ".join(problems)
-                         + " (bounds: config quantize.min_top1_agreement / quantize.max_ppl_ratio)")
+        raise StageError(
+            f"on the held-out text ({stats['tokens']} tokens) "
+            + " and ".join(problems)
+            + " (bounds: config quantize.min_top1_agreement / quantize.max_ppl_ratio)"
+        )
 
 
 # ---- held-out agreement with the source (torch) ----
+
 
 def heldout_ids(tokenizer, path: str | Path, max_tokens: int) -> list[int]:
     if not Path(path).is_file():
@@ -225,7 +306,7 @@ def next_token_stats(model, ids: list[int], window: int = 512):
     model.eval()
     with torch.no_grad():
         for start in range(0, len(ids) - 1, window):
-            chunk = torch.tensor([ids[start: start + window + 1]], device=device)
+            chunk = torch.tensor([ids[start : start + window + 1]], device=device)
             logits = model(input_ids=chunk[:, :-1]).logits[0].float()
             target = chunk[0, 1:]
             predicted.append(logits.argmax(-1).cpu())
@@ -236,8 +317,13 @@ def next_token_stats(model, ids: list[int], window: int = 512):
 def compare_stats(source, quantized) -> dict:
     (src_top1, src_nll), (q_top1, q_nll) = source, quantized
     src_ppl, q_ppl = math.exp(src_nll.mean().item()), math.exp(q_nll.mean().item())
-    return {"tokens": int(src_top1.numel()), "top1_agreement": round((src_top1 == q_top1).float().mean().item(), 6),
-            "source_ppl": round(src_ppl, 4), "quantized_ppl": round(q_ppl, 4), "ppl_ratio": round(q_ppl / src_ppl, 6)}
+    return {
+        "tokens": int(src_top1.numel()),
+        "top1_agreement": round((src_top1 == q_top1).float().mean().item(), 6),
+        "source_ppl": round(src_ppl, 4),
+        "quantized_ppl": round(q_ppl, 4),
+        "ppl_ratio": round(q_ppl / src_ppl, 6),
+    }
 
 
 def default_device() -> str:
@@ -250,7 +336,8 @@ def load_model(model_dir: str | Path, architecture: str, what: str, device: str 
     import transformers
 
     try:
-        return getattr(transformers, architecture).from_pretrained(str(model_dir), dtype="auto",
-                                                                   device_map=device or default_device())
+        return getattr(transformers, architecture).from_pretrained(
+            str(model_dir), dtype="auto", device_map=device or default_device()
+        )
     except Exception as error:  # any load failure means the checkpoint cannot be served as written
         raise StageError(f"the {what} checkpoint {model_dir} does not load with transformers: {error}") from error

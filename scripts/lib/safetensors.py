@@ -19,8 +19,11 @@ def tensor_bytes(info: dict) -> int:
 
 def checkpoint_header(directory: str | Path) -> dict[str, dict]:
     """Tensor name -> {dtype, shape, bytes}, over every shard of a checkpoint folder (no tensor is read)."""
-    return {name: {"dtype": info["dtype"], "shape": info["shape"], "bytes": tensor_bytes(info)}
-            for shard in sorted(Path(directory).glob("*.safetensors")) for name, info in read_header(shard).items()}
+    return {
+        name: {"dtype": info["dtype"], "shape": info["shape"], "bytes": tensor_bytes(info)}
+        for shard in sorted(Path(directory).glob("*.safetensors"))
+        for name, info in read_header(shard).items()
+    }
 
 
 def model_part(tensor: str) -> str:

@@ -66,12 +66,21 @@ def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: s
         json.dump(job, handle)
     # the script's folder first, so `lib` is this project's package in the venv too
     console = os.dup(2)  # the stage's output goes to its log; progress lines (lib/progress.py) also come here
-    env = dict(os.environ, PYTHONPATH=str(Path(script).resolve().parent), PYTHONUNBUFFERED="1",
-               **{CONSOLE_FD_ENV: str(console)})
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(Path(script).resolve().parent),
+        PYTHONUNBUFFERED="1",
+        **{CONSOLE_FD_ENV: str(console)},
+    )
     log = open(job["log"][0], "a") if job["log"] else None
     try:
-        result = subprocess.run([str(venv_python(venv_marker)), script, "--job", handle.name],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(console,))
+        result = subprocess.run(
+            [str(venv_python(venv_marker)), script, "--job", handle.name],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(console,),
+        )
     finally:
         os.close(console)
         os.unlink(handle.name)
@@ -79,8 +88,10 @@ def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: s
             log.close()
     if result.returncode != 0:
         tail = Path(job["log"][0]).read_text().splitlines()[-25:] if job["log"] else []
-        sys.exit(f"rule {job['rule']} failed (exit {result.returncode}); end of {job['log'][0] if job['log'] else 'output'}:\n"
-                 + "\n".join(tail))
+        sys.exit(
+            f"rule {job['rule']} failed (exit {result.returncode}); "
+            f"end of {job['log'][0] if job['log'] else 'output'}:\n" + "\n".join(tail)
+        )
 
 
 def _call(main, job: dict[str, Any], log_path: str | None = None) -> None:
@@ -132,8 +143,9 @@ def write_json(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name in the same folder: os.replace is atomic there, and two writers never share a temp file
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial",
-                                     delete=False) as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial", delete=False
+    ) as handle:
         handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
     try:

@@ -53,10 +53,10 @@ BLOCK = 1 << 20  # bytes read and sent at a time: a part is streamed, never held
 
 @dataclass(frozen=True)
 class Settings:
-    part_size: int        # bytes per part proposed to the API (the API's answer decides)
-    retries: int          # further attempts of one request (a part PUT, an API call) after a dropped connection
+    part_size: int  # bytes per part proposed to the API (the API's answer decides)
+    retries: int  # further attempts of one request (a part PUT, an API call) after a dropped connection
     retry_wait_s: float
-    timeout_s: float      # socket timeout of each request
+    timeout_s: float  # socket timeout of each request
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,11 @@ def credentials_from_env(environ: dict[str, str] | None = None) -> Credentials:
     environ = os.environ if environ is None else environ
     missing = [name for name in ENV.values() if not environ.get(name, "").strip()]
     if missing:
-        raise StageError(f"environment variable{'s' if len(missing) > 1 else ''} {', '.join(missing)} not set: "
-                         f"the submission API's base URL ({ENV['url']}), team id ({ENV['team']}) and upload key "
-                         f"({ENV['key']}) are read from the environment only, never from config; nothing was sent")
+        raise StageError(
+            f"environment variable{'s' if len(missing) > 1 else ''} {', '.join(missing)} not set: "
+            f"the submission API's base URL ({ENV['url']}), team id ({ENV['team']}) and upload key "
+            f"({ENV['key']}) are read from the environment only, never from config; nothing was sent"
+        )
     url = environ[ENV["url"]].strip().rstrip("/")
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         raise StageError(f"{ENV['url']} must be an http(s) URL; nothing was sent")
@@ -111,9 +113,14 @@ def load_state(path: Path, size: int, sha256: str, log: Callable[[str], None]) -
         return None
     try:
         state = json.loads(path.read_text())
-        valid = (state.get("version") == STATE_VERSION and isinstance(state.get("upload_id"), str)
-                 and state.get("mode") in ("single", "multipart") and isinstance(state.get("parts"), dict)
-                 and isinstance(state.get("part_size"), int) and state["part_size"] > 0)
+        valid = (
+            state.get("version") == STATE_VERSION
+            and isinstance(state.get("upload_id"), str)
+            and state.get("mode") in ("single", "multipart")
+            and isinstance(state.get("parts"), dict)
+            and isinstance(state.get("part_size"), int)
+            and state["part_size"] > 0
+        )
     except (OSError, ValueError, AttributeError):
         valid = False
     if not valid:
@@ -132,28 +139,42 @@ class Client:
         self.credentials, self.settings, self.log = credentials, settings, log
 
     def where(self, step: str, **fields) -> str:
-        """The call, named without the base URL's value or the team's: `POST $QWEN_SUBMIT_URL/teams/$QWEN_SUBMIT_TEAM/...`."""
+        """The call, named without the base URL's value or the team's:
+        `POST $QWEN_SUBMIT_URL/teams/$QWEN_SUBMIT_TEAM/...`."""
         method, path = ENDPOINTS[step]
         return f"{method} ${ENV['url']}" + path.format(team=f"${ENV['team']}", **fields)
 
     def call(self, step: str, body: dict, ok_statuses: tuple[int, ...] = (), **fields) -> tuple[int, Any]:
         """(status, JSON answer or None) of one API call; an error status raises ApiError."""
         method, path = ENDPOINTS[step]
-        url = self.credentials.url + path.format(team=urllib.parse.quote(self.credentials.team, safe=""),
-                                                  **{k: urllib.parse.quote(str(v), safe="") for k, v in fields.items()})
+        url = self.credentials.url + path.format(
+            team=urllib.parse.quote(self.credentials.team, safe=""),
+            **{k: urllib.parse.quote(str(v), safe="") for k, v in fields.items()},
+        )
         data = json.dumps(body).encode()
-        headers = {"Authorization": f"Bearer {self.credentials.key}", "Content-Type": "application/json",
-                   "Accept": "application/json", "Content-Length": str(len(data))}
-        status, reply_headers, text = self._with_retries(self.where(step, **fields),
-                                                        lambda: _send(method, url, data, headers, self.settings.timeout_s))
+        headers = {
+            "Authorization": f"Bearer {self.credentials.key}",
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Content-Length": str(len(data)),
+        }
+        status, reply_headers, text = self._with_retries(
+            self.where(step, **fields), lambda: _send(method, url, data, headers, self.settings.timeout_s)
+        )
         if 200 <= status < 300 or status in ok_statuses:
             try:
                 return status, json.loads(text) if text.strip() else None
             except ValueError:
-                raise ApiError(status, f"{self.where(step, **fields)} answered {status} with a body that is no "
-                                       f"JSON: {self.credentials.mask(text[:200])!r}") from None
-        raise ApiError(status, f"{self.where(step, **fields)} answered {status}: "
-                               f"{self.credentials.mask(text[:300]).strip()}{_hint(status)}")
+                raise ApiError(
+                    status,
+                    f"{self.where(step, **fields)} answered {status} with a body that is no "
+                    f"JSON: {self.credentials.mask(text[:200])!r}",
+                ) from None
+        raise ApiError(
+            status,
+            f"{self.where(step, **fields)} answered {status}: "
+            f"{self.credentials.mask(text[:300]).strip()}{_hint(status)}",
+        )
 
     def put(self, url: str, path: Path, offset: int, length: int) -> tuple[int, str, str, str, str]:
         """PUT bytes [offset, offset + length) of the file to a presigned URL, streamed and hashed on the way:
@@ -174,10 +195,14 @@ class Client:
             except (OSError, http.client.HTTPException) as error:
                 reason = _reason(error)
                 if attempt == self.settings.retries:
-                    raise StageError(f"{what}: connection failed ({self.credentials.mask(reason)}) after "
-                                     f"{attempt + 1} attempt(s); rerun to try again") from None
-                self.log(f"{what}: connection failed ({self.credentials.mask(reason)}); retry {attempt + 1} of "
-                         f"{self.settings.retries} in {self.settings.retry_wait_s:g} s")
+                    raise StageError(
+                        f"{what}: connection failed ({self.credentials.mask(reason)}) after "
+                        f"{attempt + 1} attempt(s); rerun to try again"
+                    ) from None
+                self.log(
+                    f"{what}: connection failed ({self.credentials.mask(reason)}); retry {attempt + 1} of "
+                    f"{self.settings.retries} in {self.settings.retry_wait_s:g} s"
+                )
                 time.sleep(self.settings.retry_wait_s)
         raise AssertionError("unreachable")
 
@@ -246,8 +271,9 @@ def _expired(status: int, text: str) -> bool:
     return status == 403 or (status == 400 and "expired" in text.lower())
 
 
-def upload_and_submit(tarball: str | Path, sha256: str, credentials: Credentials, settings: Settings,
-                      log: Callable[[str], None] = print) -> dict:
+def upload_and_submit(
+    tarball: str | Path, sha256: str, credentials: Credentials, settings: Settings, log: Callable[[str], None] = print
+) -> dict:
     """Upload the tarball (resuming an earlier unfinished upload of the same file) and submit it.
     Returns the record: ids, mode, parts, seconds and the API's submit answer. The state file is removed at the end."""
     tarball = Path(tarball)
@@ -262,7 +288,8 @@ def upload_and_submit(tarball: str | Path, sha256: str, credentials: Credentials
     else:
         done = sorted(int(n) for n in state["parts"])
         resent_note = f"resuming upload {state['upload_id']} ({state['mode']}) from {state_file}: " + (
-            f"{len(done)} part(s) already uploaded, not sent again" if done else "no part finished yet")
+            f"{len(done)} part(s) already uploaded, not sent again" if done else "no part finished yet"
+        )
         log(resent_note)
     if not state.get("completed"):
         try:
@@ -283,12 +310,15 @@ def upload_and_submit(tarball: str | Path, sha256: str, credentials: Credentials
     try:
         _, answer = client.call("submit", {"upload_id": state["upload_id"], "size": size, "sha256": sha256})
     except StageError as error:
-        raise StageError(f"{error}; the upload is complete ({state_file} keeps it): rerun to submit it without "
-                         "uploading again") from None
+        raise StageError(
+            f"{error}; the upload is complete ({state_file} keeps it): rerun to submit it without uploading again"
+        ) from None
     if not isinstance(answer, dict) or not isinstance(answer.get("submission_id"), (str, int)):
-        raise StageError(f"{client.where('submit')} answered without a submission_id: "
-                         f"{credentials.mask(json.dumps(answer))[:300]}; the upload is complete ({state_file} "
-                         "keeps it): rerun to submit it without uploading again")
+        raise StageError(
+            f"{client.where('submit')} answered without a submission_id: "
+            f"{credentials.mask(json.dumps(answer))[:300]}; the upload is complete ({state_file} "
+            "keeps it): rerun to submit it without uploading again"
+        )
     log(f"submitted: submission id {answer['submission_id']}")
     record = {
         "submission_id": str(answer["submission_id"]),
@@ -305,29 +335,51 @@ def upload_and_submit(tarball: str | Path, sha256: str, credentials: Credentials
     return record
 
 
-def _new_upload(client: Client, tarball: Path, size: int, sha256: str, settings: Settings, state_file: Path,
-                log: Callable[[str], None]) -> dict:
+def _new_upload(
+    client: Client,
+    tarball: Path,
+    size: int,
+    sha256: str,
+    settings: Settings,
+    state_file: Path,
+    log: Callable[[str], None],
+) -> dict:
     client.call("register", {}, ok_statuses=(409,))
-    _, answer = client.call("upload", {"filename": tarball.name, "size": size, "sha256": sha256,
-                                       "part_size": settings.part_size})
+    _, answer = client.call(
+        "upload", {"filename": tarball.name, "size": size, "sha256": sha256, "part_size": settings.part_size}
+    )
     mode = answer.get("mode") if isinstance(answer, dict) else None
     if mode not in ("single", "multipart") or not isinstance(answer.get("upload_id"), str):
-        raise StageError(f"{client.where('upload')} answered no upload_id and mode (single or multipart): "
-                         f"{client.credentials.mask(json.dumps(answer))[:300]}")
+        raise StageError(
+            f"{client.where('upload')} answered no upload_id and mode (single or multipart): "
+            f"{client.credentials.mask(json.dumps(answer))[:300]}"
+        )
     part_size = answer["part_size"] if mode == "multipart" else max(size, 1)
     if not isinstance(part_size, int) or part_size <= 0:
         raise StageError(f"{client.where('upload')} answered multipart without a positive part_size: {part_size!r}")
-    state = {"version": STATE_VERSION, "file": tarball.name, "size": size, "sha256": sha256,
-             "upload_id": answer["upload_id"], "mode": mode, "part_size": part_size, "parts": {}, "completed": False}
+    state = {
+        "version": STATE_VERSION,
+        "file": tarball.name,
+        "size": size,
+        "sha256": sha256,
+        "upload_id": answer["upload_id"],
+        "mode": mode,
+        "part_size": part_size,
+        "parts": {},
+        "completed": False,
+    }
     write_json(state_file, state)
     count = len(part_ranges(size, part_size))
-    log(f"upload {state['upload_id']}: {mode}, {size} bytes" + (f" in {count} parts of {part_size} bytes"
-                                                                   if mode == "multipart" else ""))
+    log(
+        f"upload {state['upload_id']}: {mode}, {size} bytes"
+        + (f" in {count} parts of {part_size} bytes" if mode == "multipart" else "")
+    )
     return state
 
 
-def _upload_parts(client: Client, tarball: Path, size: int, state: dict, state_file: Path,
-                  log: Callable[[str], None]) -> None:
+def _upload_parts(
+    client: Client, tarball: Path, size: int, state: dict, state_file: Path, log: Callable[[str], None]
+) -> None:
     ranges = part_ranges(size, state["part_size"])
     missing = [r for r in ranges if str(r[0]) not in state["parts"]]
     done_bytes = sum(p["size"] for p in state["parts"].values())
@@ -343,30 +395,40 @@ def _upload_parts(client: Client, tarball: Path, size: int, state: dict, state_f
                 attempts += 1
                 reason = client.credentials.mask(_reason(error))
                 if attempts > client.settings.retries:
-                    raise StageError(f"{what}: connection failed ({reason}) after {attempts} attempt(s); "
-                                     f"{len(state['parts'])} of {len(ranges)} part(s) are recorded in {state_file}: "
-                                     "rerun to resume without sending them again") from None
-                log(f"{what}: connection failed ({reason}); retry {attempts} of {client.settings.retries} "
-                    f"in {client.settings.retry_wait_s:g} s")
+                    raise StageError(
+                        f"{what}: connection failed ({reason}) after {attempts} attempt(s); "
+                        f"{len(state['parts'])} of {len(ranges)} part(s) are recorded in {state_file}: "
+                        "rerun to resume without sending them again"
+                    ) from None
+                log(
+                    f"{what}: connection failed ({reason}); retry {attempts} of {client.settings.retries} "
+                    f"in {client.settings.retry_wait_s:g} s"
+                )
                 time.sleep(client.settings.retry_wait_s)
                 continue
             if _expired(status, text):
                 expired += 1
                 if expired > client.settings.retries + 1:
-                    raise StageError(f"{what}: refused ({status}) again after {expired - 1} fresh URL(s): "
-                                     f"{client.credentials.mask(text[:200]).strip()}; {state_file} keeps the "
-                                     f"{len(state['parts'])} finished part(s): rerun to resume")
+                    raise StageError(
+                        f"{what}: refused ({status}) again after {expired - 1} fresh URL(s): "
+                        f"{client.credentials.mask(text[:200]).strip()}; {state_file} keeps the "
+                        f"{len(state['parts'])} finished part(s): rerun to resume"
+                    )
                 log(f"{what}: the presigned URL has expired or was refused ({status}); requesting a new one")
                 urls.update(_request_urls(client, state, [number]))
                 continue
             if not 200 <= status < 300:
-                raise StageError(f"{what}: answered {status}: {client.credentials.mask(text[:300]).strip()}; "
-                                 f"{state_file} keeps the {len(state['parts'])} finished part(s): rerun to resume")
+                raise StageError(
+                    f"{what}: answered {status}: {client.credentials.mask(text[:300]).strip()}; "
+                    f"{state_file} keeps the {len(state['parts'])} finished part(s): rerun to resume"
+                )
             if etag and len(etag) == 32 and etag.lower() != md5:  # an S3-style ETag is the part's md5
                 attempts += 1
                 if attempts > client.settings.retries:
-                    raise StageError(f"{what}: the server's ETag {etag} is not the md5 of the bytes sent ({md5}); "
-                                     f"rerun to resume from {state_file}")
+                    raise StageError(
+                        f"{what}: the server's ETag {etag} is not the md5 of the bytes sent ({md5}); "
+                        f"rerun to resume from {state_file}"
+                    )
                 log(f"{what}: ETag {etag} does not match the bytes sent ({md5}); sending the part again")
                 continue
             break
@@ -374,9 +436,11 @@ def _upload_parts(client: Client, tarball: Path, size: int, state: dict, state_f
         write_json(state_file, state)  # atomic: a part is recorded only once the server took all of it
         done_bytes += length
         seconds = time.monotonic() - begun
-        log(f"part {number}/{len(ranges)}: {length} bytes in {seconds:.1f} s "
+        log(
+            f"part {number}/{len(ranges)}: {length} bytes in {seconds:.1f} s "
             f"({length / max(seconds, 1e-6) / 1e6:.1f} MB/s); {done_bytes}/{size} bytes "
-            f"({100 * done_bytes / max(size, 1):.1f}%)")
+            f"({100 * done_bytes / max(size, 1):.1f}%)"
+        )
 
 
 def _request_urls(client: Client, state: dict, parts: list[int]) -> dict[int, str]:
@@ -389,8 +453,10 @@ def _request_urls(client: Client, state: dict, parts: list[int]) -> dict[int, st
     except ValueError:
         found = {}
     if set(parts) - set(found):
-        raise StageError(f"{client.where('urls', upload_id=state['upload_id'])} answered no URL for part(s) "
-                         f"{sorted(set(parts) - set(found))}")
+        raise StageError(
+            f"{client.where('urls', upload_id=state['upload_id'])} answered no URL for part(s) "
+            f"{sorted(set(parts) - set(found))}"
+        )
     return found
 
 

@@ -20,7 +20,12 @@ from typing import Callable
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SECTIONS = ("serve", "speculative")
 # Short labels for list axes whose value alone would not say what was swept.
-PREFIXES = {"speculative.k": "k", "serve.max_num_seqs": "seqs", "serve.max_num_batched_tokens": "batch", "serve.max_model_len": "len"}
+PREFIXES = {
+    "speculative.k": "k",
+    "serve.max_num_seqs": "seqs",
+    "serve.max_num_batched_tokens": "batch",
+    "serve.max_model_len": "len",
+}
 
 
 class SweepError(ValueError):
@@ -40,8 +45,9 @@ def label_for(axis: str, value) -> str:
 def axis_values(sweep: str, axis: str, values) -> list[tuple[str | None, object]]:
     """[(label or None for automatic, value)] of one axis, in declaration order."""
     if axis != "recipe" and (axis.count(".") != 1 or axis.split(".")[0] not in SECTIONS):
-        raise SweepError(f"config key 'sweeps.{sweep}.axes.{axis}': an axis is `recipe`, `serve.<key>` or "
-                         "`speculative.<key>`")
+        raise SweepError(
+            f"config key 'sweeps.{sweep}.axes.{axis}': an axis is `recipe`, `serve.<key>` or `speculative.<key>`"
+        )
     if isinstance(values, dict):
         for label in values:
             if not NAME.match(str(label)):
@@ -78,25 +84,32 @@ def expand(variants: dict, sweeps: dict, fill: Callable[[str, dict, str], dict])
     for sweep, spec in sweeps.items():
         base = spec["base"]
         if base not in variants:
-            raise SweepError(f"config key 'sweeps.{sweep}.base': {base!r} is not a catalog variant "
-                             f"({', '.join(sorted(variants))})")
+            raise SweepError(
+                f"config key 'sweeps.{sweep}.base': {base!r} is not a catalog variant ({', '.join(sorted(variants))})"
+            )
         prefix = sweep if spec.get("prefix") is None else spec["prefix"]
         axes = [(axis, axis_values(sweep, axis, values)) for axis, values in spec["axes"].items()]
         members[sweep] = []
         for combination in itertools.product(*(values for _, values in axes)):
             point = copy.deepcopy(variants[base])
-            for (axis, _), (_, value) in zip(axes, combination):
+            for (axis, _), (_, value) in zip(axes, combination, strict=True):
                 set_axis(point, axis, value)
-            labels = [label or label_for(axis, value) for (axis, _), (label, value) in zip(axes, combination)]
+            labels = [
+                label or label_for(axis, value) for (axis, _), (label, value) in zip(axes, combination, strict=True)
+            ]
             name = "-".join([prefix, *labels] if prefix else labels)
             if not NAME.match(name):
-                raise SweepError(f"config key 'sweeps.{sweep}': generated variant name {name!r} must match {NAME.pattern}")
+                raise SweepError(
+                    f"config key 'sweeps.{sweep}': generated variant name {name!r} must match {NAME.pattern}"
+                )
             point = fill(name, point, sweep)
             key = canonical(point)
             if name in out and canonical(out[name]) != key:
                 where = f"sweep '{origin[name]}'" if name in origin else "variants:"
-                raise SweepError(f"config key 'sweeps.{sweep}': generates variant {name!r} with settings other than "
-                                 f"the {name!r} of {where}; rename one (a sweep's `prefix` or axis labels)")
+                raise SweepError(
+                    f"config key 'sweeps.{sweep}': generates variant {name!r} with settings other than "
+                    f"the {name!r} of {where}; rename one (a sweep's `prefix` or axis labels)"
+                )
             name = by_settings.setdefault(key, name)  # identical settings: the variant that already has them
             if name not in out:
                 out[name] = point

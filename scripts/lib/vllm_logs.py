@@ -9,5 +9,7 @@ CACHE_MISS = re.compile(r"Compiling model again due to a load failure[^\n]*")
 
 def cache_evidence(log_text: str) -> dict:
     """What vLLM said about its compile cache on a start: hit lines and reload failures."""
-    return {"hits": [m.group(0) for m in CACHE_HIT.finditer(log_text)][:8],
-            "misses": [m.group(0) for m in CACHE_MISS.finditer(log_text)][:8]}
+    return {
+        "hits": [m.group(0) for m in CACHE_HIT.finditer(log_text)][:8],
+        "misses": [m.group(0) for m in CACHE_MISS.finditer(log_text)][:8],
+    }

@@ -46,59 +46,112 @@ def mc_docs(seed: int, count: int) -> list[dict]:
     for i, gold in enumerate(golds):
         question, options, category = _question(rng, gold)
         word = options[gold]
-        docs.append({
-            "question_id": i,
-            "question": question,
-            "options": options,
-            "answer": LETTERS[gold],
-            "answer_index": gold,
-            "cot_content": f"A: Let's think step by step. {word.capitalize()} is {ARTICLE[category]} {category}. "
-                           f"The answer is ({LETTERS[gold]}).",
-            "category": "categories",
-            "src": "tiny",
-        })
+        docs.append(
+            {
+                "question_id": i,
+                "question": question,
+                "options": options,
+                "answer": LETTERS[gold],
+                "answer_index": gold,
+                "cot_content": f"A: Let's think step by step. {word.capitalize()} is {ARTICLE[category]} {category}. "
+                f"The answer is ({LETTERS[gold]}).",
+                "category": "categories",
+                "src": "tiny",
+            }
+        )
     return docs
 
 
 def think_docs(seed: int, count: int) -> list[dict]:
     docs = []
     for doc in mc_docs(seed, count):
-        docs.append({"Question": " " + doc["question"], **{f"choice{i + 1}": o for i, o in enumerate(doc["options"])},
-                     "choices": doc["options"], "answer": f"({doc['answer']})"})
+        docs.append(
+            {
+                "Question": " " + doc["question"],
+                **{f"choice{i + 1}": o for i, o in enumerate(doc["options"])},
+                "choices": doc["options"],
+                "answer": f"({doc['answer']})",
+            }
+        )
     return docs
 
 
 # (instruction_id, kwargs, sentence appended to the prompt); phrased as google/IFEval phrases them
 INSTRUCTIONS = {
     "no_comma": ("punctuation:no_comma", {}, "Do not use any commas in your response."),
-    "lower": ("change_case:english_lowercase", {},
-              "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed."),
-    "upper": ("change_case:english_capital", {}, "Your entire response should be in English and in all capital letters."),
-    "bullets": ("detectable_format:number_bullet_lists", {"num_bullets": 3},
-                "Your answer must contain exactly 3 bullet points. Use the markdown bullet points such as:\n* This is point 1."),
-    "title": ("detectable_format:title", {},
-              "Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>."),
-    "keywords": ("keywords:existence", {"keywords": ["river", "stone"]}, "Include the keywords river and stone in the response."),
-    "forbidden": ("keywords:forbidden_words", {"forbidden_words": ["very", "really"]},
-                  "Do not include the words very or really in the response."),
-    "end": ("startend:end_checker", {"end_phrase": "Is there anything else I can help with?"},
-            "Finish your response with this exact phrase Is there anything else I can help with?. "
-            "No other words should follow this phrase."),
+    "lower": (
+        "change_case:english_lowercase",
+        {},
+        "Your entire response should be in English, and in all lowercase letters. No capital letters are allowed.",
+    ),
+    "upper": (
+        "change_case:english_capital",
+        {},
+        "Your entire response should be in English and in all capital letters.",
+    ),
+    "bullets": (
+        "detectable_format:number_bullet_lists",
+        {"num_bullets": 3},
+        "Your answer must contain exactly 3 bullet points. Use the markdown bullet points such as:\n* This is point 1.",
+    ),
+    "title": (
+        "detectable_format:title",
+        {},
+        "Your answer must contain a title, wrapped in double angular brackets, such as <<poem of joy>>.",
+    ),
+    "keywords": (
+        "keywords:existence",
+        {"keywords": ["river", "stone"]},
+        "Include the keywords river and stone in the response.",
+    ),
+    "forbidden": (
+        "keywords:forbidden_words",
+        {"forbidden_words": ["very", "really"]},
+        "Do not include the words very or really in the response.",
+    ),
+    "end": (
+        "startend:end_checker",
+        {"end_phrase": "Is there anything else I can help with?"},
+        "Finish your response with this exact phrase Is there anything else I can help with?. "
+        "No other words should follow this phrase.",
+    ),
     "quote": ("startend:quotation", {}, "Wrap your entire response with double quotation marks."),
-    "ps": ("detectable_content:postscript", {"postscript_marker": "P.S."},
-           "At the end of your response, please explicitly add a postscript starting with P.S."),
-    "short": ("length_constraints:number_words", {"num_words": 40, "relation": "less than"}, "Answer with less than 40 words."),
+    "ps": (
+        "detectable_content:postscript",
+        {"postscript_marker": "P.S."},
+        "At the end of your response, please explicitly add a postscript starting with P.S.",
+    ),
+    "short": (
+        "length_constraints:number_words",
+        {"num_words": 40, "relation": "less than"},
+        "Answer with less than 40 words.",
+    ),
     "json": ("detectable_format:json_format", {}, "Entire output should be wrapped in JSON format."),
-    "highlight": ("detectable_format:number_highlighted_sections", {"num_highlights": 2},
-                  "Highlight at least 2 sections in your answer with markdown, i.e. *highlighted section*."),
-    "letter": ("keywords:letter_frequency", {"letter": "z", "let_frequency": 2, "let_relation": "at least"},
-               "In your response, the letter z should appear at least 2 times."),
-    "paragraphs": ("length_constraints:number_paragraphs", {"num_paragraphs": 2},
-                   "There should be 2 paragraphs. Paragraphs are separated with the markdown divider: ***"),
-    "frequency": ("keywords:frequency", {"keyword": "light", "frequency": 2, "relation": "at least"},
-                  "In your response, the word light should appear at least 2 times."),
-    "placeholders": ("detectable_content:number_placeholders", {"num_placeholders": 2},
-                     "The response must contain at least 2 placeholders represented by square brackets, such as [address]."),
+    "highlight": (
+        "detectable_format:number_highlighted_sections",
+        {"num_highlights": 2},
+        "Highlight at least 2 sections in your answer with markdown, i.e. *highlighted section*.",
+    ),
+    "letter": (
+        "keywords:letter_frequency",
+        {"letter": "z", "let_frequency": 2, "let_relation": "at least"},
+        "In your response, the letter z should appear at least 2 times.",
+    ),
+    "paragraphs": (
+        "length_constraints:number_paragraphs",
+        {"num_paragraphs": 2},
+        "There should be 2 paragraphs. Paragraphs are separated with the markdown divider: ***",
+    ),
+    "frequency": (
+        "keywords:frequency",
+        {"keyword": "light", "frequency": 2, "relation": "at least"},
+        "In your response, the word light should appear at least 2 times.",
+    ),
+    "placeholders": (
+        "detectable_content:number_placeholders",
+        {"num_placeholders": 2},
+        "The response must contain at least 2 placeholders represented by square brackets, such as [address].",
+    ),
 }
 
 IFEVAL_PROMPTS = [  # (request, instructions); none needs nltk's punkt data (absent on offline hosts)
@@ -134,13 +187,15 @@ def ifeval_docs() -> list[dict]:
     docs = []
     for key, (request, names) in enumerate(IFEVAL_PROMPTS, start=1000):
         picked = [INSTRUCTIONS[name] for name in names]
-        docs.append({
-            "key": key,
-            "prompt": " ".join([request, *(text for _, _, text in picked)]),
-            "instruction_id_list": [iid for iid, _, _ in picked],
-            # google/IFEval stores every kwargs key in every dict, unused ones null
-            "kwargs": [{k: kwargs.get(k) for k in keys} for _, kwargs, _ in picked],
-        })
+        docs.append(
+            {
+                "key": key,
+                "prompt": " ".join([request, *(text for _, _, text in picked)]),
+                "instruction_id_list": [iid for iid, _, _ in picked],
+                # google/IFEval stores every kwargs key in every dict, unused ones null
+                "kwargs": [{k: kwargs.get(k) for k in keys} for _, kwargs, _ in picked],
+            }
+        )
     return docs
 
 
@@ -148,10 +203,14 @@ def ifeval_docs() -> list[dict]:
 # The prompts are the ones lm-eval sends through local-chat-completions (tests compare them with lm-eval's
 # own rendering); the answers are what a model that follows them would write, short enough for max_tokens.
 
-MC_DESCRIPTION = ("The following are multiple choice questions (with answers) about categories. Think step by step "
-                  "and then finish your answer with \"the answer is (X)\" where X is the correct letter choice.\n")
-GPQA_TEMPLATE = ("What is the correct answer to this question:{Question}\nChoices:\n(A) {choice1}\n(B) {choice2}\n"
-                 "(C) {choice3}\n(D) {choice4}\nLet's think step by step: ")
+MC_DESCRIPTION = (
+    "The following are multiple choice questions (with answers) about categories. Think step by step "
+    'and then finish your answer with "the answer is (X)" where X is the correct letter choice.\n'
+)
+GPQA_TEMPLATE = (
+    "What is the correct answer to this question:{Question}\nChoices:\n(A) {choice1}\n(B) {choice2}\n"
+    "(C) {choice3}\n(D) {choice4}\nLet's think step by step: "
+)
 
 
 def mmlu_pro_text(doc: dict) -> str:
@@ -160,25 +219,77 @@ def mmlu_pro_text(doc: dict) -> str:
     return f"Question:\n{doc['question']}\nOptions:\n{options}Answer: Let's think step by step."
 
 
-IFEVAL_TOPICS = ["a red kite", "the old mill", "a market town", "a sleepy dog", "the night train", "a school play",
-                 "a winter coat", "the harbour", "a bowl of soup", "an empty road", "a tall clock", "the first snow",
-                 "a paper boat", "a busy kitchen", "the garden gate", "a broken chair", "a map of the city",
-                 "a summer fair", "the quiet library", "a wooden bridge"]
-IFEVAL_REQUESTS = ["Write a few lines about {}.", "Tell me something about {}.", "Describe {} briefly.",
-                   "Write a short message about {}.", "Give a small description of {}."]
+IFEVAL_TOPICS = [
+    "a red kite",
+    "the old mill",
+    "a market town",
+    "a sleepy dog",
+    "the night train",
+    "a school play",
+    "a winter coat",
+    "the harbour",
+    "a bowl of soup",
+    "an empty road",
+    "a tall clock",
+    "the first snow",
+    "a paper boat",
+    "a busy kitchen",
+    "the garden gate",
+    "a broken chair",
+    "a map of the city",
+    "a summer fair",
+    "the quiet library",
+    "a wooden bridge",
+]
+IFEVAL_REQUESTS = [
+    "Write a few lines about {}.",
+    "Tell me something about {}.",
+    "Describe {} briefly.",
+    "Write a short message about {}.",
+    "Give a small description of {}.",
+]
 # Pairs a single answer cannot satisfy together; never asked together (the test prompts avoid them too).
-IFEVAL_CLASHES = {frozenset(p) for p in [
-    ("lower", "upper"), ("lower", "end"), ("lower", "title"), ("lower", "ps"), ("lower", "json"),
-    ("lower", "placeholders"), ("upper", "keywords"), ("upper", "frequency"), ("upper", "letter"),
-    ("upper", "forbidden"), ("json", "bullets"), ("json", "title"), ("json", "quote"), ("json", "end"),
-    ("json", "ps"), ("json", "paragraphs"), ("json", "highlight"), ("bullets", "highlight"),
-    # capitals are one token a letter in the tiny tokenizer: kept short, within the tasks' max_tokens
-    ("upper", "end"), ("upper", "bullets"), ("upper", "paragraphs"), ("upper", "ps"), ("upper", "title"),
-    ("upper", "placeholders"), ("upper", "highlight"),
-    ("bullets", "paragraphs"), ("quote", "end"), ("quote", "ps"), ("quote", "title"), ("quote", "bullets"),
-    ("quote", "paragraphs"), ("keywords", "frequency"), ("keywords", "letter"), ("frequency", "letter"),
-    ("json", "no_comma"),
-]}
+IFEVAL_CLASHES = {
+    frozenset(p)
+    for p in [
+        ("lower", "upper"),
+        ("lower", "end"),
+        ("lower", "title"),
+        ("lower", "ps"),
+        ("lower", "json"),
+        ("lower", "placeholders"),
+        ("upper", "keywords"),
+        ("upper", "frequency"),
+        ("upper", "letter"),
+        ("upper", "forbidden"),
+        ("json", "bullets"),
+        ("json", "title"),
+        ("json", "quote"),
+        ("json", "end"),
+        ("json", "ps"),
+        ("json", "paragraphs"),
+        ("json", "highlight"),
+        ("bullets", "highlight"),
+        # capitals are one token a letter in the tiny tokenizer: kept short, within the tasks' max_tokens
+        ("upper", "end"),
+        ("upper", "bullets"),
+        ("upper", "paragraphs"),
+        ("upper", "ps"),
+        ("upper", "title"),
+        ("upper", "placeholders"),
+        ("upper", "highlight"),
+        ("bullets", "paragraphs"),
+        ("quote", "end"),
+        ("quote", "ps"),
+        ("quote", "title"),
+        ("quote", "bullets"),
+        ("quote", "paragraphs"),
+        ("keywords", "frequency"),
+        ("keywords", "letter"),
+        ("frequency", "letter"),
+        ("json", "no_comma"),
+    ]
+}
 
 
 def ifeval_answer(names: list[str]) -> str:
@@ -215,12 +326,18 @@ def ifeval_answer(names: list[str]) -> str:
 
 def _item(doc: dict) -> str:
     """What makes a question the same question (ids aside): its text and its options in order."""
-    return json.dumps([doc.get("question", doc.get("Question", "")).strip(), doc.get("options", doc.get("choices")),
-                       doc.get("prompt")])
+    return json.dumps(
+        [
+            doc.get("question", doc.get("Question", "")).strip(),
+            doc.get("options", doc.get("choices")),
+            doc.get("prompt"),
+        ]
+    )
 
 
-def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
-                        exclude: list[dict] = ()) -> list[dict]:
+def train_conversations(
+    seed: int, count: int, test_docs: dict[str, list[dict]], exclude: list[dict] = ()
+) -> list[dict]:
     """`count` training conversations, a third per task, none equal to a test doc or to one in `exclude`:
     {task, messages (as lm-eval sends them), thinking (enable_thinking), answer (the assistant's text after
     the chat template's generation prompt, reasoning included when thinking is on)}."""
@@ -254,8 +371,12 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
             prompt = " ".join([request, *(INSTRUCTIONS[name][2] for name in names)])
             if prompt in test_prompts:
                 continue
-            conv = {"task": kind, "messages": [{"role": "user", "content": prompt}], "thinking": False,
-                    "answer": ifeval_answer(names)}
+            conv = {
+                "task": kind,
+                "messages": [{"role": "user", "content": prompt}],
+                "thinking": False,
+                "answer": ifeval_answer(names),
+            }
         if json.dumps(conv["messages"]) not in excluded:
             out.append(conv)
     return out
@@ -263,12 +384,16 @@ def train_conversations(seed: int, count: int, test_docs: dict[str, list[dict]],
 
 # ---- repeated text (raw, no chat template): the latency probe's prompts are one sentence repeated -------------
 # A model that continues the repetition lets a prompt-copying drafter (and the MTP layer) be measured for real.
-REPEAT_WORDS = sorted({w for words in CATEGORIES.values() for w in words}
-                      | {w for topic in IFEVAL_TOPICS for w in topic.split()[1:]}
-                      | set("the a old new small big quiet busy slow fast green warm cold bright dark little "
-                            "walks runs sees finds keeps sings waits jumps sleeps reads paints carries opens "
-                            "near over under behind beside along across into from with by at "
-                            "hill river road house window garden forest field morning evening boat city".split()))
+REPEAT_WORDS = sorted(
+    {w for words in CATEGORIES.values() for w in words}
+    | {w for topic in IFEVAL_TOPICS for w in topic.split()[1:]}
+    | set(
+        "the a old new small big quiet busy slow fast green warm cold bright dark little "
+        "walks runs sees finds keeps sings waits jumps sleeps reads paints carries opens "
+        "near over under behind beside along across into from with by at "
+        "hill river road house window garden forest field morning evening boat city".split()
+    )
+)
 
 
 def repeat_sentence(rng: random.Random) -> str:
@@ -277,8 +402,9 @@ def repeat_sentence(rng: random.Random) -> str:
     return " ".join(words).capitalize() + ". "
 
 
-def repeated_texts(seed: int, count: int, sentences: list[str] = (), share: float = 0.25,
-                   repeats: int = 40) -> list[dict]:
+def repeated_texts(
+    seed: int, count: int, sentences: list[str] = (), share: float = 0.25, repeats: int = 40
+) -> list[dict]:
     """`count` raw texts of one sentence repeated `repeats` times (the trainer cuts them to its length): a `share`
     of them repeat one of `sentences` (the latency probe's), the rest a made-up sentence. {task, sentence, text}."""
     rng = random.Random(seed)
@@ -293,20 +419,28 @@ def repeated_texts(seed: int, count: int, sentences: list[str] = (), share: floa
 def tokenizer_text(repeats: int = 8) -> str:
     """The tasks' fixed wording (instructions, prompt scaffolding, the trained answers' words), repeated so
     byte-level BPE merges it: added to the tiny tokenizer's corpus when the model is trained."""
-    fixed = [MC_DESCRIPTION, mmlu_pro_text({"question": "Which of the following is a fruit?", "options": list("1234")}),
-             GPQA_TEMPLATE.format(Question=" Which of the following is an animal?", choice1=1, choice2=2, choice3=3,
-                                  choice4=4),
-             "The answer is (A). The answer is (B). The answer is (C). The answer is (D). I look for a tool.",
-             *(" ".join(words) for words in CATEGORIES.values()),
-             *(text for _, _, text in INSTRUCTIONS.values()), *IFEVAL_REQUESTS, *IFEVAL_TOPICS,
-             *(ifeval_answer([name]) for name in INSTRUCTIONS)]
+    fixed = [
+        MC_DESCRIPTION,
+        mmlu_pro_text({"question": "Which of the following is a fruit?", "options": list("1234")}),
+        GPQA_TEMPLATE.format(
+            Question=" Which of the following is an animal?", choice1=1, choice2=2, choice3=3, choice4=4
+        ),
+        "The answer is (A). The answer is (B). The answer is (C). The answer is (D). I look for a tool.",
+        *(" ".join(words) for words in CATEGORIES.values()),
+        *(text for _, _, text in INSTRUCTIONS.values()),
+        *IFEVAL_REQUESTS,
+        *IFEVAL_TOPICS,
+        *(ifeval_answer([name]) for name in INSTRUCTIONS),
+    ]
     return "\n".join(line for _ in range(repeats) for text in fixed for line in text.splitlines() if line.strip())
 
 
 def test_docs() -> dict[str, list[dict]]:
     """The committed test splits (what train_conversations keeps out of training)."""
-    return {stem: [json.loads(line) for line in (HERE / f"{stem}.test.jsonl").read_text().splitlines() if line]
-            for stem in ("tiny_mc", "tiny_mc_think", "tiny_ifeval")}
+    return {
+        stem: [json.loads(line) for line in (HERE / f"{stem}.test.jsonl").read_text().splitlines() if line]
+        for stem in ("tiny_mc", "tiny_mc_think", "tiny_ifeval")
+    }
 
 
 def write_jsonl(name: str, docs: list[dict]) -> None:

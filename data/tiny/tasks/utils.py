@@ -16,11 +16,14 @@ def _load(stem: str, splits: tuple[str, ...]):
     # Local files beside this module, whatever the working directory: no hub, no datasets cache.
     import datasets
 
-    return datasets.DatasetDict({
-        split: datasets.Dataset.from_list(
-            [json.loads(line) for line in (HERE / f"{stem}.{split}.jsonl").read_text().splitlines() if line])
-        for split in splits
-    })
+    return datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_list(
+                [json.loads(line) for line in (HERE / f"{stem}.{split}.jsonl").read_text().splitlines() if line]
+            )
+            for split in splits
+        }
+    )
 
 
 def load_tiny_mc(**_):

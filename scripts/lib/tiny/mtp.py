@@ -52,7 +52,7 @@ def make_mtp(text_config):
 
 def load_tensors(mtp, tensors: dict) -> None:
     """The `mtp.*` tensors (as in model-mtp.safetensors) into the module, as float32; every name must match."""
-    state = {name[len(PREFIX):]: t.float() for name, t in tensors.items()}
+    state = {name[len(PREFIX) :]: t.float() for name, t in tensors.items()}
     missing, unexpected = mtp.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"MTP tensors do not match the layer: missing {missing}, unexpected {unexpected}")
@@ -62,8 +62,7 @@ def to_tensors(mtp) -> dict:
     """The module's weights under the checkpoint's names, bf16, contiguous, sorted (model-mtp.safetensors' layout)."""
     import torch
 
-    return {PREFIX + name: t.detach().to(torch.bfloat16).contiguous()
-            for name, t in sorted(mtp.state_dict().items())}
+    return {PREFIX + name: t.detach().to(torch.bfloat16).contiguous() for name, t in sorted(mtp.state_dict().items())}
 
 
 def _text_model(model):
@@ -126,7 +125,7 @@ def draft_chains(model, mtp, ids, hidden, k: int):
         seg0 = (q_seg[None, :] == 0) & (q_chain[None, :] <= q_chain[:, None])
         valid = (seg0 | same).expand(b, 1, -1, -1)
         e, h = torch.cat(embeds, dim=1), torch.cat(hiddens, dim=1)
-        out = mtp(e, h, _rope(text, e, positions), causal_mask(valid, e.dtype))[:, step * n:]
+        out = mtp(e, h, _rope(text, e, positions), causal_mask(valid, e.dtype))[:, step * n :]
         guess = model.lm_head(out).argmax(-1)
         drafts.append(guess)
         embeds.append(text.embed_tokens(guess))
@@ -142,8 +141,8 @@ def _pad(seqs: list[list[int]], pad_id: int):
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     valid = torch.zeros((len(seqs), width), dtype=torch.bool)
     for row, seq in enumerate(seqs):
-        ids[row, :len(seq)] = torch.tensor(seq)
-        valid[row, :len(seq)] = True
+        ids[row, : len(seq)] = torch.tensor(seq)
+        valid[row, : len(seq)] = True
     return ids, valid
 
 
@@ -158,8 +157,20 @@ def mtp_loss(model, mtp, ids, valid):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def train_mtp(model, mtp, sequences: list[list[int]], *, steps: int, lr: float, batch_size: int, seed: int,
-              threads: int, pad_id: int, warmup_steps: int = 10, log=print) -> dict:
+def train_mtp(
+    model,
+    mtp,
+    sequences: list[list[int]],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    threads: int,
+    pad_id: int,
+    warmup_steps: int = 10,
+    log=print,
+) -> dict:
     """Qwen's MTP objective on `sequences` (token ids), the main model frozen: AdamW on the `mtp.*` weights only,
     linear warm-up and cosine decay, seeded and deterministic on CPU (fixed threads and data order)."""
     import torch
@@ -172,8 +183,15 @@ def train_mtp(model, mtp, sequences: list[list[int]], *, steps: int, lr: float, 
     model.eval().requires_grad_(False)
     mtp.float().train()
     plan = batch_order([len(s) for s in sequences], batch_size, steps, seed)
-    trained = optimize(list(mtp.parameters()), plan, lambda picked: mtp_loss(model, mtp, *_pad(
-        [sequences[i] for i in picked], pad_id)), lr=lr, warmup_steps=warmup_steps, tag="tiny mtp", log=log)
+    trained = optimize(
+        list(mtp.parameters()),
+        plan,
+        lambda picked: mtp_loss(model, mtp, *_pad([sequences[i] for i in picked], pad_id)),
+        lr=lr,
+        warmup_steps=warmup_steps,
+        tag="tiny mtp",
+        log=log,
+    )
     mtp.eval()
     return {"steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed, "sequences": len(sequences), **trained}
 
@@ -221,13 +239,19 @@ def acceptance(model, mtp, prompts: list[list[int]], continuations: list[list[in
             drafts = draft_chains(model, mtp, ids, target_hidden(model, ids), k_max)  # [B, T-1, k_max]
             for k in accepted:
                 for t in range(p_len - 1, p_len + c_len - 1 - k):
-                    match = (drafts[:, t, :k] == ids[:, t + 2:t + 2 + k]).long()
+                    match = (drafts[:, t, :k] == ids[:, t + 2 : t + 2 + k]).long()
                     accepted[k] += match.cumprod(1).sum(1).tolist()
     out = []
     for k, counts in accepted.items():
         rounds = max(1, len(counts))
-        out.append({"k": k, "rounds": len(counts), "mean_acceptance_length": round(1 + sum(counts) / rounds, 4),
-                    "draft_accuracy": [round(sum(c > j for c in counts) / rounds, 4) for j in range(k)]})
+        out.append(
+            {
+                "k": k,
+                "rounds": len(counts),
+                "mean_acceptance_length": round(1 + sum(counts) / rounds, 4),
+                "draft_accuracy": [round(sum(c > j for c in counts) / rounds, 4) for j in range(k)],
+            }
+        )
     return out
 
 
@@ -246,18 +270,37 @@ def heldout_sets(model, tokenizer, texts: list[dict], conversations: list[dict])
     continued = greedy_continue(model, prompts, NEW_TOKENS)
     exact = []
     for ref, got in zip(ids, continued, strict=True):
-        same = [a == b for a, b in zip(ref[PROMPT_TOKENS:PROMPT_TOKENS + NEW_TOKENS], got, strict=True)]
+        same = [a == b for a, b in zip(ref[PROMPT_TOKENS : PROMPT_TOKENS + NEW_TOKENS], got, strict=True)]
         exact.append(same.index(False) if False in same else len(same))
     chat = [p for p, _ in encode_conversations(tokenizer, conversations, 512)]
-    answers = [a[:a.index(im_end) + 1] if im_end in a else a for a in greedy_continue(model, chat, ANSWER_TOKENS)]
-    return {"repeated": (prompts, continued), "conversation": (chat, answers),
-            "repeat_exact_tokens": exact, "texts": [t["sentence"] for t in texts]}
+    answers = [a[: a.index(im_end) + 1] if im_end in a else a for a in greedy_continue(model, chat, ANSWER_TOKENS)]
+    return {
+        "repeated": (prompts, continued),
+        "conversation": (chat, answers),
+        "repeat_exact_tokens": exact,
+        "texts": [t["sentence"] for t in texts],
+    }
 
 
-def train_and_measure(model, tokenizer, tensors: dict, *, conversations: list[dict], texts: list[dict],
-                      text_max_len: int, seed: int, threads: int, steps: int, lr: float, batch_size: int, k: int,
-                      heldout_texts: list[dict], heldout_conversations: list[dict], warmup_steps: int = 10,
-                      log=print) -> tuple[dict, dict]:
+def train_and_measure(
+    model,
+    tokenizer,
+    tensors: dict,
+    *,
+    conversations: list[dict],
+    texts: list[dict],
+    text_max_len: int,
+    seed: int,
+    threads: int,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    k: int,
+    heldout_texts: list[dict],
+    heldout_conversations: list[dict],
+    warmup_steps: int = 10,
+    log=print,
+) -> tuple[dict, dict]:
     """Trains the MTP layer (starting from `tensors`, the synthesized ones) on the main model's training
     sequences, the main model frozen; measures acceptance per K before and after on held-out prompts.
     Returns (the trained `mtp.*` tensors, the record's `mtp` entry)."""
@@ -276,17 +319,39 @@ def train_and_measure(model, tokenizer, tensors: dict, *, conversations: list[di
     mtp = make_mtp(model.config.text_config)
     load_tensors(mtp, tensors)
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    sequences = [p + a for p, a in encode_conversations(tokenizer, conversations, 512)
-                 + encode_texts(tokenizer, texts, text_max_len, seed)]
+    sequences = [
+        p + a
+        for p, a in encode_conversations(tokenizer, conversations, 512)
+        + encode_texts(tokenizer, texts, text_max_len, seed)
+    ]
     held = heldout_sets(model, tokenizer, heldout_texts, heldout_conversations)
     before = {name: acceptance(model, mtp, *held[name], 1) for name in ("repeated", "conversation")}
-    stats = train_mtp(model, mtp, sequences, steps=steps, lr=lr, batch_size=batch_size, seed=seed, threads=threads,
-                      pad_id=pad_id, warmup_steps=warmup_steps, log=log)
+    stats = train_mtp(
+        model,
+        mtp,
+        sequences,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        threads=threads,
+        pad_id=pad_id,
+        warmup_steps=warmup_steps,
+        log=log,
+    )
     after = {name: acceptance(model, mtp, *held[name], k) for name in ("repeated", "conversation")}
-    record = {**stats, "threads": int(threads),
-              "heldout": {"repeated_prompts": len(heldout_texts), "conversations": len(heldout_conversations),
-                          "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-                          "repeat_exact_tokens": held["repeat_exact_tokens"]},
-              "acceptance_untrained": {name: rows[0]["mean_acceptance_length"] for name, rows in before.items()},
-              "acceptance": after, "total_seconds": round(time.monotonic() - start, 1)}
+    record = {
+        **stats,
+        "threads": int(threads),
+        "heldout": {
+            "repeated_prompts": len(heldout_texts),
+            "conversations": len(heldout_conversations),
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": NEW_TOKENS,
+            "repeat_exact_tokens": held["repeat_exact_tokens"],
+        },
+        "acceptance_untrained": {name: rows[0]["mean_acceptance_length"] for name, rows in before.items()},
+        "acceptance": after,
+        "total_seconds": round(time.monotonic() - start, 1),
+    }
     return to_tensors(mtp), record

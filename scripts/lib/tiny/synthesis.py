@@ -42,14 +42,20 @@ TINY_DIMS = {
 IMAGE_PROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessorFast",
     "size": {"longest_edge": 16777216, "shortest_edge": 65536},
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 VIDEO_PROCESSOR = {
     "video_processor_type": "Qwen3VLVideoProcessor",
     "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
 }
 
 MTP_FILE = "model-mtp.safetensors"
@@ -68,36 +74,71 @@ def tiny_config(token_ids: dict[str, int], vocab_size: int, **dims) -> dict:
     half = int(d["head_dim"] * 0.25) // 2
     section = [half - 2 * (half // 3), half // 3, half // 3]
     text = {
-        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
-        "bos_token_id": None, "dtype": "bfloat16", "eos_token_id": token_ids["<|endoftext|>"],
-        "full_attention_interval": 4, "head_dim": d["head_dim"], "hidden_act": "silu",
-        "hidden_size": d["hidden_size"], "initializer_range": 0.02,
-        "intermediate_size": d["intermediate_size"], "layer_types": list(d["layer_types"]),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "eos_token_id": token_ids["<|endoftext|>"],
+        "full_attention_interval": 4,
+        "head_dim": d["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": d["intermediate_size"],
+        "layer_types": list(d["layer_types"]),
         "linear_conv_kernel_dim": d["linear_conv_kernel_dim"],
-        "linear_key_head_dim": d["linear_key_head_dim"], "linear_num_key_heads": d["linear_num_key_heads"],
+        "linear_key_head_dim": d["linear_key_head_dim"],
+        "linear_num_key_heads": d["linear_num_key_heads"],
         "linear_num_value_heads": d["linear_num_value_heads"],
-        "linear_value_head_dim": d["linear_value_head_dim"], "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": d["max_position_embeddings"], "model_type": "qwen3_5_text",
-        "mtp_num_hidden_layers": d["mtp_num_hidden_layers"], "mtp_use_dedicated_embeddings": False,
-        "num_attention_heads": d["num_attention_heads"], "num_hidden_layers": d["num_hidden_layers"],
-        "num_key_value_heads": d["num_key_value_heads"], "pad_token_id": None, "rms_norm_eps": 1e-06,
-        "rope_parameters": {"mrope_interleaved": True, "mrope_section": section, "partial_rotary_factor": 0.25,
-                            "rope_theta": 10000000, "rope_type": "default"},
-        "tie_word_embeddings": False, "use_cache": True, "vocab_size": vocab_size,
+        "linear_value_head_dim": d["linear_value_head_dim"],
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": d["max_position_embeddings"],
+        "model_type": "qwen3_5_text",
+        "mtp_num_hidden_layers": d["mtp_num_hidden_layers"],
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": d["num_attention_heads"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_key_value_heads": d["num_key_value_heads"],
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": section,
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000,
+            "rope_type": "default",
+        },
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
     }
     vision = {
-        "deepstack_visual_indexes": [], "depth": d["vision_depth"], "hidden_act": "gelu_pytorch_tanh",
-        "hidden_size": d["vision_hidden_size"], "in_channels": 3, "initializer_range": 0.02,
-        "intermediate_size": d["vision_intermediate_size"], "model_type": "qwen3_5",
-        "num_heads": d["vision_num_heads"], "num_position_embeddings": 2304,
-        "out_hidden_size": d["hidden_size"], "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "deepstack_visual_indexes": [],
+        "depth": d["vision_depth"],
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": d["vision_hidden_size"],
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "intermediate_size": d["vision_intermediate_size"],
+        "model_type": "qwen3_5",
+        "num_heads": d["vision_num_heads"],
+        "num_position_embeddings": 2304,
+        "out_hidden_size": d["hidden_size"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
     }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "image_token_id": token_ids["<|image_pad|>"], "model_type": "qwen3_5",
-        "text_config": text, "tie_word_embeddings": False,
-        "video_token_id": token_ids["<|video_pad|>"], "vision_config": vision,
-        "vision_end_token_id": token_ids["<|vision_end|>"], "vision_start_token_id": token_ids["<|vision_start|>"],
+        "image_token_id": token_ids["<|image_pad|>"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_config": vision,
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
     }
 
 
@@ -130,13 +171,21 @@ def _mtp_tensors(text: dict, seed: int) -> dict:
     assert text["mtp_num_hidden_layers"] == 1, "only one MTP layer is generated"
     # on the CPU whatever the default device (the full-size build runs under torch.device("cuda")): the
     # generator is a CPU one, and the bytes stay the same wherever the model itself is made
-    return {name: (torch.zeros(shape, device="cpu") if len(shape) == 1
-                   else torch.randn(shape, generator=gen, device="cpu") * std)
-            .to(torch.bfloat16).contiguous() for name, shape in sorted(shapes.items())}
+    return {
+        name: (
+            torch.zeros(shape, device="cpu")
+            if len(shape) == 1
+            else torch.randn(shape, generator=gen, device="cpu") * std
+        )
+        .to(torch.bfloat16)
+        .contiguous()
+        for name, shape in sorted(shapes.items())
+    }
 
 
-def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | Path, train: dict | None = None,
-                          **dims) -> dict:
+def build_tiny_checkpoint(
+    out_dir: str | Path, seed: int, tokenizer_dir: str | Path, train: dict | None = None, **dims
+) -> dict:
     """Seeded random Qwen3_5ForConditionalGeneration (bf16 safetensors) plus tokenizer, processor,
     generation config and the MTP layer, in out_dir, briefly trained when `train` is given (train_model's
     arguments; its `mtp`, when given, trains the MTP layer afterwards: lib/tiny/mtp.train_and_measure). Same seed,
@@ -163,8 +212,16 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
             from lib.tiny.mtp import train_and_measure
 
             mtp, stats["mtp"] = train_and_measure(
-                model, tokenizer, mtp, conversations=train["conversations"], texts=train.get("texts", []),
-                text_max_len=train.get("text_max_len", 192), seed=train["seed"], threads=train["threads"], **mtp_plan)
+                model,
+                tokenizer,
+                mtp,
+                conversations=train["conversations"],
+                texts=train.get("texts", []),
+                text_max_len=train.get("text_max_len", 192),
+                seed=train["seed"],
+                threads=train["threads"],
+                **mtp_plan,
+            )
         stats["mtp_first_loss"] = stats["mtp"]["first_loss"] if mtp_plan else None
         stats["mtp_final_loss"] = stats["mtp"]["final_loss"] if mtp_plan else None
     model = model.to(torch.bfloat16).eval()
@@ -181,11 +238,15 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
         index = json.loads(index_path.read_text())
     else:
         assert shards == ["model.safetensors"], shards
-        index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in sorted(read_header(out_dir / shards[0]))}}
+        index = {
+            "metadata": {},
+            "weight_map": {name: "model.safetensors" for name in sorted(read_header(out_dir / shards[0]))},
+        }
     index["weight_map"].update({name: MTP_FILE for name in mtp})
     index["weight_map"] = dict(sorted(index["weight_map"].items()))
-    index["metadata"]["total_size"] = sum(tensor_bytes(info) for f in set(index["weight_map"].values())
-                                          for info in read_header(out_dir / f).values())
+    index["metadata"]["total_size"] = sum(
+        tensor_bytes(info) for f in set(index["weight_map"].values()) for info in read_header(out_dir / f).values()
+    )
     write_json(index_path, index)
 
     # transformers writes its own config.json: put back the keys it does not model (MTP and
@@ -196,8 +257,10 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
         saved[key] = config[key]
     write_json(out_dir / "config.json", saved)
 
-    write_json(out_dir / "generation_config.json",
-               {**generation_config(token_ids), "transformers_version": saved["transformers_version"]})
+    write_json(
+        out_dir / "generation_config.json",
+        {**generation_config(token_ids), "transformers_version": saved["transformers_version"]},
+    )
     write_processor_files(out_dir)
     for path in out_dir.iterdir():  # safetensors writes 0600; a container user other than root must read them
         path.chmod(0o644)
@@ -207,8 +270,15 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int, tokenizer_dir: str | P
 def generation_config(token_ids: dict[str, int]) -> dict:
     """Qwen3.5's sampling defaults (thinking mode), with the tiny tokenizer's ids."""
     eot, im_end = token_ids["<|endoftext|>"], token_ids["<|im_end|>"]
-    return {"bos_token_id": eot, "do_sample": True, "eos_token_id": [im_end, eot], "pad_token_id": eot,
-            "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    return {
+        "bos_token_id": eot,
+        "do_sample": True,
+        "eos_token_id": [im_end, eot],
+        "pad_token_id": eot,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
 
 
 def write_processor_files(out_dir: str | Path) -> None:
@@ -217,13 +287,19 @@ def write_processor_files(out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     write_json(out_dir / "preprocessor_config.json", {**IMAGE_PROCESSOR, "processor_class": "Qwen3VLProcessor"})
     write_json(out_dir / "video_preprocessor_config.json", {**VIDEO_PROCESSOR, "processor_class": "Qwen3VLProcessor"})
-    write_json(out_dir / "processor_config.json", {
-        "image_processor": IMAGE_PROCESSOR, "processor_class": "Qwen3VLProcessor", "video_processor": VIDEO_PROCESSOR,
-    })
+    write_json(
+        out_dir / "processor_config.json",
+        {
+            "image_processor": IMAGE_PROCESSOR,
+            "processor_class": "Qwen3VLProcessor",
+            "video_processor": VIDEO_PROCESSOR,
+        },
+    )
 
 
-def build_tiny(out_dir: str | Path, corpus: str | Path, seed: int = 0, vocab_size: int = 4096,
-               tokenizer_extra: str = "", **dims) -> dict:
+def build_tiny(
+    out_dir: str | Path, corpus: str | Path, seed: int = 0, vocab_size: int = 4096, tokenizer_extra: str = "", **dims
+) -> dict:
     """Tokenizer + untrained checkpoint into out_dir (the tiny profile's whole `download`)."""
     train_tokenizer(corpus, vocab_size, out_dir, tokenizer_extra)
     return build_tiny_checkpoint(out_dir, seed, out_dir, **dims)

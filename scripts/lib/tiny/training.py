@@ -31,20 +31,35 @@ def training_plan(train: dict, generator, sentences: list[str] = ()) -> dict | N
     conversations = generator.train_conversations(seed, int(train["examples"]), tests)
     heldout = generator.train_conversations(seed + 1, int(train["heldout_examples"]), tests, exclude=conversations)
     texts = generator.repeated_texts(seed, int(train["repeat_examples"]), list(sentences))
-    plan = {"conversations": conversations, "heldout": heldout, "texts": texts,
-            "text_max_len": int(train["repeat_max_tokens"]), "steps": int(train["steps"]),
-            "lr": float(train["lr"]), "batch_size": int(train["batch_size"]), "seed": int(train["seed"]),
-            "threads": int(train["threads"]), "warmup_steps": int(train["warmup_steps"]), "mtp": None}
+    plan = {
+        "conversations": conversations,
+        "heldout": heldout,
+        "texts": texts,
+        "text_max_len": int(train["repeat_max_tokens"]),
+        "steps": int(train["steps"]),
+        "lr": float(train["lr"]),
+        "batch_size": int(train["batch_size"]),
+        "seed": int(train["seed"]),
+        "threads": int(train["threads"]),
+        "warmup_steps": int(train["warmup_steps"]),
+        "mtp": None,
+    }
     if int(train["mtp_steps"]) > 0:
         n = int(train["mtp_eval_prompts"])
         # held-out prompts: the probe's sentence(s) first, then made-up sentences never trained on
-        made_up = [t for t in generator.repeated_texts(seed + 1, n + len(sentences))
-                   if t["sentence"] not in {x["sentence"] for x in texts}]
-        plan["mtp"] = {"steps": int(train["mtp_steps"]), "lr": float(train["mtp_lr"]),
-                       "batch_size": int(train["mtp_batch_size"]), "k": int(train["mtp_k"]),
-                       "heldout_texts": (generator.repeated_texts(seed, len(sentences), list(sentences), share=1.0)
-                                         + made_up)[:n],
-                       "heldout_conversations": heldout[:n]}
+        made_up = [
+            t
+            for t in generator.repeated_texts(seed + 1, n + len(sentences))
+            if t["sentence"] not in {x["sentence"] for x in texts}
+        ]
+        plan["mtp"] = {
+            "steps": int(train["mtp_steps"]),
+            "lr": float(train["mtp_lr"]),
+            "batch_size": int(train["mtp_batch_size"]),
+            "k": int(train["mtp_k"]),
+            "heldout_texts": (generator.repeated_texts(seed, len(sentences), list(sentences), share=1.0) + made_up)[:n],
+            "heldout_conversations": heldout[:n],
+        }
     return plan
 
 
@@ -71,13 +86,16 @@ def encode_conversations(tokenizer, conversations: list[dict], max_len: int) -> 
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for conv in conversations:
-        prompt = tokenizer.apply_chat_template(conv["messages"], tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=bool(conv["thinking"]))
+        prompt = tokenizer.apply_chat_template(
+            conv["messages"], tokenize=False, add_generation_prompt=True, enable_thinking=bool(conv["thinking"])
+        )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(conv["answer"], add_special_tokens=False)["input_ids"] + [im_end]
         if len(prompt_ids) + len(answer_ids) > max_len:
-            raise ValueError(f"training conversation of {len(prompt_ids) + len(answer_ids)} tokens > max_len "
-                             f"{max_len}: {conv['messages'][-1]['content'][:80]!r}")
+            raise ValueError(
+                f"training conversation of {len(prompt_ids) + len(answer_ids)} tokens > max_len "
+                f"{max_len}: {conv['messages'][-1]['content'][:80]!r}"
+            )
         out.append((prompt_ids, answer_ids))
     return out
 
@@ -90,8 +108,8 @@ def _batch(examples, pad_id: int):
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     for row, (prompt, answer) in enumerate(examples):
-        ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-        labels[row, len(prompt):len(prompt) + len(answer)] = torch.tensor(answer)
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
     return ids, labels
 
 
@@ -106,8 +124,8 @@ def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, wind
         order = rng.sample(range(len(lengths)), len(lengths))
         epoch = []
         for i in range(0, len(order), window * batch_size):
-            chunk = sorted(order[i:i + window * batch_size], key=lambda j: lengths[j])
-            epoch += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+            chunk = sorted(order[i : i + window * batch_size], key=lambda j: lengths[j])
+            epoch += [chunk[k : k + batch_size] for k in range(0, len(chunk), batch_size)]
         rng.shuffle(epoch)
         batches += [b for b in epoch if len(b) == batch_size] or epoch
     return batches[:steps]
@@ -123,8 +141,12 @@ def optimize(params, batches: list, loss_of, *, lr: float, warmup_steps: int, ta
 
     steps = len(batches)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
-    schedule = lambda step: min(1.0, (step + 1) / warmup_steps) * (  # noqa: E731
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps)))))
+    schedule = lambda step: (
+        min(1.0, (step + 1) / warmup_steps)
+        * (  # noqa: E731
+            0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps))))
+        )
+    )
     lr_at = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     losses = []
     start = time.monotonic()
@@ -138,14 +160,31 @@ def optimize(params, batches: list, loss_of, *, lr: float, warmup_steps: int, ta
         losses.append(loss.item())
         if step % 10 == 0 or step == steps - 1:
             log(f"[{tag}] step {step + 1}/{steps} loss {loss.item():.4f} ({time.monotonic() - start:.0f} s)")
-    tail = losses[-min(20, len(losses)):]
-    return {"seconds": round(time.monotonic() - start, 1), "first_loss": round(losses[0], 4),
-            "final_loss": round(sum(tail) / len(tail), 4)}
+    tail = losses[-min(20, len(losses)) :]
+    return {
+        "seconds": round(time.monotonic() - start, 1),
+        "first_loss": round(losses[0], 4),
+        "final_loss": round(sum(tail) / len(tail), 4),
+    }
 
 
-def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[dict], steps: int,
-                lr: float, batch_size: int, seed: int, threads: int, max_len: int = 512,
-                warmup_steps: int = 20, device: str = "cpu", texts: list[dict] = (), text_max_len: int = 192) -> dict:
+def train_model(
+    model,
+    tokenizer,
+    *,
+    conversations: list[dict],
+    heldout: list[dict],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    threads: int,
+    max_len: int = 512,
+    warmup_steps: int = 20,
+    device: str = "cpu",
+    texts: list[dict] = (),
+    text_max_len: int = 192,
+) -> dict:
     """Supervised fine-tuning of the random model on `conversations` (loss on the answers only) and raw `texts`
     of a repeated sentence (encode_texts: loss on the repetitions), seeded and
     deterministic on CPU (fixed threads, deterministic kernels, fixed data order); returns what it measured.
@@ -167,17 +206,34 @@ def train_model(model, tokenizer, *, conversations: list[dict], heldout: list[di
     def loss_of(picked):
         ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
         logits = model(input_ids=ids, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                                 ignore_index=-100)
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+        )
 
     plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
-    trained = optimize(params, plan, loss_of, lr=lr, warmup_steps=warmup_steps, tag="tiny train",
-                       log=lambda line: print(line, flush=True))
+    trained = optimize(
+        params,
+        plan,
+        loss_of,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        tag="tiny train",
+        log=lambda line: print(line, flush=True),
+    )
     accuracy = answer_accuracy(model, held, pad_id, device)
     model.to("cpu").eval()
-    return {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "threads": int(threads),
-            "examples": len(train) - len(texts), "repeat_examples": len(texts), **trained,
-            "heldout_answer_token_accuracy": round(accuracy, 4), "heldout_examples": len(held)}
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "threads": int(threads),
+        "examples": len(train) - len(texts),
+        "repeat_examples": len(texts),
+        **trained,
+        "heldout_answer_token_accuracy": round(accuracy, 4),
+        "heldout_examples": len(held),
+    }
 
 
 def answer_accuracy(model, examples, pad_id: int, device: str = "cpu", batch_size: int = 32) -> float:
@@ -187,7 +243,7 @@ def answer_accuracy(model, examples, pad_id: int, device: str = "cpu", batch_siz
     right = total = 0
     with torch.no_grad():
         for i in range(0, len(examples), batch_size):
-            ids, labels = (t.to(device) for t in _batch(examples[i:i + batch_size], pad_id))
+            ids, labels = (t.to(device) for t in _batch(examples[i : i + batch_size], pad_id))
             guess = model(input_ids=ids, use_cache=False).logits[:, :-1].argmax(-1)
             mask = labels[:, 1:] != -100
             right += int(((guess == labels[:, 1:]) & mask).sum())
