@@ -15,8 +15,7 @@ except pipeline_config.ConfigError as error:
     raise WorkflowError(str(error))
 config = PIPELINE.config  # defaults filled, sweeps expanded
 
-RECIPES, COMPARED = PIPELINE.recipes, PIPELINE.compared
-FIXED = PIPELINE.fixed
+RECIPES, COMPARED, FIXED = PIPELINE.recipes, PIPELINE.compared, PIPELINE.fixed
 MODEL_DIR = f"weights/{config['model']['name']}"
 LOCAL_BASE = config["image"]["base"] == "local"
 SYNTHETIC = config["model"]["source"] == "synthetic"
@@ -62,9 +61,7 @@ def optional(condition, path):
 def variant_config(wildcards):
     return config["variants"][wildcards.variant]
 
-
-def recipe_key(variant):
-    return PIPELINE.recipe_key(variant)
+recipe_key = PIPELINE.recipe_key
 
 
 def quantized(output):
@@ -101,19 +98,3 @@ def selected_image_record(wildcards):
         )
     return f"results/{wildcards.variant}/build_image/image.json"
 
-
-# The lossless check's reference (rules/lossless.smk): a compared twin's probe, else the variant's own image.
-def lossless_reference(wildcards):
-    twin = PIPELINE.lossless_twin(wildcards.variant)
-    if twin:
-        return f"results/{twin}/latency_probe/latency.json"
-    if PIPELINE.speculates(wildcards.variant):
-        return f"results/{wildcards.variant}/lossless/reference.json"
-    return []
-
-
-def lossless_reference_kind(wildcards):
-    twin = PIPELINE.lossless_twin(wildcards.variant)
-    if twin:
-        return f"twin {twin}"
-    return "own image, speculation off" if PIPELINE.speculates(wildcards.variant) else None

@@ -5,36 +5,7 @@
 #   - else the variant's own built image served once more with speculation off (serve.json mounted over
 #     /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe.
 # A variant without speculation passes trivially. See scripts/lossless.py and scripts/lib/lossless.py; the reference
-# is chosen by lossless_reference() in rules/common.smk.
-
-
-rule lossless_reference:
-    """The variant's own image with speculation off: the probe's prompts, the first timed run's request each."""
-    input:
-        image=rules.build_image.output.image,
-        serve=rules.serve_config.output.serve,
-        varied_text=config["probe"]["varied_text"],
-        # Not read: it orders the reference after the probe, so the probe has the machine to itself.
-        after_probe=rules.latency_probe.output.latency,
-    output:
-        reference="results/{variant}/lossless/reference.json",
-    params:
-        run=PIPELINE.run_settings(),
-        model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
-        probe=config["probe"],
-    resources:
-        gpu=GPU,
-        mem_mb=32000,
-        runtime=60,
-        host_share=50,
-    log:
-        "logs/lossless_reference/{variant}.log",
-    benchmark:
-        "benchmarks/lossless_reference/{variant}.tsv"
-    conda:
-        "../envs/driver.yaml"
-    script:
-        "../scripts/lossless_reference.py"
+# is chosen by Pipeline.lossless_reference() in scripts/lib/config.py.
 
 
 rule lossless:
@@ -44,13 +15,13 @@ rule lossless:
         latency=lambda wildcards: (
             f"results/{wildcards.variant}/latency_probe/latency.json" if PIPELINE.speculates(wildcards.variant) else []
         ),
-        reference=lossless_reference,
+        reference=lambda wildcards: PIPELINE.lossless_reference(wildcards.variant)[0] or [],
         schema="schemas/lossless.schema.yaml",
     output:
         lossless=report("results/{variant}/lossless/lossless.json", category="Lossless", labels={"variant": "{variant}"}),
     params:
         speculative=lambda wildcards: variant_config(wildcards)["speculative"],
-        reference_kind=lossless_reference_kind,
+        reference_kind=lambda wildcards: PIPELINE.lossless_reference(wildcards.variant)[1],
         # recorded, not fatal, where select chooses among compared variants (it skips this one and says why)
         fatal=lambda wildcards: FIXED or wildcards.variant not in COMPARED,
     resources:

@@ -240,6 +240,16 @@ class Pipeline:
                 return name
         return None
 
+    def lossless_reference(self, variant: str) -> tuple[str | None, str | None]:
+        """(the lossless check's reference file, what it is): a compared twin's probe, else the variant's own image
+        served with speculation off (rule lossless_reference); (None, None) for a variant that does not speculate."""
+        twin = self.lossless_twin(variant)
+        if twin:
+            return f"results/{twin}/latency_probe/latency.json", f"twin {twin}"
+        if self.speculates(variant):
+            return f"results/{variant}/lossless/reference.json", "own image, speculation off"
+        return None, None
+
     def serve_json(self, variant: str) -> dict:
         settings = self.config["variants"][variant]
         return serve_settings.serve_json(settings["serve"], settings["speculative"])

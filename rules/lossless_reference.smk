@@ -1,0 +1,30 @@
+# The lossless check's reference when no compared twin variant exists (see rules/lossless.smk).
+
+
+rule lossless_reference:
+    """The variant's own image with speculation off: the probe's prompts, the first timed run's request each."""
+    input:
+        image=rules.build_image.output.image,
+        serve=rules.serve_config.output.serve,
+        varied_text=config["probe"]["varied_text"],
+        # Not read: it orders the reference after the probe, so the probe has the machine to itself.
+        after_probe=rules.latency_probe.output.latency,
+    output:
+        reference="results/{variant}/lossless/reference.json",
+    params:
+        run=PIPELINE.run_settings(),
+        model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
+        probe=config["probe"],
+    resources:
+        gpu=GPU,
+        mem_mb=32000,
+        runtime=60,
+        host_share=50,
+    log:
+        "logs/lossless_reference/{variant}.log",
+    benchmark:
+        "benchmarks/lossless_reference/{variant}.tsv"
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/lossless_reference.py"
