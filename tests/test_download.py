@@ -458,7 +458,9 @@ def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
     assert set(trained_mtp) == MTP_NAMES and {n: (t["dtype"], t["shape"]) for n, t in trained_mtp.items()} == {
         n: (t["dtype"], t["shape"]) for n, t in random_mtp.items()
     }
-    assert (first / synthesis.INDEX_FILE).read_bytes() == (untrained / synthesis.INDEX_FILE).read_bytes()
+    # the same tensors in the same files (sizes may differ: an untrained build's tokenizer learns no task wording)
+    index_of = lambda checkpoint: json.loads((checkpoint / synthesis.INDEX_FILE).read_text())["weight_map"]  # noqa: E731
+    assert index_of(first) == index_of(untrained)
 
 
 MTP_CHAIN = """

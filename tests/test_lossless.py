@@ -62,6 +62,42 @@ def test_a_flipped_token_is_named_by_set_category_position_and_ids():
     assert row["first_difference"] == {"position": 5, "speculative": 7, "reference": 6}
 
 
+def with_reference_tops(reference: dict, set_name: str, category: str, position: int, tops: list) -> dict:
+    """`reference` whose first run recorded `tops` ([[id, logprob], ...]) at `position` (as lossless_reference does)."""
+    reference = copy.deepcopy(reference)
+    prompt_set = reference if set_name == "repeated" else reference[set_name]
+    row = next(c for c in prompt_set["categories"] if c["name"] == category)
+    row["first_run_top_logprobs"] = [[[token, 0.0]] for token in row["first_run_token_ids"]]
+    row["first_run_top_logprobs"][position] = tops
+    return reference
+
+
+@pytest.mark.parametrize(
+    "tops, passes",
+    [
+        ([[6, -0.70], [7, -0.72]], True),  # the reference itself barely preferred 6: bf16 rounding decides
+        ([[6, -0.10], [7, -2.50]], False),  # a clear choice overturned: broken state, not rounding
+        ([[6, -0.70], [9, -0.71]], False),  # the speculative token is not even among the reference's top ids
+    ],
+)
+def test_a_first_difference_at_a_near_tie_passes_and_is_recorded_a_clear_one_fails(tops, passes):
+    lossy = copy.deepcopy(latency(0.5, 2.0))
+    row = next(c for c in lossy["fresh"]["categories"] if c["name"] == "short")
+    row["first_run_token_ids"][3] = 7
+    reference = latency(1.0, None)
+    ref_row = next(c for c in reference["fresh"]["categories"] if c["name"] == "short")
+    ref_row["first_run_token_ids"][3] = 6
+    result = lossless.check(lossy, with_reference_tops(reference, "fresh", "short", 3, tops), MTP, "own image")
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert result["passed"] is passes
+    row = next(r for r in result["rows"] if r["set"] == "fresh" and r["category"] == "short")
+    assert row["first_difference"] == {"position": 3, "speculative": 7, "reference": 6}
+    if passes:
+        assert row["near_tie"] == {"position": 3, "margin": 0.02} and "near tie" in result["reason"]
+    else:
+        assert row["near_tie"] is None and result["failures"]
+
+
 def test_a_shorter_output_and_missing_ids_or_sets_fail_rather_than_pass_unchecked():
     assert check_lib.first_difference([1, 2], [1, 2, 3]) == {"position": 2, "speculative": None, "reference": 3}
     assert check_lib.first_difference([4, 5], [4, 5]) is None

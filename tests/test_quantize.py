@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lib.config import with_defaults
 from lib.quantize_checks import (
     check_heldout,
     check_output,
@@ -456,7 +457,10 @@ def test_report_schema_rejects_a_report_that_contradicts_itself():
 
 
 def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **bounds) -> subprocess.CompletedProcess:
-    bounds = {"heldout_tokens": 4096, **{k: v for k, v in TINY["quantize"].items()}, **bounds}
+    # the rule's params as the tiny profile resolves them (schema defaults filled), a smaller calibration set
+    resolved = with_defaults(TINY)
+    bounds = {**{k: v for k, v in resolved["quantize"].items() if k != "heldout"}, **bounds}
+    calibration = dict(resolved["calibration"], num_samples=8, max_seq_length=128, seed=0, chat=True)
     job = {
         "rule": "quantize",
         "log": [],
@@ -475,7 +479,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
             "report": str(out / "report.json"),
         },
         "params": {
-            "calibration": {"source": "text_file", "num_samples": 8, "max_seq_length": 128, "seed": 0, "chat": True},
+            "calibration": calibration,
             "quantize": bounds,
         },
     }

@@ -15,6 +15,24 @@ from __future__ import annotations
 
 from lib.probe import prompt_sets
 
+# A first difference where the reference's own choice beat the speculative run's token by at most this many nats
+# (both among its top logprobs there) is a near tie, not a broken state: the speculative run scores K+1 positions
+# in one forward pass and the reference one at a time, and in bf16 (about 3 significant digits; logits of the
+# tiny model reach ~20) that alone moves a logit by ~0.05. Past that position the two texts are different histories
+# and are not compared further. Broken state (vLLM #39273) picks tokens the reference does not rank near the top.
+NEAR_TIE_NATS = 0.1
+
+
+def near_tie(difference: dict, reference_tops: list | None) -> dict | None:
+    """{position, margin} when the first difference is a near tie in the reference's own logprobs, else None."""
+    if not reference_tops or difference["position"] >= len(reference_tops):
+        return None
+    ranked = dict((token, logprob) for token, logprob in reference_tops[difference["position"]])
+    chosen, other = ranked.get(difference["reference"]), ranked.get(difference["speculative"])
+    if chosen is None or other is None or chosen - other > NEAR_TIE_NATS:
+        return None
+    return {"position": difference["position"], "margin": round(chosen - other, 4)}
+
 
 def first_difference(speculative: list[int], reference: list[int]) -> dict | None:
     """The first position where the two id lists differ (a missing id is None), or None when they are equal."""
@@ -44,6 +62,7 @@ def compare(record: dict, reference: dict) -> list[dict]:
                 "tokens": None,
                 "passed": False,
                 "first_difference": None,
+                "near_tie": None,
                 "problem": None,
             }
             want = reference_categories.get(category["name"])
@@ -55,7 +74,9 @@ def compare(record: dict, reference: dict) -> list[dict]:
                 row["problem"] = f"the {side} run recorded no token ids (the server sent none)"
             else:
                 difference = first_difference(got_ids, want["first_run_token_ids"])
-                row.update(tokens=len(got_ids), passed=difference is None, first_difference=difference)
+                tie = near_tie(difference, want.get("first_run_top_logprobs")) if difference else None
+                row.update(tokens=len(got_ids), passed=difference is None or tie is not None)
+                row.update(first_difference=difference, near_tie=tie)
             rows.append(row)
     return rows
 

@@ -101,10 +101,17 @@ def build_prompt(
     return exact_prompt(base_url, model, lambda k: prompt_tokens(base_url, model, pieces, k, cache), n_tokens)[0]
 
 
-def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+# The lossless reference's most likely ids per position: enough to tell a near tie (lib/lossless.py) from a flip.
+REFERENCE_TOP_LOGPROBS = 2
+
+
+def timed_completion(
+    base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool, top_logprobs: int | None = None
+) -> dict:
     """One streamed /v1/completions request: end-to-end latency, time to first token, tokens produced, and the
     generated token ids (vLLM's return_token_ids: each chunk carries its own ids, the first one the prompt's;
-    a few bytes a chunk, so every request asks for them and the timed runs stay alike)."""
+    a few bytes a chunk, so every request asks for them and the timed runs stay alike). With `top_logprobs` (the
+    lossless check's reference only, never a timed probe run) also each position's most likely ids and logprobs."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -115,6 +122,9 @@ def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ig
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    if top_logprobs:
+        body.update(logprobs=top_logprobs, return_tokens_as_token_ids=True)
+    tops: list[list[list]] = []
     start = time.perf_counter()
     first = None
     usage = None
@@ -124,6 +134,9 @@ def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ig
             ids = choice.get("token_ids")
             if ids:
                 token_ids += ids
+            for position in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                ranked = sorted((position or {}).items(), key=lambda item: -item[1])
+                tops.append([[int(token.rsplit(":", 1)[1]), logprob] for token, logprob in ranked])
             if first is None and (choice.get("text") or ids):
                 first = time.perf_counter()
         usage = chunk.get("usage") or usage
@@ -141,6 +154,7 @@ def timed_completion(base_url: str, model: str, prompt: str, max_tokens: int, ig
         "output_tokens": output_tokens,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
         "token_ids": token_ids or None,
+        "top_logprobs": tops or None,
     }
 
 
@@ -300,7 +314,8 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
         for category in probe_settings["categories"]:
             extra, prompts = prompts_of(category)
             warmup, max_tokens = probe_settings["warmup"], category["output_tokens"]
-            if probe_settings.get("first_run_only"):
+            reference_only = probe_settings.get("first_run_only")
+            if reference_only:
                 # the lossless check's reference (scripts/lossless_reference.py): the same prompts drawn the same way
                 # (a fresh set's draws depend on the warm-up count), but only the first timed run's is sent
                 prompts, warmup = prompts[warmup : warmup + 1], 0
@@ -311,7 +326,16 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
             before = counters(base_url)
             runs = []
             for prompt in prompts[warmup:]:
-                runs.append(timed_completion(base_url, model, prompt, max_tokens, probe_settings["ignore_eos"]))
+                runs.append(
+                    timed_completion(
+                        base_url,
+                        model,
+                        prompt,
+                        max_tokens,
+                        probe_settings["ignore_eos"],
+                        top_logprobs=REFERENCE_TOP_LOGPROBS if reference_only else None,
+                    )
+                )
                 progress.runs_done += 1
             after = counters(base_url)
             totals.append((before, after))
@@ -324,6 +348,7 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
                     spec_decode=spec_decode_delta(before, after),
                     prefix_cache=prefix_cache_delta(before, after),
                     first_run_token_ids=runs[0]["token_ids"],
+                    **({"first_run_top_logprobs": runs[0]["top_logprobs"]} if reference_only else {}),
                 )
             )
             c = categories[-1]
