@@ -1,9 +1,11 @@
 # Speculation must not change what the model says: a speculative variant's greedy output ids (recorded by its
 # latency probe, per prompt set and category) must equal the same settings' without speculation. The reference is
 # the cheapest honest one (the same weights, vLLM and serve settings; speculation the only difference):
-#   - a compared twin variant (same recipe and serve, method none), whose probe runs anyway: no extra cost;
-#   - else the variant's own built image served once more with speculation off (serve.json mounted over
-#     /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe.
+#   the variant's own built image served once more with speculation off (serve.json mounted over
+#   /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe. It
+#   records its top logprobs, so a first difference at a near tie (bf16 rounding) is told from a real flip; a
+#   no-speculation twin's probe cannot tell them apart (measured: MTP K=1 and K=2 both differ from tiny-awq-none at
+#   one fresh prompt's token 39, a 0.0625-nat tie).
 # A variant without speculation passes trivially. See scripts/lossless.py and scripts/lib/lossless.py; the reference
 # is chosen by Pipeline.lossless_reference() in scripts/lib/config.py.
 

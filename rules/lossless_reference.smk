@@ -1,4 +1,4 @@
-# The lossless check's reference when no compared twin variant exists (see rules/lossless.smk).
+# The lossless check's reference: the variant's own image with speculation off (see rules/lossless.smk).
 
 
 rule lossless_reference:

@@ -1,8 +1,8 @@
 """Refuse a speculative variant whose greedy outputs differ from the same settings without speculation.
 
 For every prompt set and category the latency probe recorded, the first timed run's greedy ids (temperature 0)
-must equal the reference's for the same prompt: a compared twin variant's probe (same recipe and serve, method
-none) or the variant's own image served again with speculation off (scripts/lossless_reference.py). A variant
+must equal the reference's for the same prompt: the variant's own image served again with speculation off
+(scripts/lossless_reference.py), up to a near tie of the reference's own logprobs (lib/lossless.py). A variant
 without speculation passes with nothing to compare.
 
 The result is recorded in results/<variant>/lossless/lossless.json (schemas/lossless.schema.yaml). A refused

@@ -1,12 +1,12 @@
 """The lossless check's reference: the variant's own image, speculation off, greedy ids of the probe's prompts.
 
-Why this reference (rules/lossless.smk uses it when no compared twin variant, same recipe and serve with method
-none, is measured anyway): it is the cheapest one that differs from the probed server in speculation alone. The
-same image means the same weights, vLLM build, kernels and serve settings; only /opt/ml/serve.json is replaced
-by the variant's own with `speculative: {method: none}`. lib.probe makes the same prompts the same way (the
-fresh set's prompts drawn as the probe drew them) and sends one request a category, the one whose ids the probe
-recorded (first_run_only), so a reference costs one server start and a category's request per set, not a
-second probe. The baked compile cache was made with speculation on, so this start compiles: slower, not different.
+Why this reference (rules/lossless.smk): it is the cheapest one that differs from the probed server in speculation
+alone, and it records its top logprobs (a near tie is told from a flip). The same image means the same weights, vLLM
+build, kernels and serve settings; only /opt/ml/serve.json is replaced by the variant's own with `speculative:
+{method: none}`. lib.probe makes the same prompts the same way (the fresh set's prompts drawn as the probe drew
+them) and sends one request a category, the one whose ids the probe recorded (first_run_only), so a reference costs
+one server start and a category's request per set, not a second probe. The baked compile cache was made with
+speculation on, so this start compiles: slower, not different.
 """
 
 import json

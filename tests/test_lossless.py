@@ -304,22 +304,19 @@ def test_a_lossy_server_is_caught(tiny_quantized, tmp_path):
     assert d["speculative"] == d["reference"] ^ 1, d
 
 
-def test_the_reference_is_a_compared_twin_when_the_sweep_measures_one():
+def test_the_reference_is_the_variants_own_image_without_speculation():
     import yaml
 
     from lib import config as pipeline_config
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    fixed = pipeline_config.load(copy.deepcopy(tiny))
-    assert fixed.lossless_twin("tiny-awq-mtp1") is None  # the default run: the variant's own image, spec off
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
     assert sweep.compared == ["tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: three variants
-    assert {name: sweep.lossless_twin(name) for name in sweep.compared} == {
-        "tiny-awq-none": None,
-        "tiny-awq-mtp1": "tiny-awq-none",
-        "tiny-awq-k2": "tiny-awq-none",
+    assert {name: sweep.lossless_reference(name) for name in sweep.compared} == {
+        "tiny-awq-none": (None, None),
+        "tiny-awq-mtp1": ("results/tiny-awq-mtp1/lossless/reference.json", "own image, speculation off"),
+        "tiny-awq-k2": ("results/tiny-awq-k2/lossless/reference.json", "own image, speculation off"),
     }
-    assert sweep.lossless_twin("tiny-bf16-mtp1") is None  # no compared bf16 twin: its own image
 
 
 DENSE_CHECK = r"""

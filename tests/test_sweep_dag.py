@@ -49,8 +49,8 @@ def test_fastest_selection_runs_the_sweep_sharing_quantized_checkpoints():
     assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
     assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}
     assert jobs["compare"] == 1 and jobs["select"] == 1 and jobs["tarball"] == 1
-    # every variant is checked lossless, and the MTP ones read tiny-awq-none's probe: no extra serving job
-    assert jobs["lossless"] == 3 and "lossless_reference" not in jobs
+    # every speculative variant's reference is its own image with speculation off (tiny-awq-none needs none)
+    assert jobs["lossless"] == 3 and jobs["lossless_reference"] == 2
     assert "checkpoint jobs" in out  # tarball's variant is known once select has run
 
 

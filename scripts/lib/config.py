@@ -221,31 +221,11 @@ class Pipeline:
     def speculates(self, variant: str) -> bool:
         return self.config["variants"][variant]["speculative"]["method"] != "none"
 
-    def lossless_twin(self, variant: str) -> str | None:
-        """A compared variant that is `variant` with speculation off (same recipe, same serve settings, method
-        none): its latency probe, measured anyway, is the lossless check's reference at no extra cost. None when
-        the variant does not speculate, when no such variant is compared, or with select.mode fixed (nothing but
-        the shipped variant is measured then, and serving its own image once more with speculation off,
-        scripts/lossless_reference.py, costs a start and a request per category instead of a whole build)."""
-        if not self.speculates(variant) or self.fixed:
-            return None
-        mine = self.config["variants"][variant]
-        for name in self.compared:
-            other = self.config["variants"][name]
-            if (
-                other["speculative"]["method"] == "none"
-                and other["recipe"] == mine["recipe"]
-                and other["serve"] == mine["serve"]
-            ):
-                return name
-        return None
-
     def lossless_reference(self, variant: str) -> tuple[str | None, str | None]:
-        """(the lossless check's reference file, what it is): a compared twin's probe, else the variant's own image
-        served with speculation off (rule lossless_reference); (None, None) for a variant that does not speculate."""
-        twin = self.lossless_twin(variant)
-        if twin:
-            return f"results/{twin}/latency_probe/latency.json", f"twin {twin}"
+        """(the lossless check's reference file, what it is): the variant's own image served with speculation off
+        (rule lossless_reference), which records the reference's top logprobs, so a difference at a near tie (bf16
+        rounding) is told from a flip; a no-speculation variant's probe could not (it records no logprobs, and asking
+        for them would slow a timed run). (None, None) for a variant that does not speculate."""
         if self.speculates(variant):
             return f"results/{variant}/lossless/reference.json", "own image, speculation off"
         return None, None
