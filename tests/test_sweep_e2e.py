@@ -60,7 +60,11 @@ def test_the_selected_variant_is_the_image(tiny_sweep):
     selection = json.loads((RESULTS / "selection.json").read_text())
     validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
     summary = json.loads((RESULTS / "summary.json").read_text())
-    passing = [row for row in summary["variants"] if row["gate_passed"]]
+    lossless = {
+        row["variant"]: json.loads((RESULTS / row["variant"] / "lossless" / "lossless.json").read_text())["passed"]
+        for row in summary["variants"]
+    }
+    passing = [row for row in summary["variants"] if row["gate_passed"] and lossless[row["variant"]]]
     fastest = max(passing, key=lambda row: row["mean_speedup_vs_baseline"])
     assert selection["variant"] == fastest["variant"] and "fastest by mean_speedup" in selection["reason"]
     verify = json.loads((RESULTS / selection["variant"] / "verify_image" / "verify.json").read_text())
