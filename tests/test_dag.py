@@ -133,6 +133,8 @@ def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
         "build_image",
         "latency_probe",
         "quality_gate",
+        "lossless_reference",
+        "lossless",
         "tarball",
     }, jobs
 
@@ -145,6 +147,13 @@ def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
         jobs = planned_jobs(variant_override(tmp_path, recipe=str(recipe.relative_to(ROOT))))
     finally:
         recipe.unlink()
-    assert set(jobs) == {"quantize", "bake_compile_cache", "build_image", "latency_probe", "quality_gate", "tarball"}, (
-        jobs
-    )
+    assert set(jobs) == {
+        "quantize",
+        "bake_compile_cache",
+        "build_image",
+        "latency_probe",
+        "quality_gate",
+        "lossless_reference",
+        "lossless",
+        "tarball",
+    }, jobs
