@@ -49,6 +49,22 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 TINY = ["--configfile", "config/tiny.yaml"]
+# A serve.json for tests (test_settings; the real servers of test_serving: eager, the tiny model's small context).
+SERVE_JSON = {
+    "served_model_name": "Qwen/Qwen3.5-4B",
+    "dtype": "bfloat16",
+    "max_model_len": 1024,
+    "max_num_seqs": 4,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "enable_prefix_caching": True,
+    "kv_cache_dtype": "auto",
+    "language_model_only": True,
+    "speculative": {"method": "none"},
+    "default_thinking": False,
+    "thinking_reserve_tokens": 8,
+    "extra_args": [],
+}
 
 
 def snakemake(*args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, SERVE_JSON
+
 sys.path.insert(0, str(ROOT))
 
 from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
@@ -478,22 +479,7 @@ def http(port, path, body=None, timeout=300):
         return r.status, (json.loads(raw) if raw.startswith("{") else raw)
 
 
-# serve.json of the real-server tests (eager: no compile wait; the tiny model's small context).
-BASE = {
-    "served_model_name": "Qwen/Qwen3.5-4B",
-    "dtype": "bfloat16",
-    "max_model_len": 1024,
-    "max_num_seqs": 4,
-    "enforce_eager": True,
-    "gpu_memory_utilization": 0.1,
-    "enable_prefix_caching": True,
-    "kv_cache_dtype": "auto",
-    "language_model_only": True,
-    "speculative": {"method": "none"},
-    "default_thinking": False,
-    "thinking_reserve_tokens": 8,
-    "extra_args": [],
-}
+BASE = SERVE_JSON
 VARIANTS = {
     "bf16-eager": ("tiny_checkpoint", {}),
     "w4a16-eager": ("tiny_quantized", {}),

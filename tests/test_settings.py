@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, SERVE_JSON
 
 sys.path.insert(0, str(ROOT))
 from serving.settings import (  # noqa: E402
@@ -23,21 +23,7 @@ from serving.settings import (  # noqa: E402
 
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
 
-BASE = {
-    "served_model_name": "Qwen/Qwen3.5-4B",
-    "dtype": "bfloat16",
-    "max_model_len": 1024,
-    "max_num_seqs": 4,
-    "enforce_eager": True,
-    "gpu_memory_utilization": 0.1,
-    "enable_prefix_caching": True,
-    "kv_cache_dtype": "auto",
-    "language_model_only": True,
-    "speculative": {"method": "none"},
-    "default_thinking": False,
-    "thinking_reserve_tokens": 8,
-    "extra_args": [],
-}
+BASE = SERVE_JSON
 
 
 def value(args, flag):
