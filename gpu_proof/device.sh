@@ -35,6 +35,13 @@ case "$1" in
     [ -d /tmp/site-vllm ] || (cat /root/stash/vllm.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
     [ -d /tmp/site-llmcompressor ] || (cat /root/stash/llmcompressor.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
     wait
+    # suffix decoding's arctic-inference 0.1.1 (PyPI has only its source): a cp312 wheel built off the device the way
+    # scripts/lib/local_builds.py builds it, carried as .device-stage/arctic/c0; unpacked into the vLLM bundle
+    # without its vllm.general_plugins entry point (it would patch vLLM wholesale), as in the tiny serve venv
+    for wheel in /root/stash/arctic_inference-*.whl; do
+      [ -f "$wheel" ] && [ ! -d /tmp/site-vllm/arctic_inference ] || continue
+      python3 -m zipfile -e "$wheel" /tmp/site-vllm/ && rm -f /tmp/site-vllm/arctic_inference-*.dist-info/entry_points.txt
+    done
     mkdir -p /tmp/site-extra
     for m in jsonschema jsonschema_specifications referencing rpds; do
       [ -d "/tmp/site-extra/$m" ] || cp -r "/tmp/site-vllm/$m" /tmp/site-extra/ 2>/dev/null || true

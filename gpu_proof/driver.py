@@ -45,29 +45,32 @@ SITE_EXTRA = os.environ.get("SITE_EXTRA", "/tmp/site-extra")  # jsonschema & co.
 REAL_VARIANT = "awq-w4a16-g32-mtp2"  # config.yaml's saved variant: its serve settings are the real profile's
 KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm/ (torch.compile) is not
 
-# name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), MTP depth,
-# how the first start finds its cache (empty, or seeded with bf16's baked kernel caches), whether to bake
-# and restart from the baked cache, which prompt sets to probe.
+NO_SPECULATION = {"method": "none", "k": 0}
+BROAD = "recipes/awq-w4a16-g32-broad.yaml"
+# name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
+# section (config.yaml's layout), how the first start finds its cache (empty, or seeded with bf16's baked kernel
+# caches), whether to bake it (and then restart from the baked cache and probe there, unless restart is False),
+# which prompt sets to probe ("all": config.yaml's probe.sets; "repeated": the competition's only), and whether to
+# also record the lossless check's reference (scripts/lossless_reference.py's run: the first timed request of each
+# category again, with top logprobs) that the `lossless` step compares the same recipe's speculative variants with.
 VARIANTS = {
-    "bf16": {"recipe": None, "k": 0, "first": "empty", "bake": True, "sets": "both"},
-    "awq-w4a16-g32-broad": {
-        "recipe": "recipes/awq-w4a16-g32-broad.yaml",
-        "k": 0,
-        "first": "seeded",
-        "bake": True,
-        "sets": "both",
-    },
-    "bf16-mtp2": {"recipe": None, "k": 2, "first": "seeded", "bake": False, "sets": "repeated"},
-    "bf16-mtp1": {"recipe": None, "k": 1, "first": "seeded", "bake": False, "sets": "repeated"},
-    "bf16-mtp4": {"recipe": None, "k": 4, "first": "seeded", "bake": False, "sets": "repeated"},
-    "awq-w4a16-g32-mlp": {
-        "recipe": "recipes/awq-w4a16-g32-mlp.yaml",
-        "k": 0,
-        "first": "seeded",
-        "bake": False,
-        "sets": "both",
-    },
+    "bf16": {"recipe": None, "speculative": NO_SPECULATION, "first": "empty", "bake": True},
+    "awq-w4a16-g32-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "first": "seeded", "bake": True},
+    "bf16-mtp2": {"recipe": None, "speculative": {"method": "mtp", "k": 2}, "sets": "repeated"},
+    "bf16-mtp1": {"recipe": None, "speculative": {"method": "mtp", "k": 1}, "sets": "repeated"},
+    "bf16-mtp4": {"recipe": None, "speculative": {"method": "mtp", "k": 4}, "sets": "repeated"},
+    "awq-w4a16-g32-mlp": {"recipe": "recipes/awq-w4a16-g32-mlp.yaml", "speculative": NO_SPECULATION},
+    # issue 14: one run, back to back - bf16 (no restart), AWQ broad with the reference, then its speculative forms
+    "bf16-base": {"recipe": None, "speculative": NO_SPECULATION, "first": "empty", "bake": True, "restart": False},
+    "awq-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "reference": True},
+    "awq-broad-suffix24": {"recipe": BROAD, "speculative": {"method": "suffix", "k": 24}},
+    "awq-broad-mtp2": {"recipe": BROAD, "speculative": {"method": "mtp", "k": 2}},
 }
+SPEC_DEFAULTS = {"first": "seeded", "bake": False, "restart": True, "sets": "all", "reference": False}
+for _name, _spec in VARIANTS.items():
+    VARIANTS[_name] = {**SPEC_DEFAULTS, **_spec}
+# which quantize step makes a recipe's checkpoint (the issue-14 variants reuse the broad one)
+QUANTIZED_BY = {BROAD: "awq-w4a16-g32-broad", "recipes/awq-w4a16-g32-mlp.yaml": "awq-w4a16-g32-mlp"}
 # bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
 STEPS = [
     "environment",
@@ -82,6 +85,13 @@ STEPS = [
     "quantize-awq-w4a16-g32-mlp",
     "serve-awq-w4a16-g32-mlp",
     "coldstart-empty-awq-w4a16-g32-broad",
+    # issue 14 (results/gpu-proof/h100-spec): --only environment,checkpoint,bandwidth,serve-bf16-base,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad,serve-awq-broad-suffix24,serve-awq-broad-mtp2,lossless
+    "serve-bf16-base",
+    "serve-awq-broad",
+    "serve-awq-broad-suffix24",
+    "serve-awq-broad-mtp2",
+    "lossless",
 ]
 
 
@@ -265,11 +275,10 @@ class Driver:
         self.serve_variant(variant, spec, name=f"coldstart-empty-{variant}", probe_it=False, kind="coldstart")
 
     # ---- serving ----
-    def serve_settings(self, k: int) -> dict:
+    def serve_settings(self, speculative: dict) -> dict:
         """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py)."""
         from serving.settings import serve_json
 
-        speculative = {"method": "mtp", "k": k} if k else {"method": "none", "k": 0}
         return serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
 
     def probe_settings(self) -> dict:
@@ -283,7 +292,7 @@ class Driver:
     def model_for(self, spec: dict) -> Path:
         if spec["recipe"] is None:
             return self.model_dir
-        variant = next(v for v, s in VARIANTS.items() if s["recipe"] == spec["recipe"])
+        variant = QUANTIZED_BY[spec["recipe"]]
         model = self.state / "quant" / variant / "model"
         if not (model / "config.json").is_file():
             raise RuntimeError(f"{model} is missing: quantize-{variant} did not finish")
@@ -312,7 +321,7 @@ class Driver:
     ) -> None:
         name = name or f"variant-{variant}"
         model = self.model_for(spec)
-        settings = self.serve_settings(spec["k"])
+        settings = self.serve_settings(spec["speculative"])
         serve_json = self.state / "serve" / f"{variant}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         from serving.settings import vllm_args  # the exact flags the entrypoint will exec
@@ -322,7 +331,7 @@ class Driver:
             "status": "running",
             "variant": variant,
             "recipe": spec["recipe"],
-            "speculative": {"method": "mtp" if spec["k"] else "none", "k": spec["k"]},
+            "speculative": spec["speculative"],
             "model_dir": str(model),
             "serve_settings": settings,
             "command": (
@@ -356,17 +365,19 @@ class Driver:
                     log=self.log,
                 )
                 record["cold_start"]["warm_up_s"] = round(time.monotonic() - bake_start, 1)
-            elif probe_it:
+            if probe_it and not (spec["bake"] and spec["restart"]):
                 self.run_probe(record, name, base, settings, spec)
         finally:
             self.stop(proc, log_path)
         if spec["bake"]:
-            tar_path = self.state / "cache" / f"{variant}.tar"
+            # bf16's archive seeds the kernel caches of every later variant (prepare_cache)
+            tar_path = self.state / "cache" / f"{'bf16' if spec['recipe'] is None else variant}.tar"
             packed = deterministic_tar(first_cache, tar_path)
             record["cold_start"].update(
                 cache_files=packed["files"], cache_bytes=packed["bytes"], cache_by_dir=cache_by_dir(first_cache)
             )
             self.record(name, record)
+        if spec["bake"] and spec["restart"]:
             cache, how = self.prepare_cache(variant, f"baked:{tar_path}")
             proc, base, log_path = self.start(variant, serve_json, model, cache, "baked")
             try:
@@ -388,9 +399,10 @@ class Driver:
         settings_probe = self.probe_settings()
         model_name = settings["served_model_name"]
         started = time.monotonic()
-        if spec["sets"] != "both":  # the competition's set only
+        if spec["sets"] != "all":  # the competition's set only
             settings_probe = dict(settings_probe, sets=["repeated"])
-        result = probe(base, model_name, settings_probe, str(ROOT / settings_probe["varied_text"]), log=self.log)
+        varied = str(ROOT / settings_probe["varied_text"])
+        result = probe(base, model_name, settings_probe, varied, log=self.log)
         result.update(
             warmup=settings_probe["warmup"],
             runs=settings_probe["runs"],
@@ -401,6 +413,42 @@ class Driver:
         record["probe"] = result
         record["decode"] = self.decode_analysis(record, spec)
         self.record(name, record)
+        if spec["reference"]:  # what scripts/lossless_reference.py records, on the same server
+            started = time.monotonic()
+            record["reference"] = probe(base, model_name, dict(settings_probe, first_run_only=True), varied, self.log)
+            record["reference"]["seconds"] = round(time.monotonic() - started, 1)
+            self.record(name, record)
+
+    def step_lossless(self, step: str) -> None:
+        """Every probed speculative variant's greedy ids against its recipe's reference (lib/lossless.py)."""
+        from lib.lossless import compare, failures
+
+        records = {
+            path.stem.removeprefix("variant-"): json.loads(path.read_text())
+            for path in sorted(self.results.glob("variant-*.json"))
+        }
+        references = {r["recipe"]: (v, r["reference"]) for v, r in records.items() if r.get("reference")}
+        checks = []
+        for variant, record in records.items():
+            if record["speculative"]["method"] == "none" or not record.get("probe"):
+                continue
+            if record["recipe"] not in references:
+                continue
+            reference_variant, reference = references[record["recipe"]]
+            rows = compare(record["probe"], reference)
+            checks.append(
+                {
+                    "variant": variant,
+                    "speculative": record["speculative"],
+                    "reference_variant": reference_variant,
+                    "passed": not failures(rows),
+                    "failures": failures(rows),
+                    "rows": rows,
+                }
+            )
+        if not checks:
+            raise RuntimeError("no speculative variant with a reference of the same recipe was probed")
+        self.record("lossless", {"kind": "lossless", "status": "ok", "checks": checks})
 
     def decode_analysis(self, record: dict, spec: dict) -> dict | None:
         bandwidth_file = self.results / "bandwidth.json"
@@ -409,7 +457,9 @@ class Driver:
             return None
         bandwidth = json.loads(bandwidth_file.read_text())
         text = json.loads(checkpoint_file.read_text())["text_config"]
-        return decode_bound(record["weights"], spec["k"], bandwidth["copy_gbps"], text, record["probe"]["categories"])
+        speculative = spec["speculative"]
+        draft_passes = speculative["k"] if speculative["method"] == "mtp" else 0  # copy-style drafts read no weights
+        return decode_bound(record["weights"], draft_passes, bandwidth["copy_gbps"], text, record["probe"]["categories"])
 
     def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
         port = free_port()

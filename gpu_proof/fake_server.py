@@ -2,7 +2,8 @@
 
 Reads PORT and CACHE_DIR like serving/launch.py; answers /ping after FAKE_DELAY_S seconds (0.05 when the
 cache already holds vllm/compiled, as a baked cache would), /tokenize (a token per word), /detokenize,
-streamed /v1/completions (max_tokens chunks), /v1/chat/completions and /metrics (MTP counters).
+streamed /v1/completions (max_tokens chunks, one
+token id each, the same ids for the same prompt; top logprobs when asked), /v1/chat/completions and /metrics (MTP counters).
 """
 
 import json
@@ -58,8 +59,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for _ in range(body["max_tokens"]):
-                self.wfile.write(b'data: {"choices": [{"text": " x"}]}\n\n')
+            seed = sum(len(w) for w in body["prompt"].split())  # greedy: the same prompt, the same ids
+            for position in range(body["max_tokens"]):
+                token = (seed + position) % 50
+                choice = {"text": " x", "token_ids": [token]}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {"top_logprobs": [{f"token_id:{token}": -0.1, f"token_id:{token + 1}": -2.0}]}
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             COUNTS["drafts"] += body["max_tokens"]
             usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())

@@ -2,6 +2,7 @@
 that wrote them runs its serve/bake/probe flow against a fake server (no GPU needed)."""
 
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -120,7 +121,8 @@ def test_the_baked_cache_starts_faster_than_an_empty_one():
 # ---- the driver's flow, against gpu_proof/fake_server.py ----
 
 
-def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
+def fake_driver(tmp_path):
+    """gpu_proof/driver.py's Driver serving gpu_proof/fake_server.py, with a checkpoint and bandwidth record."""
     sys.path.insert(0, str(ROOT / "gpu_proof"))
     import driver
 
@@ -150,6 +152,11 @@ def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
         },
     )
     d.record("bandwidth", {"copy_gbps": 3000.0})
+    return d
+
+
+def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
+    d = fake_driver(tmp_path)
     d.run_steps(["serve-bf16", "serve-bf16-mtp2"])
     bf16 = json.loads((tmp_path / "results" / "variant-bf16.json").read_text())
     mtp = json.loads((tmp_path / "results" / "variant-bf16-mtp2.json").read_text())
@@ -163,6 +170,32 @@ def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
     assert bf16["probe"]["varied"] is not None and mtp["probe"]["varied"] is None
     assert mtp["decode"]["weights_bytes_per_step"] == 1000 + 500 + 2 * (100 + 500)
     assert (tmp_path / "done" / "serve-bf16").exists() and (tmp_path / "results.tar.gz").exists()
+
+
+def test_driver_runs_the_speculation_proof_with_its_lossless_check(tmp_path):
+    """Issue 14's run: bf16 probed on its first start (no restart), AWQ with the lossless reference, a suffix variant
+    on the same checkpoint, then the lossless step comparing the two."""
+    d = fake_driver(tmp_path)
+    quantized = tmp_path / "quant" / "awq-w4a16-g32-broad" / "model"
+    shutil.copytree(d.model_dir, quantized)
+    (quantized / "config.json").write_text("{}")
+    d.run_steps(["serve-bf16-base", "serve-awq-broad", "serve-awq-broad-suffix24", "lossless"])
+    results = tmp_path / "results"
+    bf16, awq, suffix = (
+        json.loads((results / f"variant-{name}.json").read_text())
+        for name in ("bf16-base", "awq-broad", "awq-broad-suffix24")
+    )
+    assert bf16["probe"] is not None and "baked_cache_s" not in bf16["cold_start"]
+    assert (tmp_path / "cache" / "bf16.tar").exists() and suffix["cold_start"]["first_start_cache"] == "seeded"
+    assert [s for s in ("varied", "fresh") if suffix["probe"][s]] == ["varied", "fresh"]
+    assert '"method": "suffix"' in " ".join(suffix["vllm_args"]) and suffix["speculative"]["k"] == 24
+    assert suffix["decode"]["weights_bytes_per_step"] == 1000 + 500  # copy-style drafts read no weights
+    assert all(c.get("first_run_top_logprobs") for c in awq["reference"]["categories"])
+    assert "reference" not in suffix
+    lossless = json.loads((results / "lossless.json").read_text())
+    (check,) = lossless["checks"]
+    assert check["variant"] == "awq-broad-suffix24" and check["reference_variant"] == "awq-broad"
+    assert check["passed"] and len(check["rows"]) == 9 and all(row["tokens"] > 0 for row in check["rows"])
 
 
 def test_decode_bound_counts_mtp_drafts_and_context():

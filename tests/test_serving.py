@@ -480,10 +480,14 @@ def http(port, path, body=None, timeout=300):
 
 
 BASE = SERVE_JSON
+# One server, as the tiny profile ships it (W4A16 weights with the MTP drafter, prefix caching off as with MTP
+# there): the entrypoint, middleware and vLLM's endpoints do not depend on the weights' format, and every other
+# combination is served by the pipeline's own stages (bake, probe, gate, lossless reference) in the same session.
 VARIANTS = {
-    "bf16-eager": ("tiny_checkpoint", {}),
-    "w4a16-eager": ("tiny_quantized", {}),
-    "mtp1-eager": ("tiny_checkpoint", {"enable_prefix_caching": False, "speculative": {"method": "mtp", "k": 1}}),
+    "w4a16-mtp1-eager": (
+        "tiny_quantized",
+        {"enable_prefix_caching": False, "speculative": {"method": "mtp", "k": 1}},
+    ),
 }
 
 
