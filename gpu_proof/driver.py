@@ -48,11 +48,12 @@ KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm
 NO_SPECULATION = {"method": "none", "k": 0}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 # name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
-# section (config.yaml's layout), how the first start finds its cache (empty, or seeded with bf16's baked kernel
-# caches), whether to bake it (and then restart from the baked cache and probe there, unless restart is False),
-# which prompt sets to probe ("all": config.yaml's probe.sets; "repeated": the competition's only), and whether to
-# also record the lossless check's reference (scripts/lossless_reference.py's run: the first timed request of each
-# category again, with top logprobs) that the `lossless` step compares the same recipe's speculative variants with.
+# section (config.yaml's layout), how the first start finds its cache (empty, seeded with bf16's baked kernel
+# caches, or from:<variant>, that variant's whole baked cache), whether to bake it (then restart from the baked
+# cache and probe there, unless restart is False), which prompt sets to probe ("all": config.yaml's probe.sets;
+# "repeated": the competition's only), and whether to also record the lossless check's reference
+# (scripts/lossless_reference.py's run: each category's first timed request again, with top logprobs) that the
+# `lossless` step compares the same recipe's speculative variants with.
 VARIANTS = {
     "bf16": {"recipe": None, "speculative": NO_SPECULATION, "first": "empty", "bake": True},
     "awq-w4a16-g32-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "first": "seeded", "bake": True},
@@ -62,9 +63,9 @@ VARIANTS = {
     "awq-w4a16-g32-mlp": {"recipe": "recipes/awq-w4a16-g32-mlp.yaml", "speculative": NO_SPECULATION},
     # issue 14: one run, back to back - bf16 (no restart), AWQ broad with the reference, then its speculative forms
     "bf16-base": {"recipe": None, "speculative": NO_SPECULATION, "first": "empty", "bake": True, "restart": False},
-    "awq-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "reference": True},
-    "awq-broad-suffix24": {"recipe": BROAD, "speculative": {"method": "suffix", "k": 24}},
-    "awq-broad-mtp2": {"recipe": BROAD, "speculative": {"method": "mtp", "k": 2}},
+    "awq-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "bake": True, "restart": False, "reference": True},
+    "awq-broad-suffix24": {"recipe": BROAD, "speculative": {"method": "suffix", "k": 24}, "first": "from:awq-broad"},
+    "awq-broad-mtp2": {"recipe": BROAD, "speculative": {"method": "mtp", "k": 2}, "first": "from:awq-broad"},
 }
 SPEC_DEFAULTS = {"first": "seeded", "bake": False, "restart": True, "sets": "all", "reference": False}
 for _name, _spec in VARIANTS.items():
@@ -310,6 +311,10 @@ class Driver:
             with tarfile.open(seed_tar) as archive:
                 members = [m for m in archive.getmembers() if m.name.split("/", 1)[0] in KERNEL_CACHES]
                 archive.extractall(cache, members=members, filter="fully_trusted")
+        elif how.startswith("from:"):  # another variant's whole baked cache (same weights: its kernels, its graphs)
+            with tarfile.open(self.state / "cache" / f"{how.removeprefix('from:')}.tar") as archive:
+                archive.extractall(cache, filter="fully_trusted")
+            how = "seeded"
         elif how.startswith("baked:"):
             with tarfile.open(how.split(":", 1)[1]) as archive:
                 archive.extractall(cache, filter="fully_trusted")
@@ -459,7 +464,8 @@ class Driver:
         text = json.loads(checkpoint_file.read_text())["text_config"]
         speculative = spec["speculative"]
         draft_passes = speculative["k"] if speculative["method"] == "mtp" else 0  # copy-style drafts read no weights
-        return decode_bound(record["weights"], draft_passes, bandwidth["copy_gbps"], text, record["probe"]["categories"])
+        categories = record["probe"]["categories"]
+        return decode_bound(record["weights"], draft_passes, bandwidth["copy_gbps"], text, categories)
 
     def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
         port = free_port()

@@ -2,8 +2,8 @@
 
 Reads PORT and CACHE_DIR like serving/launch.py; answers /ping after FAKE_DELAY_S seconds (0.05 when the
 cache already holds vllm/compiled, as a baked cache would), /tokenize (a token per word), /detokenize,
-streamed /v1/completions (max_tokens chunks, one
-token id each, the same ids for the same prompt; top logprobs when asked), /v1/chat/completions and /metrics (MTP counters).
+streamed /v1/completions (max_tokens chunks of one token id each, the same ids for the same prompt, top
+logprobs when asked), /v1/chat/completions and /metrics (MTP counters).
 """
 
 import json

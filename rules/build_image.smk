@@ -50,6 +50,7 @@ rule build_image:
     resources:
         mem_mb=8000,
         runtime=30,
+        image_writes=1,
     log:
         "logs/build_image/{variant}.log",
     benchmark:

@@ -32,6 +32,10 @@ GPU = 1 if config["image"]["gpus"] else 0
 # profiles/slurm raises it (every serving job has its own node there).
 if "host_share" not in workflow.global_resources:
     workflow.register_resource("host_share", 100)
+# Image writes into a host's container store, one at a time: handing a built image to Docker stages the whole
+# image (~6 GB for the tiny one) as a temporary archive, and two at once filled a CI machine's disk.
+if "image_writes" not in workflow.global_resources:
+    workflow.register_resource("image_writes", 1)
 
 
 project_files = pipeline_config.project_files

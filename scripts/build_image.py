@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -262,9 +263,22 @@ def base_into_buildah(base: dict) -> str:
     return name
 
 
+def room_for_handover(size_bytes: int | None, tmp: Path) -> None:
+    """buildah hands an image to Docker as one archive written to TMPDIR first (the whole image, base layers
+    included): refuse before writing it when TMPDIR cannot hold it, rather than fail with a half-written file."""
+    free = shutil.disk_usage(tmp).free
+    if size_bytes and free < size_bytes * 1.1:
+        raise StageError(
+            f"handing the image ({size_bytes / 1e9:.1f} GB) from buildah to Docker stages it as one archive in {tmp}, "
+            f"which has {free / 1e9:.1f} GB free: free some space (docker image prune, buildah rmi --prune) or set "
+            "TMPDIR to a larger disk"
+        )
+
+
 def hand_to_docker(tag: str) -> str:
     """Load buildah's image into Docker (which runs it later) and drop buildah's copy; return Docker's ID."""
     built = image_id(tag, "buildah")
+    room_for_handover(image_size(tag, "buildah"), Path(tempfile.gettempdir()))
     run(
         ["buildah", "push", "-q", tag, f"docker-daemon:{tag}"],
         builder="buildah",

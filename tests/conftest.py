@@ -1,3 +1,7 @@
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +69,52 @@ SERVE_JSON = {
     "thinking_reserve_tokens": 8,
     "extra_args": [],
 }
+
+
+SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
+
+
+@contextlib.contextmanager
+def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (), env: dict | None = None):
+    """`python3 -m serving` (the image's entrypoint) from the serve-cpu venv on the host, serving `model` with the
+    serve.json `serve`; yields its base URL once /ping answers. Stopped with its engine core (its own session)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from lib.containers import free_port, wait_for_ping
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "serve.json").write_text(json.dumps(serve))
+    port = free_port()
+    server_env = {
+        **os.environ,
+        "SERVE_CONFIG": str(tmp / "serve.json"),
+        "MODEL_DIR": str(model),
+        "PORT": str(port),
+        "HOST": "127.0.0.1",
+        "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)]),
+        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        **(env or {}),
+    }
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(SERVE_PY), "-m", "serving"],
+            cwd=tmp,
+            env=server_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_for_ping(base, 900, alive=lambda: proc.poll() is None, logs=lambda: log_path.read_text()[-4000:])
+            yield base
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def snakemake(*args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:

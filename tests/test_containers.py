@@ -162,6 +162,25 @@ def test_serving_as_a_list_of_files(tmp_path, monkeypatch):
     assert found == ["serving/__main__.py", "serving/sub/route.py"]
 
 
+def test_handover_refused_before_writing_when_tmpdir_cannot_hold_the_image(tmp_path):
+    free = __import__("shutil").disk_usage(tmp_path).free
+    build_image.room_for_handover(free // 2, tmp_path)  # room enough: nothing to say
+    with pytest.raises(StageError, match=r"stages it as one archive in .* GB free: .*TMPDIR"):
+        build_image.room_for_handover(free, tmp_path)  # the archive plus a margin does not fit
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_image_builds_take_the_container_store_one_at_a_time():
+    """Two builds handing ~6 GB images to Docker at once filled a CI disk: build_image asks for the whole
+    `image_writes` resource, which the workflow caps at 1 unless a profile raises it."""
+    import re
+
+    rules = (ROOT / "rules" / "build_image.smk").read_text()
+    build_rule = rules[rules.index("rule build_image:") :]
+    assert re.search(r"resources:[^:]*?image_writes=1,", build_rule, re.S)
+    assert 'workflow.register_resource("image_writes", 1)' in (ROOT / "rules" / "common.smk").read_text()
+
+
 def test_missing_local_base_asks_for_a_rebuild(tmp_path, monkeypatch):
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"ref": "docker.io/library/gone:1", "id": "sha256:00", "builder": "docker"}))

@@ -8,10 +8,7 @@ accepted draft tokens) and shows the check failing on a real server's ids.
 
 import copy
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ import pytest
 import lossless
 import select_variant
 import tarball
-from conftest import ROOT, TINY, snakemake
+from conftest import ROOT, SERVE_PY, TINY, host_server, snakemake
 from lib import lossless as check_lib
 from lib.stage import StageError, validate_json
 from test_sweeps import fabricated_summary, latency
@@ -228,43 +225,19 @@ def test_the_dag_checks_before_select_and_tarball():
 
 # ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny quantized model) ----------
 
-SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 CANARY_DIR = Path(__file__).resolve().parent / "lossless_canary"
 
 
 def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> dict:
     """Serve `model` locally with the tiny profile's serve settings and `speculative`, and run lib.probe's
     repeated set (short category only: 64 prompt tokens, 128 output tokens) once: its latency-like record."""
-    sys.path.insert(0, str(ROOT / "scripts"))
     import yaml
 
-    from lib.containers import free_port, wait_for_ping
     from lib.probe import run_set, same_prompt
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     serve = dict(tiny["variants"]["tiny-awq-mtp1"]["serve"], speculative=speculative)
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "serve.json").write_text(json.dumps(serve))
-    port = free_port()
-    env = {
-        **os.environ,
-        "SERVE_CONFIG": str(tmp / "serve.json"),
-        "MODEL_DIR": str(model),
-        "PORT": str(port),
-        "HOST": "127.0.0.1",
-        "PYTHONPATH": os.pathsep.join([str(CANARY_DIR), str(ROOT)]),
-        "VLLM_CACHE_ROOT": str(tmp / "cache"),
-        **env_extra,
-    }
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for_ping(
-            base, 900, alive=lambda: proc.poll() is None, logs=lambda: (tmp / "server.log").read_text()[-3000:]
-        )
+    with host_server(model, serve, tmp, pythonpath=[str(CANARY_DIR)], env=env_extra) as base:
         settings = {
             "warmup": 0,
             "runs": 1,
@@ -274,14 +247,6 @@ def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> 
         }
         name = serve["served_model_name"] if "served_model_name" in serve else "Qwen/Qwen3.5-4B"
         return run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 @pytest.mark.e2e

@@ -4,26 +4,22 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SERVE_JSON
+from conftest import ROOT, SERVE_JSON, SERVE_PY, host_server
 
 sys.path.insert(0, str(ROOT))
 
 from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
 from serving.settings import SERVE  # noqa: E402
-
-SERVE_PY = ROOT / ".venvs/serve-cpu/bin/python"
 
 NINJA = shutil.which("ninja")
 
@@ -496,44 +492,8 @@ def server(request, tmp_path_factory):
     fixture, overrides = VARIANTS[request.param]
     model = request.getfixturevalue(fixture)  # built by the pipeline's own rules
     tmp = tmp_path_factory.mktemp(request.param)
-    (tmp / "serve.json").write_text(json.dumps({**BASE, **overrides}))
-    port = free_port()
-    env = {
-        **os.environ,
-        "SERVE_CONFIG": str(tmp / "serve.json"),
-        "MODEL_DIR": str(model),
-        "PORT": str(port),
-        "HOST": "127.0.0.1",
-        "PYTHONPATH": str(ROOT),
-        "VLLM_CACHE_ROOT": str(tmp / "cache"),
-    }
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(SERVE_PY), "-m", "serving"], cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    t0 = time.time()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}:\n{(tmp / 'server.log').read_text()[-4000:]}")
-            if time.time() - t0 > 900:
-                pytest.fail(f"no /ping in 900 s:\n{(tmp / 'server.log').read_text()[-4000:]}")
-            try:
-                if http(port, "/ping", timeout=5)[0] == 200:
-                    break
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(2)
-        print(f"{request.param}: /ping 200 after {time.time() - t0:.0f} s")
-        yield port, request.param, tmp / "server.log"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # our own session: vLLM and its engine core
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    with host_server(model, {**BASE, **overrides}, tmp) as base:
+        yield int(base.rsplit(":", 1)[1]), request.param, tmp / "server.log"
 
 
 MSG = [{"role": "user", "content": "Say hello."}]
