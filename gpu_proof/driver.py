@@ -66,6 +66,16 @@ VARIANTS = {
     "awq-broad": {"recipe": BROAD, "speculative": NO_SPECULATION, "bake": True, "restart": False, "reference": True},
     "awq-broad-suffix24": {"recipe": BROAD, "speculative": {"method": "suffix", "k": 24}, "first": "from:awq-broad"},
     "awq-broad-mtp2": {"recipe": BROAD, "speculative": {"method": "mtp", "k": 2}, "first": "from:awq-broad"},
+    # second lease: suffix on bf16, served with CUDA-graph sizes 1..K+1 added (tried against the padding of a
+    # draft-less step to K+1; it did not help and was not kept: results/gpu-proof/h100-spec/session.json)
+    "bf16-suffix24": {
+        "recipe": None,
+        "speculative": {"method": "suffix", "k": 24},
+        "first": "empty",
+        "bake": True,
+        "restart": False,
+    },
+    "bf16-plain": {"recipe": None, "speculative": NO_SPECULATION},
 }
 SPEC_DEFAULTS = {"first": "seeded", "bake": False, "restart": True, "sets": "all", "reference": False}
 for _name, _spec in VARIANTS.items():
@@ -93,6 +103,9 @@ STEPS = [
     "serve-awq-broad-suffix24",
     "serve-awq-broad-mtp2",
     "lossless",
+    # issue 14, second lease: --only environment,checkpoint,bandwidth,serve-bf16-suffix24,serve-bf16-plain
+    "serve-bf16-suffix24",
+    "serve-bf16-plain",
 ]
 
 

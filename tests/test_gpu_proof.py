@@ -274,3 +274,44 @@ def test_checkpoint_builder_runs_on_the_current_tiny_model_api(tmp_path, tiny_ve
     required = set(SCHEMA["$defs"]["checkpoint"]["required"]) - {"command"}  # the driver adds the command
     assert required <= set(data), sorted(required - set(data))
     assert set(SCHEMA["$defs"]["checkpoint"]["properties"]["text_config"]["required"]) <= set(data["text_config"])
+
+
+# ---- issue 14's run (results/gpu-proof/h100-spec): speculation on the H100 ----
+
+SPEC_RESULTS = ROOT / "results" / "gpu-proof" / "h100-spec"
+
+
+def spec_records() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(SPEC_RESULTS.glob("*.json"))}
+
+
+def test_the_speculation_records_validate_and_name_their_lease():
+    found = spec_records()
+    assert {"session", "lossless", "variant-awq-broad", "variant-awq-broad-suffix24"} <= set(found)
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
+
+
+def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records():
+    """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
+    from lib.lossless import compare, failures
+
+    found = spec_records()
+    for check in found["lossless"]["checks"]:
+        record = found[f"variant-{check['variant']}"]
+        reference = found[f"variant-{check['reference_variant']}"]
+        assert record["recipe"] == reference["recipe"] and reference["speculative"]["method"] == "none"
+        rows = compare(record["probe"], reference["reference"])
+        assert rows == check["rows"] and failures(rows) == check["failures"]
+        assert check["passed"] == (not failures(rows))
+
+
+def test_every_speculative_record_counts_its_drafts_per_set():
+    for name, data in spec_records().items():
+        if data["kind"] != "variant" or data["speculative"]["method"] == "none":
+            continue
+        for set_name in ("varied", "fresh"):
+            assert data["probe"][set_name] is not None, (name, set_name)
+        for category in data["probe"]["categories"] + data["probe"]["fresh"]["categories"]:
+            assert category["spec_decode"]["drafts"] > 0, (name, category["name"])
