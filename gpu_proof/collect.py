@@ -30,7 +30,7 @@ def machine_record(out: Path, stem: str, machine: str) -> dict | None:
 def fill_missing_decode(out: Path) -> list[str]:
     """Decode analysis for probed variants that lack it, from the same machine's checkpoint and bandwidth."""
     sys.path.insert(0, str(ROOT / "gpu_proof"))
-    from driver import decode_bound
+    from driver import decode_bound, draft_passes
 
     filled = []
     for path in sorted(out.glob("variant-*.json")):
@@ -43,7 +43,7 @@ def fill_missing_decode(out: Path) -> list[str]:
             continue
         decode = decode_bound(
             record["weights"],
-            record["speculative"]["k"] if record["speculative"]["method"] == "mtp" else 0,
+            draft_passes(record["speculative"]),
             bandwidth["copy_gbps"],
             checkpoint["text_config"],
             record["probe"]["categories"],

@@ -37,6 +37,7 @@ from lib.cache_tar import deterministic_tar  # noqa: E402
 from lib.containers import free_port, wait_for_ping  # noqa: E402
 from lib.probe import probe, warm_up  # noqa: E402
 from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
+from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -119,7 +120,7 @@ class Driver:
             d.mkdir(parents=True, exist_ok=True)
         self.model_dir = state / "weights" / "Qwen3.5-4B-random"
         self.warmup, self.runs = warmup, runs
-        self.config, self.schema = _load_config()
+        self.config = _load_config()
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
 
     # ---- bookkeeping ----
@@ -296,12 +297,12 @@ class Driver:
         return serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
 
     def probe_settings(self) -> dict:
-        probe_cfg = dict(self.config.get("probe") or {})
-        for key, prop in self.schema["properties"]["probe"]["properties"].items():
-            if "default" in prop:
-                probe_cfg.setdefault(key, prop["default"])
-        probe_cfg.update(warmup=self.warmup, runs=self.runs)
-        return probe_cfg
+        return {
+            **section_defaults("probe"),
+            **(self.config.get("probe") or {}),
+            "warmup": self.warmup,
+            "runs": self.runs,
+        }
 
     def model_for(self, spec: dict) -> Path:
         if spec["recipe"] is None:
@@ -454,13 +455,14 @@ class Driver:
                 continue
             reference_variant, reference = references[record["recipe"]]
             rows = compare(record["probe"], reference)
+            failed = failures(rows)
             checks.append(
                 {
                     "variant": variant,
                     "speculative": record["speculative"],
                     "reference_variant": reference_variant,
-                    "passed": not failures(rows),
-                    "failures": failures(rows),
+                    "passed": not failed,
+                    "failures": failed,
                     "rows": rows,
                 }
             )
@@ -475,10 +477,10 @@ class Driver:
             return None
         bandwidth = json.loads(bandwidth_file.read_text())
         text = json.loads(checkpoint_file.read_text())["text_config"]
-        speculative = spec["speculative"]
-        draft_passes = speculative["k"] if speculative["method"] == "mtp" else 0  # copy-style drafts read no weights
         categories = record["probe"]["categories"]
-        return decode_bound(record["weights"], draft_passes, bandwidth["copy_gbps"], text, categories)
+        return decode_bound(
+            record["weights"], draft_passes(spec["speculative"]), bandwidth["copy_gbps"], text, categories
+        )
 
     def start(self, variant: str, serve_json: Path, model: Path, cache: Path, tag: str):
         port = free_port()
@@ -556,9 +558,13 @@ class Driver:
 def _load_config():
     import yaml
 
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
-    return config, schema
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
+
+
+def draft_passes(speculative: dict) -> int:
+    """Passes through the MTP layer (and lm_head) a decode step makes: K with MTP; copy-style drafts read no
+    weights."""
+    return speculative["k"] if speculative["method"] == "mtp" else 0
 
 
 def checkpoint_bytes(model_dir: Path) -> dict:

@@ -17,21 +17,13 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the stage's `lib` imports
 
-_SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())["properties"]
-
-
-def _defaults(section: str) -> dict:
-    """A config section's schema defaults: what the rule would pass for the keys set below nowhere."""
-    return {key: prop["default"] for key, prop in _SCHEMA[section]["properties"].items() if "default" in prop}
-
+from lib.schema import section_defaults  # noqa: E402
 
 CALIBRATION = {
-    **_defaults("calibration"),
+    **section_defaults("calibration"),
     "source": "text_file",
     "path": str(ROOT / "data" / "tiny" / "corpus.txt"),
     "num_samples": 32,
@@ -42,7 +34,7 @@ CALIBRATION = {
 # The rule passes config.yaml's quantize section (its held-out file as an input): the schema's defaults for the
 # rest (heldout_tokens), with the bounds opened up as above.
 BOUNDS = {
-    **_defaults("quantize"),
+    **section_defaults("quantize"),
     "min_top1_agreement": 0.0,
     "max_ppl_ratio": 1.0e6,
 }

@@ -53,6 +53,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 TINY = ["--configfile", "config/tiny.yaml"]
+# What a changed model or serve setting reruns for image.tar.gz, from the bake on (test_dag, test_sweep_dag).
+FROM_BAKE_ON = (
+    "bake_compile_cache",
+    "build_image",
+    "latency_probe",
+    "quality_gate",
+    "lossless_reference",
+    "lossless",
+    "tarball",
+)
 # A serve.json for tests (test_settings; the real servers of test_serving: eager, the tiny model's small context).
 SERVE_JSON = {
     "served_model_name": "Qwen/Qwen3.5-4B",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, TINY, snakemake
+from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
 
 STAGES = [
     "download",
@@ -120,18 +120,6 @@ def variant_override(tmp_path: Path, **changes) -> str:
     override = tmp_path / "override.yaml"
     override.write_text(yaml.safe_dump({"variants": {tiny["variant"]: variant}}))
     return str(override)
-
-
-# What a changed model or serve setting reruns for image.tar.gz, from the bake on.
-FROM_BAKE_ON = (
-    "bake_compile_cache",
-    "build_image",
-    "latency_probe",
-    "quality_gate",
-    "lossless_reference",
-    "lossless",
-    "tarball",
-)
 
 
 @pytest.mark.e2e

@@ -459,12 +459,6 @@ def test_int4_fallback_stays_out_where_the_op_exists_and_serves_where_it_does_no
 # ---------- real servers (one at a time) ----------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(port, path, body=None, timeout=300):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
