@@ -315,3 +315,89 @@ def test_every_speculative_record_counts_its_drafts_per_set():
             assert data["probe"][set_name] is not None, (name, set_name)
         for category in data["probe"]["categories"] + data["probe"]["fresh"]["categories"]:
             assert category["spec_decode"]["drafts"] > 0, (name, category["name"])
+
+
+def test_driver_profiles_a_decode_step_on_the_repeated_and_the_fresh_set(tmp_path):
+    """Issues 15/14's profile variants: the server gets vLLM's --profiler-config through serve.json's extra_args,
+    each set's short request is bracketed by /start_profile and /stop_profile, and the trace is broken down."""
+    d = fake_driver(tmp_path)
+    quantized = tmp_path / "quant" / "awq-w4a16-g32-broad" / "model"
+    shutil.copytree(d.model_dir, quantized)
+    (quantized / "config.json").write_text("{}")
+    d.run_steps(["serve-awq-broad-profile"])
+    record = json.loads((tmp_path / "results" / "variant-awq-broad-profile.json").read_text())
+    assert record["status"] == "ok", record
+    flag = record["vllm_args"].index("--profiler-config")
+    assert json.loads(record["vllm_args"][flag + 1])["torch_profiler_dir"] == str(
+        tmp_path / "profile" / "awq-broad-profile"
+    )
+    sets = record["profile"]["sets"]
+    assert set(sets) == {"repeated", "fresh"}
+    for entry in sets.values():
+        families = entry["breakdown"]["families"]
+        assert set(families) == {"marlin_gemm", "gdn_recurrence", "dense_gemm"}
+        assert entry["breakdown"]["busy_ms"] == 1.8 and entry["breakdown"]["idle_ms"] == 0.1
+        assert (tmp_path / "results" / entry["kept_as"]).exists()
+
+
+def test_kernel_families_and_the_idle_time_between_steps():
+    from gpu_proof.profile_breakdown import breakdown, kernel_family
+
+    assert kernel_family("Marlin<256, 1, 8, 8, 4, 8>") == "marlin_gemm"
+    assert kernel_family("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm"
+    assert kernel_family("triton_poi_fused_mul_silu_slice_1") == "activation_elementwise"
+    assert kernel_family("_causal_conv1d_update_kernel") == "causal_conv1d"
+    assert kernel_family("fused_recurrent_gated_delta_rule_fwd_kernel") == "gdn_recurrence"
+    assert kernel_family("flash_fwd_splitkv_kernel") == "attention"
+    assert kernel_family("something_new") == "other"
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "Marlin<>", "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "Marlin<>", "ts": 300, "dur": 200},  # overlaps: busy counts it once
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1500, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "execute_model", "ts": 0, "dur": 2000},
+    ]
+    result = breakdown({"traceEvents": events}, steps=2)
+    assert result["window_ms"] == 2.0 and result["busy_ms"] == 1.0 and result["idle_ms"] == 1.0
+    assert result["per_step"]["idle_ms"] == 0.5 and result["idle_gaps"][">=1000us"]["count"] == 1
+    assert result["families"]["marlin_gemm"] == {
+        "total_ms": 0.6,
+        "count": 2,
+        "per_step_ms": 0.3,
+        "share_of_busy": 0.5455,
+    }
+    assert result["top_annotations"][0]["name"] == "execute_model"
+    with pytest.raises(ValueError, match="no GPU events"):
+        breakdown({"traceEvents": events[-1:]}, steps=1)
+
+
+PROFILE_RESULTS = ROOT / "results" / "gpu-proof" / "h100-profile"
+
+
+def profile_records() -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted(PROFILE_RESULTS.glob("*.json"))}
+
+
+def test_the_profile_records_validate_and_agree_with_their_bytes():
+    """Issue 15's lease: AWQ broad and AWQ with the int4 head, profiled. The head's bytes fell as packed int4 with
+    group-32 scales does, and the head's bf16 GEMM left the profile for Marlin's."""
+    found = profile_records()
+    assert {"session", "variant-awq-broad-profile", "variant-awq-broad-head4"} <= set(found)
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine7", name
+    awq, head4 = found["variant-awq-broad-profile"], found["variant-awq-broad-head4"]
+    rows, cols = 248320, 2560
+    assert awq["weights"]["lm_head"] == rows * cols * 2
+    assert head4["weights"]["lm_head"] == rows * cols // 2 + rows * cols // 32 * 2 + 16  # packed + scales + shape
+    assert {k: v for k, v in awq["weights"].items() if k != "lm_head"} == {
+        k: v for k, v in head4["weights"].items() if k != "lm_head"
+    }
+    for set_name in ("repeated", "fresh"):
+        before = awq["profile"]["sets"][set_name]["breakdown"]
+        after = head4["profile"]["sets"][set_name]["breakdown"]
+        assert after["families"]["dense_gemm"]["count"] < before["families"]["dense_gemm"]["count"]
+        assert after["families"]["marlin_gemm"]["count"] > before["families"]["marlin_gemm"]["count"]
+        assert after["per_step"]["busy_ms"] < before["per_step"]["busy_ms"]
+        for breakdown in (before, after):  # kernel time of the families covers the busy time (overlaps count twice)
+            kernels = sum(f["total_ms"] for f in breakdown["families"].values())
+            assert kernels >= breakdown["busy_ms"] * 0.999 and breakdown["window_ms"] >= breakdown["busy_ms"]

@@ -208,6 +208,8 @@ def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,)
 EXPECTED = {
     "awq-w4a16-g32-mlp": (12, 4),
     "awq-w4a16-g32-broad": (25, 4),
+    "awq-w4a16-g32-broad-head4": (26, 4),
+    "awq-w4a16-g32-broad-head8": (26, None),  # int4 body, int8 head
     "gptq-w4a16-g32-sym": (25, 4),
     "w8a16": (25, 8),
     "bf16": (0, None),
@@ -225,11 +227,16 @@ def test_shipped_recipe_targets_what_its_name_says(name):
     targeted, matches = plan_targets(recipe, ARCH, modules())
     assert len(targeted) == count and all(matches.values())
     assert recipe["quantize"] is (count > 0)
+    head = targeted.pop("lm_head", None)  # only the -head recipes quantize the LM head, and say its bits
+    assert (head is not None) is ("-head" in name)
+    if head:
+        assert head["num_bits"] == int(name[-1]) and count == 1 + len(targeted)
+        assert head["strategy"] == ("group" if head["num_bits"] == 4 else "channel")
+        bits = 4
     assert {w["num_bits"] for w in targeted.values()} <= {bits}
-    for module in targeted:  # never: narrow linear-attention gates, conv, norms, vision, embeddings, lm_head, MTP
+    for module in targeted:  # never: narrow linear-attention gates, conv, norms, vision, embeddings, MTP
         assert not any(
-            word in module
-            for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed", "lm_head", "mtp.")
+            word in module for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed", "mtp.")
         ), module
     kinds = {m.split(".")[-1] for m in targeted}
     if name.endswith("-mlp"):
@@ -253,7 +260,7 @@ def test_shipped_recipe_targets_what_its_name_says(name):
 def test_shipped_recipes_fit_the_real_model(name):
     targeted, _ = plan_targets(read_recipe(RECIPES / f"{name}.yaml"), ARCH, modules(**REAL_DIMS))
     per_layer = {"awq-w4a16-g32-mlp": 3 * 32}.get(name, 0 if name == "bf16" else 3 * 32 + 24 * 3 + 8 * 4)
-    assert len(targeted) == per_layer
+    assert len(targeted) == per_layer + ("-head" in name)
 
 
 def test_every_variant_names_a_shipped_recipe():
@@ -513,7 +520,13 @@ def runs(tmp_path_factory, tiny_venvs, tiny_checkpoint):
 
 
 # Tensor bytes over the source's on the tiny model (its embeddings, lm_head and vision stay 16-bit).
-SHRINK = {"awq-w4a16-g32-mlp": 0.9, "awq-w4a16-g32-broad": 0.65, "gptq-w4a16-g32-sym": 0.65, "w8a16": 0.8}
+SHRINK = {
+    "awq-w4a16-g32-mlp": 0.9,
+    "awq-w4a16-g32-broad": 0.65,
+    "awq-w4a16-g32-broad-head4": 0.6,
+    "gptq-w4a16-g32-sym": 0.65,
+    "w8a16": 0.8,
+}
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -524,8 +537,12 @@ def _digests(folder: Path) -> dict[str, str]:
     }
 
 
+# head8 differs from head4 only by a second config group (int8 channel-wise lm_head), which the planning tests cover
+RUN_ON_TINY = sorted(set(EXPECTED) - {"awq-w4a16-g32-broad-head8"})
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", sorted(EXPECTED))
+@pytest.mark.parametrize("recipe", RUN_ON_TINY)
 def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     out = runs(recipe)
     count, bits = EXPECTED[recipe]
@@ -546,6 +563,9 @@ def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     assert heldout["ppl_ratio"] <= TINY["quantize"]["max_ppl_ratio"]
     weights = sum(i["bytes"] for i in header.values())
     source = sum(i["bytes"] for i in checkpoint_header(tiny_checkpoint).values())
+    step = report["decode_step"]  # what a decode step reads: decoder + head, from the written headers
+    head = sum(i["bytes"] for n, i in header.items() if n.startswith("lm_head"))
+    assert step["lm_head"] == head and not step["tied_head"] and step["total"] == step["decoder"] + head < weights
     if count:
         qconfig = json.loads((model / "config.json").read_text())["quantization_config"]
         assert qconfig["config_groups"]["group_0"]["weights"]["num_bits"] == bits
