@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from lib.cache_tar import deterministic_tar  # noqa: E402
 from lib.containers import free_port, wait_for_ping  # noqa: E402
+from lib.decode_bytes import draft_passes, part_bytes, step_bytes  # noqa: E402
 from lib.probe import probe, warm_up  # noqa: E402
-from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
 from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 
@@ -48,6 +48,7 @@ KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm
 
 NO_SPECULATION = {"method": "none", "k": 0}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
+HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 # name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
 # section (config.yaml's layout), how the first start finds its cache (empty, seeded with bf16's baked kernel
 # caches, or from:<variant>, that variant's whole baked cache), whether to bake it (then restart from the baked
@@ -77,12 +78,56 @@ VARIANTS = {
         "restart": False,
     },
     "bf16-plain": {"recipe": None, "speculative": NO_SPECULATION},
+    # issues 15 and 14: one decode step of AWQ broad as served (CUDA graphs on), then of AWQ + suffix K=24, under
+    # vLLM's torch profiler (gpu_proof/profile_breakdown.py): one short request of the repeated and of the fresh set
+    "awq-broad-profile": {
+        "recipe": BROAD,
+        "speculative": NO_SPECULATION,
+        "bake": True,
+        "restart": False,
+        "sets": "repeated",
+        "profile": True,
+    },
+    # issue 15: the LM head quantized too (int4 g32, int8 channel-wise), kernel caches seeded from AWQ broad's bake
+    "awq-broad-head4": {
+        "recipe": HEAD4,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-profile",
+        "sets": "repeated",
+        "profile": True,
+    },
+    "awq-broad-head8": {
+        "recipe": HEAD8,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-profile",
+        "sets": "repeated",
+        "profile": True,
+    },
+    "awq-broad-suffix24-profile": {
+        "recipe": BROAD,
+        "speculative": {"method": "suffix", "k": 24},
+        "first": "from:awq-broad-profile",
+        "sets": "repeated",
+        "profile": True,
+    },
 }
-SPEC_DEFAULTS = {"first": "seeded", "bake": False, "restart": True, "sets": "all", "reference": False}
+SPEC_DEFAULTS = {
+    "first": "seeded",
+    "bake": False,
+    "restart": True,
+    "sets": "all",
+    "reference": False,
+    "profile": False,
+}
 for _name, _spec in VARIANTS.items():
     VARIANTS[_name] = {**SPEC_DEFAULTS, **_spec}
 # which quantize step makes a recipe's checkpoint (the issue-14 variants reuse the broad one)
-QUANTIZED_BY = {BROAD: "awq-w4a16-g32-broad", "recipes/awq-w4a16-g32-mlp.yaml": "awq-w4a16-g32-mlp"}
+QUANTIZED_BY = {
+    BROAD: "awq-w4a16-g32-broad",
+    "recipes/awq-w4a16-g32-mlp.yaml": "awq-w4a16-g32-mlp",
+    HEAD4: "awq-broad-head4",
+    HEAD8: "awq-broad-head8",
+}
 # bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
 STEPS = [
     "environment",
@@ -107,7 +152,19 @@ STEPS = [
     # issue 14, second lease: --only environment,checkpoint,bandwidth,serve-bf16-suffix24,serve-bf16-plain
     "serve-bf16-suffix24",
     "serve-bf16-plain",
+    # issues 15 and 14, profiles and the quantized head: --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad-profile,quantize-awq-broad-head4,serve-awq-broad-head4,
+    # serve-awq-broad-suffix24-profile,quantize-awq-broad-head8,serve-awq-broad-head8
+    "serve-awq-broad-profile",
+    "quantize-awq-broad-head4",
+    "serve-awq-broad-head4",
+    "serve-awq-broad-suffix24-profile",
+    "quantize-awq-broad-head8",
+    "serve-awq-broad-head8",
 ]
+# vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
+# that the profile is partly about)
+PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
 
 
 class Driver:
@@ -290,11 +347,16 @@ class Driver:
         self.serve_variant(variant, spec, name=f"coldstart-empty-{variant}", probe_it=False, kind="coldstart")
 
     # ---- serving ----
-    def serve_settings(self, speculative: dict) -> dict:
-        """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py)."""
+    def serve_settings(self, speculative: dict, profile_dir: Path | None = None) -> dict:
+        """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py);
+        with `profile_dir`, vLLM's profiler is configured to write there (extra_args, as a user would add it)."""
         from serving.settings import serve_json
 
-        return serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
+        settings = serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
+        if profile_dir is not None:
+            profiler = dict(PROFILER, torch_profiler_dir=str(profile_dir))
+            settings["extra_args"] = [*settings["extra_args"], "--profiler-config", json.dumps(profiler)]
+        return settings
 
     def probe_settings(self) -> dict:
         return {
@@ -318,10 +380,12 @@ class Driver:
         cache = self.state / "cache" / f"{variant}-live"
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
-        seed_tar = self.state / "cache" / "bf16.tar"
-        if how == "seeded" and not seed_tar.exists():
+        # "seeded": bf16's kernel caches; "seeded:<variant>": that variant's (another checkpoint's graphs never fit)
+        seed_tar = self.state / "cache" / f"{how.partition(':')[2] or 'bf16'}.tar"
+        if how.startswith("seeded") and not seed_tar.exists():
             how = "empty"  # nothing to seed from yet
-        if how == "seeded":
+        if how.startswith("seeded"):
+            how = "seeded"
             with tarfile.open(seed_tar) as archive:
                 members = [m for m in archive.getmembers() if m.name.split("/", 1)[0] in KERNEL_CACHES]
                 archive.extractall(cache, members=members, filter="fully_trusted")
@@ -340,7 +404,7 @@ class Driver:
     ) -> None:
         name = name or f"variant-{variant}"
         model = self.model_for(spec)
-        settings = self.serve_settings(spec["speculative"])
+        settings = self.serve_settings(spec["speculative"], self.profile_dir(variant) if spec["profile"] else None)
         serve_json = self.state / "serve" / f"{variant}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         from serving.settings import vllm_args  # the exact flags the entrypoint will exec
@@ -358,7 +422,7 @@ class Driver:
                 f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"
             ),
             "vllm_args": planned_args(vllm_args, settings, model),
-            "weights": checkpoint_bytes(model),
+            "weights": part_bytes(model),
             "cold_start": {},
             "probe": None,
             "decode": None,
@@ -432,11 +496,82 @@ class Driver:
         record["probe"] = result
         record["decode"] = self.decode_analysis(record, spec)
         self.record(name, record)
+        if spec["profile"]:
+            self.run_profile(record, name, base, settings, varied)
         if spec["reference"]:  # what scripts/lossless_reference.py records, on the same server
             started = time.monotonic()
             record["reference"] = probe(base, model_name, dict(settings_probe, first_run_only=True), varied, self.log)
             record["reference"]["seconds"] = round(time.monotonic() - started, 1)
             self.record(name, record)
+
+    def run_profile(self, record: dict, name: str, base: str, settings: dict, varied: str) -> None:
+        """One short request of the repeated set and one of the fresh set, each between /start_profile and
+        /stop_profile; the trace of each, broken down by profile_breakdown (decode steps = output tokens over
+        the mean acceptance length), and kept when small."""
+        from gpu_proof.profile_breakdown import breakdown, load_trace
+        from lib.openai_client import request
+        from lib.probe import fresh_set, probe_set, varied_paragraphs
+
+        trace_root = self.profile_dir(record["variant"])
+        short = next(c for c in self.probe_settings()["categories"] if c["name"] == "short")
+        probe_settings = dict(self.probe_settings(), warmup=0, runs=1, categories=[short])
+        model_name = settings["served_model_name"]
+        record["profile"] = {"profiler": PROFILER, "sets": {}}
+        for set_name in ("repeated", "fresh"):
+            before = {p for p in trace_root.rglob("*") if p.is_file()} if trace_root.exists() else set()
+            status, text, _ = request(base, "/start_profile", {}, timeout_s=120)
+            if status != 200:
+                raise RuntimeError(f"/start_profile answered {status}: {text[:300]}")
+            if set_name == "repeated":
+                result = probe_set(base, model_name, probe_settings, [probe_settings["sentence"]], self.log)
+            else:
+                result = fresh_set(base, model_name, probe_settings, varied_paragraphs(varied), self.log)
+            status, text, seconds = request(base, "/stop_profile", {}, timeout_s=600)
+            if status != 200:
+                raise RuntimeError(f"/stop_profile answered {status}: {text[:300]}")
+            trace = self.new_trace(trace_root, before)
+            category = result["categories"][0]
+            steps = max(1, round(category["output_tokens_mean"] / (category.get("mean_acceptance_length") or 1.0)))
+            entry = {
+                "request": {k: category.get(k) for k in ("median_ms", "ttft_median_ms", "itl_median_ms")}
+                | {
+                    "mean_acceptance_length": category.get("mean_acceptance_length"),
+                    "output_tokens": category["output_tokens_mean"],
+                },
+                "stop_profile_s": round(seconds, 1),
+                "trace": trace.name,
+                "trace_bytes": trace.stat().st_size,
+                "breakdown": breakdown(load_trace(trace), steps),
+            }
+            if trace.stat().st_size < 40 * 2**20:  # kept for whoever opens it in Perfetto
+                kept = self.results / "profiles" / f"{record['variant']}-{set_name}{''.join(trace.suffixes[-2:])}"
+                kept.parent.mkdir(exist_ok=True)
+                shutil.copy(trace, kept)
+                entry["kept_as"] = str(kept.relative_to(self.results))
+            record["profile"]["sets"][set_name] = entry
+            self.log(f"profile {set_name}: {json.dumps(entry['breakdown']['per_step'])}")
+            self.record(name, record)
+
+    def profile_dir(self, variant: str) -> Path:
+        return self.state / "profile" / variant
+
+    def new_trace(self, trace_root: Path, before: set, timeout_s: float = 300) -> Path:
+        """The trace file /stop_profile wrote (the engine core writes it after answering), once its size holds."""
+        deadline, last = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            fresh = [
+                p
+                for p in (trace_root.rglob("*") if trace_root.exists() else [])
+                if p.is_file() and p not in before and (p.name.endswith(".json.gz") or p.name.endswith(".json"))
+            ]
+            if fresh:
+                newest = max(fresh, key=lambda p: p.stat().st_mtime)
+                size = newest.stat().st_size
+                if last == (newest, size) and size > 0:
+                    return newest
+                last = (newest, size)
+            time.sleep(2)
+        raise RuntimeError(f"no trace appeared under {trace_root} within {timeout_s:.0f} s of /stop_profile")
 
     def step_lossless(self, step: str) -> None:
         """Every probed speculative variant's greedy ids against its recipe's reference (lib/lossless.py)."""
@@ -561,21 +696,6 @@ def _load_config():
     return yaml.safe_load((ROOT / "config.yaml").read_text())
 
 
-def draft_passes(speculative: dict) -> int:
-    """Passes through the MTP layer (and lm_head) a decode step makes: K with MTP; copy-style drafts read no
-    weights."""
-    return speculative["k"] if speculative["method"] == "mtp" else 0
-
-
-def checkpoint_bytes(model_dir: Path) -> dict:
-    """Tensor bytes a decode step reads, by part, from the safetensors headers of a served checkpoint."""
-    parts = {"decoder": 0, "lm_head": 0, "embed_tokens": 0, "mtp": 0, "vision": 0}
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        for tensor, info in read_header(shard).items():
-            parts[model_part(tensor)] += tensor_bytes(info)
-    return parts
-
-
 def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories: list[dict]) -> dict:
     """Each category's measured time per output token against the memory-bandwidth bound.
 
@@ -583,7 +703,7 @@ def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories
     With MTP depth k a step also runs the MTP layer k times, each with the shared lm_head, and yields
     `mean_acceptance_length` tokens. Context adds the full-attention KV cache (8 layers) and the gated
     DeltaNet state (read and written, fp32), taken at the mean context of the category."""
-    step_weights = weights["decoder"] + weights["lm_head"] + k * (weights["mtp"] + weights["lm_head"])
+    step_weights = step_bytes(weights, k)["total"]
     full_layers = text["full_attention_layers"]
     kv_per_token = full_layers * 2 * text["num_key_value_heads"] * text["head_dim"] * 2
     state = (
@@ -599,9 +719,9 @@ def decode_bound(weights: dict, k: int, copy_gbps: float, text: dict, categories
     for category in categories:
         context = category["prompt_tokens"] + category["output_tokens_requested"] / 2
         accepted = category.get("mean_acceptance_length") or 1.0
-        step_bytes = step_weights + kv_per_token * context + state
+        read = step_weights + kv_per_token * context + state
         weights_ms = step_weights / bytes_per_s * 1e3 / accepted
-        total_ms = step_bytes / bytes_per_s * 1e3 / accepted
+        total_ms = read / bytes_per_s * 1e3 / accepted
         itl = category["itl_median_ms"]
         rows.append(
             {

@@ -13,6 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
+from lib.decode_bytes import A10G_GBPS, bound_ms, draft_passes
 from lib.gate import failed_tasks
 from lib.probe import COMPETITION_SET, PROMPT_SETS, prompt_sets
 from lib.stage import StageError, validate_json, write_json
@@ -80,6 +81,28 @@ def category_row(category: dict, reference_median: float | None) -> dict:
     }
 
 
+def decode_step(report: dict, speculative: dict, categories: dict[str, dict]) -> dict | None:
+    """The variant's bytes per decode step (its checkpoint's, from the quantize report, with K MTP passes) and the
+    floor they put on its inter-token latency at the contract's A10G, beside the measured ITL per category (the
+    competition's set). None for a report written before quantize recorded it."""
+    step = report.get("decode_step")
+    if step is None:
+        return None
+    passes = draft_passes(speculative)
+    total = step["decoder"] + step["lm_head"] + passes * step["mtp_per_draft"]
+    floor = bound_ms(total, A10G_GBPS)
+    return {
+        "bytes": total,
+        "draft_passes": passes,
+        "a10g_gbps": A10G_GBPS,
+        "a10g_bound_ms": round(floor, 4),
+        "a10g_bound_ms_per_token": {
+            name: round(floor / (c["mean_acceptance_length"] or 1.0), 4) for name, c in categories.items()
+        },
+        "itl_median_ms": {name: c["itl_median_ms"] for name, c in categories.items()},
+    }
+
+
 def geomean(values) -> float:
     return math.exp(statistics.mean(math.log(v) for v in values))
 
@@ -137,6 +160,7 @@ def build_summary(
                 "quantized": report["quantized"],
                 "weight_bits": weight_bits(report),
                 "model_bytes": report["output_bytes"],
+                "decode_step": decode_step(report, variant["speculative"], competition["categories"]),
                 "speculative": variant["speculative"],
                 "max_num_seqs": variant["serve"]["max_num_seqs"],
                 "reference": reference,
@@ -285,6 +309,7 @@ def markdown(summary: dict) -> str:
             "recipe",
             "bits",
             "weights MB",
+            "GB/step (A10G floor ms)",
             "spec",
             "seqs",
             f"speedup vs baseline ({names})",
@@ -303,6 +328,11 @@ def markdown(summary: dict) -> str:
             row["recipe_key"],
             str(row["weight_bits"]),
             f"{row['model_bytes'] / 1e6:.1f}",
+            (
+                f"{row['decode_step']['bytes'] / 1e9:.3g} ({row['decode_step']['a10g_bound_ms']:.3g})"
+                if row["decode_step"]
+                else "-"
+            ),
             "none" if spec["method"] == "none" else f"{spec['method']} K={spec['k']}",
             str(row["max_num_seqs"]),
             per_set(row, sets, "mean_speedup_vs_baseline"),

@@ -11,6 +11,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from lib.decode_bytes import A10G_GBPS, bound_ms, part_bytes, step_bytes
 from lib.quantize_checks import (
     carried_files,
     check_heldout,
@@ -291,6 +292,8 @@ def main(job) -> None:
         raise
     manifest = write_manifest(out_dir, job.output.manifest)
     source_bytes, output_bytes = _dir_bytes(model_dir), _dir_bytes(out_dir)
+    decode_step = step_bytes(part_bytes(out_dir))
+    decode_step.update(bound_ms_a10g=round(bound_ms(decode_step["total"], A10G_GBPS), 4), a10g_gbps=A10G_GBPS)
     report = {
         "status": "quantized" if recipe["quantize"] else "not quantized",
         "quantized": recipe["quantize"],
@@ -318,6 +321,7 @@ def main(job) -> None:
         "source_bytes": source_bytes,
         "output_bytes": output_bytes,
         "size_ratio": round(output_bytes / source_bytes, 4),
+        "decode_step": decode_step,
         "output_files": {name: (out_dir / name).stat().st_size for name in manifest},
         "wall_seconds": round(time.monotonic() - started, 1),
         "versions": _versions(),

@@ -190,6 +190,8 @@ QUANTIZE = {
         "quantized": True,
         "output_bytes": 300,
         "recipe": {"groups": [{"weights": {"num_bits": 4}}]},
+        # 2.0 GB decoder + a tied bf16 head of 1.2 GB, MTP layer 0.1 GB (scripts/lib/decode_bytes.py)
+        "decode_step": {"decoder": 2_000_000_000, "lm_head": 1_200_000_000, "mtp_per_draft": 1_300_000_000},
     },
 }
 
@@ -215,6 +217,38 @@ def fabricated_summary():
     latencies = [latency(1.0, 1.5), latency(0.5, 1.5, fresh=1.1), latency(0.4, 2.0, fresh=1.5), latency(0.1, 2.0)]
     qualities = [quality(0.9), quality(0.7), quality(0.6), quality(0.05)]
     return compare.build_summary(variants, latencies, qualities, QUANTIZE, None)
+
+
+def test_bytes_per_step_count_the_mtp_passes_and_give_the_a10g_floor():
+    rows = {r["variant"]: r for r in fabricated_summary()["variants"]}
+    assert rows["bf16-k1"]["decode_step"] is None  # a report from before decode_step: nothing made up
+    k1, k2 = rows["awq-k1"]["decode_step"], rows["awq-k2"]["decode_step"]
+    assert (k1["bytes"], k2["bytes"]) == (4_500_000_000, 5_800_000_000) and k2["draft_passes"] == 2
+    assert k1["a10g_bound_ms"] == pytest.approx(4.5e9 / 600e9 * 1e3)  # 7.5 ms a step at 600 GB/s
+    accepted = rows["awq-k1"]["latency"]["short"]["mean_acceptance_length"]
+    assert k1["a10g_bound_ms_per_token"]["short"] == pytest.approx(7.5 / accepted, abs=1e-4)
+    assert k1["itl_median_ms"]["short"] == rows["awq-k1"]["latency"]["short"]["itl_median_ms"]
+    assert "| 4.5 (7.5) |" in compare.markdown(fabricated_summary())
+
+
+def test_decode_step_bytes_of_a_checkpoint_count_a_tied_head_once(tmp_path):
+    from lib.decode_bytes import part_bytes, step_bytes
+    from test_quantize import write_safetensors
+
+    untied = {
+        "model.language_model.layers.0.mlp.up_proj.weight": ("BF16", [64, 32]),
+        "model.language_model.embed_tokens.weight": ("BF16", [100, 32]),
+        "lm_head.weight": ("BF16", [100, 32]),
+        "mtp.fc.weight": ("BF16", [32, 64]),
+    }
+    write_safetensors(tmp_path / "model.safetensors", untied)
+    step = step_bytes(part_bytes(tmp_path), draft_passes=2)
+    assert step["tied_head"] is False and step["lm_head"] == 6400
+    assert step["total"] == 4096 + 6400 + 2 * (4096 + 6400)
+    del untied["lm_head.weight"]
+    write_safetensors(tmp_path / "model.safetensors", untied)
+    tied = step_bytes(part_bytes(tmp_path))
+    assert tied["tied_head"] is True and tied["lm_head"] == 6400 and tied["total"] == 4096 + 6400
 
 
 def test_summary_speedups_reference_and_pareto():
@@ -258,7 +292,10 @@ def test_summary_puts_every_prompt_sets_speedups_side_by_side():
     assert awq["prompt_sets"]["fresh"]["prefix_cache_hit_rate"] is None  # prefix caching off
     text = compare.markdown(summary)
     assert "speedup vs baseline (repeated / varied / fresh)" in text
-    assert "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | mtp K=2 | 8 | 2.50 / 2.08 / 1.67 | 2.50 / 2.50 / 2.17 |" in text
+    assert (
+        "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | 5.8 (9.67) | mtp K=2 | 8 "
+        "| 2.50 / 2.08 / 1.67 | 2.50 / 2.50 / 2.17 |" in text
+    )
     assert "| awq-k2 | fresh | 1549 | 3265 | 3946 | 1.67 |" in text  # the per-set table
     csv_row = compare.csv_rows(summary)[2]
     assert csv_row["fresh_mean_speedup_vs_baseline"] == pytest.approx(2.5 / 1.5)
@@ -281,7 +318,7 @@ def test_summary_without_the_other_prompt_sets():
     assert b["prompt_sets"]["fresh"]["mean_speedup_vs_reference"] is None  # the reference has no fresh set
     rows = compare.csv_rows(summary)
     assert list(rows[0]) == list(rows[1]) and rows[0]["fresh_short_median_ms"] is None
-    assert "| a | bf16 | 16 | 0.0 | mtp K=1 | 8 | 1.00 / - | 1.00 / - |" in compare.markdown(summary)
+    assert "| a | bf16 | 16 | 0.0 | - | mtp K=1 | 8 | 1.00 / - | 1.00 / - |" in compare.markdown(summary)
     selection = select_variant.choose(summary, "mean_speedup")
     assert selection["variant"] == "b" and "1.538 on fresh prompts" in selection["reason"]
 
