@@ -55,12 +55,13 @@ SPECULATIVE_COMMON = ("method", "k")
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "none": (),
     "mtp": ("disable_padded_drafter_batch",),
-    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts"),
     "suffix": (
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
+        "pad_drafts",
     ),
     "draft_model": (
         "model",
@@ -72,6 +73,9 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
         "parallel_drafting",
     ),
 }
+# Keys the project's own vLLM plugins read (through the environment, serving.launch.child_env), not vLLM's
+# SpeculativeConfig: --speculative-config never sees them.
+SPECULATIVE_PLUGIN_KEYS = {"pad_drafts": "SERVING_PAD_DRAFTS"}  # serving/draft_padding.py
 # Every key a speculative section may hold (the schema lists exactly these).
 SPECULATIVE_KEYS = tuple(
     dict.fromkeys(SPECULATIVE_COMMON + tuple(key for keys in SPECULATIVE_METHODS.values() for key in keys))
@@ -139,7 +143,17 @@ def speculative_config(speculative: dict | None) -> dict | None:
         raise SettingsError("; ".join(problems))
     if speculative.get("method", "none") == "none":
         return None
-    return {SPECULATIVE_RENAMES.get(key, key): value for key, value in speculative.items() if value is not None}
+    return {
+        SPECULATIVE_RENAMES.get(key, key): value
+        for key, value in speculative.items()
+        if value is not None and key not in SPECULATIVE_PLUGIN_KEYS
+    }
+
+
+def plugin_env(speculative: dict | None) -> dict[str, str]:
+    """The environment the project's plugins read for a speculative section ("1"/"0" per SPECULATIVE_PLUGIN_KEYS)."""
+    speculative = speculative or {}
+    return {env: "1" if speculative.get(key) else "0" for key, env in SPECULATIVE_PLUGIN_KEYS.items()}
 
 
 def speculative_depth(speculative: dict | None) -> int:

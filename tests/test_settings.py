@@ -186,3 +186,46 @@ def test_serve_json_is_resolved_and_refuses_unknown_keys():
     assert written == dict(resolve_serve({"max_num_seqs": 1}), speculative={"method": "mtp", "k": 1})
     with pytest.raises(SettingsError, match="unknown serve key"):
         serve_json({"max_seqs": 1}, {"method": "none", "k": 0})
+
+
+# ---------- pad_drafts: a plugin key, not vLLM's ----------
+
+
+def test_pad_drafts_reaches_the_plugin_environment_and_not_vllm():
+    from serving.launch import child_env
+
+    spec = {"method": "suffix", "k": 4, "pad_drafts": True}
+    args = vllm_args(dict(SERVE_JSON, speculative=spec), "/m")
+    config = json.loads(args[args.index("--speculative-config") + 1])
+    assert config == {"method": "suffix", "num_speculative_tokens": 4}  # vLLM would refuse an unknown key
+    assert child_env({}, dict(SERVE_JSON, speculative=spec))["SERVING_PAD_DRAFTS"] == "1"
+    assert child_env({}, SERVE_JSON)["SERVING_PAD_DRAFTS"] == "0"
+    assert speculative_problems({"method": "mtp", "k": 2, "pad_drafts": True}) == [
+        "speculative.pad_drafts: method mtp does not take pad_drafts (it takes: disable_padded_drafter_batch)"
+    ]
+
+
+def test_drafts_are_padded_to_k_with_their_last_token_within_the_context():
+    from serving.draft_padding import pad
+
+    sampled = [[7], [8], [], [9]]
+    drafts = [[1, 2], [], [], [3]]
+    # the third sampled nothing (a partial prefill); the fourth has room for one more token only
+    assert pad(drafts, sampled, [10, 10, 10, 97], k=4, max_model_len=100) == [[1, 2, 2, 2], [8, 8, 8, 8], [], [3, 3]]
+    assert pad([[1, 2, 3, 4]], [[5]], [10], k=4, max_model_len=100) == [[1, 2, 3, 4]]  # already K: unchanged
+    assert pad([[]], [[5]], [99], k=4, max_model_len=100) == [[]]  # at the context limit: nothing to verify
+
+
+def test_the_padding_plugin_wraps_both_copy_drafters_only_when_asked(monkeypatch):
+    from serving import draft_padding
+
+    class Proposer:
+        max_model_len = 100
+
+        def propose(self, k, sampled, num_tokens, token_ids=None):
+            return [[] for _ in sampled]
+
+    monkeypatch.delenv(draft_padding.ENV, raising=False)
+    draft_padding.register()  # off: vLLM is not even imported
+    wrapped = draft_padding._ngram(Proposer.propose)
+    assert wrapped(Proposer(), 3, [[5], []], [10, 10], None) == [[5, 5, 5], []]
