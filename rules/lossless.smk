@@ -2,7 +2,9 @@
 # latency probe, per prompt set and category) must equal the same settings' without speculation. The reference is
 # the cheapest honest one (the same weights, vLLM and serve settings; speculation the only difference):
 #   the variant's own built image served once more with speculation off (serve.json mounted over
-#   /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe. It
+#   /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe.
+#   Compared variants with the same recipe and serve settings (a K sweep) share one: with speculation off they
+#   are the same server (Pipeline.reference_source). It
 #   records its top logprobs, so a first difference at a near tie (bf16 rounding) is told from a real flip; a
 #   no-speculation twin's probe cannot tell them apart (measured: MTP K=1 and K=2 both differ from tiny-awq-none at
 #   one fresh prompt's token 39, a 0.0625-nat tie).

@@ -2,7 +2,8 @@
 
 
 rule lossless_reference:
-    """The variant's own image with speculation off: the probe's prompts, the first timed run's request each."""
+    """The variant's own image with speculation off (the reference of every compared variant with its recipe and
+    serve settings): the probe's prompts, the first timed run's request each."""
     input:
         image=rules.build_image.output.image,
         serve=rules.serve_config.output.serve,

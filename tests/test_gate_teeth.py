@@ -1,6 +1,6 @@
 """The tiny quality gate has teeth: the trained default variant passes thresholds above chance, and a destroyed
-checkpoint served the same way fails the same gate (recorded as failed, and `tarball` refuses it).
-The two e2e tests need Docker, the stage venvs and the tiny DAG."""
+checkpoint served the same way fails the same gate's verdict. The two e2e tests need the stage venvs and the tiny
+DAG."""
 
 import json
 import shutil
@@ -9,14 +9,15 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import ROOT, TINY as TINY_ARGS, snakemake
-from lib.stage import StageError, validate_json, write_manifest
-from tarball import require_passed_gate
+from conftest import ROOT, host_server
+from lib.stage import validate_json
+from serving.settings import serve_json
 
 TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 VARIANT = TINY["variant"]
 DESTROYED = "tiny-scrambled-mtp1"
 COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
+EVAL = ROOT / ".venvs" / "eval" / "bin" / "python"
 CHANCE = {"tiny_mc": 0.25, "tiny_mc_think": 0.25}  # four options, letters balanced; IFEval has no chance level
 
 # Every language-model matrix keeps its values but in a seeded random order: the same dtype, shapes, norms and
@@ -50,56 +51,50 @@ def test_default_variant_passes_clearly_above_chance(tiny_run):
         assert row["threshold"] == thresholds[row["name"]] > CHANCE.get(row["name"], 0.0), row
 
 
+# Run in the eval venv (lm-eval's): quality_gate's own lm-eval run and verdict against a served model.
+GATE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import quality_gate as gate
+settings = json.loads(sys.argv[2])
+tasks = gate.normalize_tasks(settings["tasks"])
+scores = gate.run_lm_eval(settings["base"], tasks, model_name=settings["model_name"], num_concurrent=4,
+                          limit=settings["limit"], tasks_dir=settings["tasks_dir"])
+passed, rows = gate.evaluate_gate(scores, tasks, None, 0)
+print("GATE " + json.dumps({"passed": passed, "rows": rows}))
+"""
+
+
 @pytest.mark.e2e
 def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
-    # The destroyed model enters where quantize's output would: quantize's held-out guard would (rightly)
-    # refuse it, and this test is about the gate stopping it on its own, so the test scrambles that output.
-    recipe = tmp_path / "scrambled.yaml"
-    recipe.write_text((ROOT / "recipes" / "bf16.yaml").read_text())
-    out = ROOT / "results" / "quantize" / recipe.stem
-    shutil.rmtree(out, ignore_errors=True)
-    extra = tmp_path / "scrambled-variant.yaml"
-    # One short probe request per prompt set (the bake warms that size only): the gate waits for the probe, whose
-    # numbers this test does not read. Eight docs a task: a model guessing at chance (0.25 on four options) gets 7 of 8
-    # right, the 0.8 threshold, about once in 2,600 tries per task (both must fail: ~1 run in 1,300 if it guessed).
-    extra.write_text(
-        yaml.safe_dump(
-            {
-                "variants": {DESTROYED: dict(TINY["variants"][VARIANT], recipe=str(recipe))},
-                "probe": {
-                    "warmup": 0,
-                    "runs": 1,
-                    "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 16}],
-                },
-                "quality": {"limit": 8},
-            }
-        )
-    )
-    # quantize runs for real (a plain copy, recipes/bf16.yaml), then its output is scrambled in place: Snakemake's
-    # own record of the job stays valid, and the later jobs read the scrambled files
-    snakemake("--cores", "2", str((out / "report.json").relative_to(ROOT)), *TINY_ARGS, str(extra))
-    for shard in sorted((out / "model").glob("*.safetensors")):  # the script leaves non-language-model tensors
+    """The trained checkpoint with its matrices scrambled, served by the image's entrypoint on the host the way
+    the default variant is served, scored by quality_gate's own lm-eval run and verdict: it fails the thresholds the
+    trained model passes. (The stage's failure path around this verdict, the record, tarball refusing it and the
+    container stopped, is test_pipeline_e2e's test_gate_with_teeth_fails_and_stops_its_container.)"""
+    model = tmp_path / "scrambled"
+    shutil.copytree(ROOT / "weights" / TINY["model"]["name"] / "checkpoint", model)
+    for shard in sorted(model.glob("*.safetensors")):  # the script leaves non-language-model tensors
         subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
-    write_manifest(out / "model", out / "manifest.json")
-    report = json.loads((out / "report.json").read_text())
-    (out / "report.json").write_text(json.dumps(dict(report, note="scrambled by tests/test_gate_teeth.py")))
-
-    quality_path = ROOT / "results" / DESTROYED / "quality_gate" / "quality.json"
-    # mtime only: the scrambled files are newer than their inputs, so Snakemake keeps them
-    try:
-        snakemake(
-            "--cores", "2", str(quality_path.relative_to(ROOT)), *TINY_ARGS, str(extra), "--rerun-triggers", "mtime"
+    serve = serve_json(TINY["variants"][VARIANT]["serve"], {"method": "none"})  # the gate reads answers, not speed
+    with host_server(model, serve, tmp_path / "server") as base:
+        # Eight docs a task: a model guessing at chance (0.25 on four options) gets 7 of 8 right, the 0.8
+        # threshold, about once in 2,600 tries per task (both must fail: ~1 run in 1,300 if it guessed).
+        settings = {
+            "base": base,
+            "model_name": serve["served_model_name"],
+            "tasks": TINY["quality"]["tasks"],
+            "tasks_dir": str(ROOT / TINY["quality"]["tasks_dir"]),
+            "limit": 8,
+        }
+        result = subprocess.run(
+            [str(EVAL), "-c", GATE, str(ROOT / "scripts"), json.dumps(settings)],
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
-        # the scrambled checkpoint is what was served: quantize did not run again over it
-        assert "scrambled" in json.loads((out / "report.json").read_text()).get("note", "")
-        quality = json.loads(quality_path.read_text())
-        print(json.dumps(quality["tasks"], indent=1))  # the scores, for whoever reads the test log
-        validate_json(quality, ROOT / "schemas" / "quality.schema.yaml")
-        assert quality["passed"] is False
-        failed = {row["name"] for row in quality["tasks"] if not row["passed"]}
-        assert {"tiny_mc", "tiny_mc_think"} <= failed, quality["tasks"]
-        with pytest.raises(StageError, match="quality gate"):
-            require_passed_gate(str(quality_path))  # what `tarball` does before it writes image.tar.gz
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-        shutil.rmtree(ROOT / "results" / DESTROYED, ignore_errors=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    verdict = json.loads(result.stdout.rsplit("GATE ", 1)[1])
+    print(json.dumps(verdict["rows"], indent=1))  # the scores, for whoever reads the test log
+    assert verdict["passed"] is False
+    failed = {row["name"] for row in verdict["rows"] if not row["passed"]}
+    assert {"tiny_mc", "tiny_mc_think"} <= failed, verdict["rows"]

@@ -223,44 +223,46 @@ def test_the_dag_checks_before_select_and_tarball():
     assert "rule lossless:" in sweep, sweep[-3000:]
 
 
-# ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny quantized model) ----------
+# ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny DAG's outputs) ----------
 
 CANARY_DIR = Path(__file__).resolve().parent / "lossless_canary"
 
 
-def greedy_probe(model: Path, tmp: Path, speculative: dict, env_extra: dict) -> dict:
-    """Serve `model` locally with the tiny profile's serve settings and `speculative`, and run lib.probe's
-    repeated set (short category only: 64 prompt tokens, 128 output tokens) once: its latency-like record."""
-    import yaml
-
-    from lib.probe import run_set, same_prompt
-
-    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    serve = dict(tiny["variants"]["tiny-awq-mtp1"]["serve"], speculative=speculative)
-    with host_server(model, serve, tmp, pythonpath=[str(CANARY_DIR)], env=env_extra) as base:
-        settings = {
-            "warmup": 0,
-            "runs": 1,
-            "ignore_eos": True,
-            "categories": [{"name": "short", "prompt_tokens": 64, "output_tokens": 128}],
-            "sentence": "The quick brown fox jumps over the lazy dog near the quiet river bank. ",
-        }
-        name = serve["served_model_name"] if "served_model_name" in serve else "Qwen/Qwen3.5-4B"
-        return run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
+def short_repeated(record: dict) -> dict:
+    """The competition set's short category of a latency-like record: what the canary server is probed on."""
+    return {"categories": [next(c for c in record["categories"] if c["name"] == "short")]}
 
 
 @pytest.mark.e2e
-def test_a_lossy_server_is_caught(tiny_quantized, tmp_path):
-    """Three servers of the tiny AWQ model: without speculation (the reference), MTP K=2 (lossless: equal ids),
-    and MTP K=2 with tests/lossless_canary flipping accepted draft tokens (what a verify-step bug such as vLLM
-    #39273's GDN state corruption looks like from outside): the check passes the second and names the third's first
-    flipped token."""
-    reference = greedy_probe(tiny_quantized, tmp_path / "none", {"method": "none"}, {})
-    honest = greedy_probe(tiny_quantized, tmp_path / "mtp", MTP, {})
-    assert lossless.check(honest, reference, MTP, "reference")["passed"]
-    assert honest["categories"][0]["mean_acceptance_length"] > 1.5  # drafts were accepted, so the canary has work
-    lossy = greedy_probe(tiny_quantized, tmp_path / "canary", MTP, {"LOSSLESS_CANARY_FLIP": "1"})
-    result = lossless.check(lossy, reference, MTP, "reference")
+def test_a_lossy_server_is_caught(tiny_run, tmp_path):
+    """The shipped variant (MTP K=1) served from its quantized checkpoint with tests/lossless_canary flipping
+    accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state corruption looks like from
+    outside), probed the way the DAG probes it: the check names its first flipped token against the DAG's own
+    reference run (the same image, speculation off). The honest server is the DAG's: its check passed."""
+    import yaml
+
+    from lib.probe import run_set, same_prompt
+    from lib.schema import section_defaults
+    from serving.settings import serve_json
+
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    variant = tiny["variant"]
+    spec = tiny["variants"][variant]["speculative"]
+    results = ROOT / "results" / variant
+    honest = json.loads((results / "lossless" / "lossless.json").read_text())
+    assert honest["passed"] and honest["method"] == "mtp", honest
+    probed = json.loads((results / "latency_probe" / "latency.json").read_text())
+    assert short_repeated(probed)["categories"][0]["mean_acceptance_length"] > 1.5  # drafts accepted: canary has work
+    reference = short_repeated(json.loads((results / "lossless" / "reference.json").read_text()))
+
+    settings = {**section_defaults("probe"), **tiny.get("probe", {}), "warmup": 0, "runs": 1}
+    settings["categories"] = short_repeated(settings)["categories"]
+    model = ROOT / "results" / "quantize" / Path(tiny["variants"][variant]["recipe"]).stem / "model"
+    serve = serve_json(tiny["variants"][variant]["serve"], spec)
+    with host_server(model, serve, tmp_path, pythonpath=[str(CANARY_DIR)], env={"LOSSLESS_CANARY_FLIP": "1"}) as base:
+        name = serve["served_model_name"]
+        lossy = run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
+    result = lossless.check(lossy, reference, spec, "reference")
     assert not result["passed"], result
     assert result["failures"][0].startswith(
         "repeated prompts, category short: greedy output differs first at output token "
@@ -276,11 +278,15 @@ def test_the_reference_is_the_variants_own_image_without_speculation():
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
-    assert sweep.compared == ["tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: three variants
+    assert sweep.compared == ["tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: the K sweep
+    assert sweep.lossless_reference("tiny-awq-none") == (None, None)  # no speculation: nothing to compare
     assert {name: sweep.lossless_reference(name) for name in sweep.compared} == {
-        "tiny-awq-none": (None, None),
         "tiny-awq-mtp1": ("results/tiny-awq-mtp1/lossless/reference.json", "own image, speculation off"),
-        "tiny-awq-k2": ("results/tiny-awq-k2/lossless/reference.json", "own image, speculation off"),
+        # the same recipe and serve settings: one reference serves the whole K sweep
+        "tiny-awq-k2": (
+            "results/tiny-awq-mtp1/lossless/reference.json",
+            "tiny-awq-mtp1's image (same recipe and serve settings), speculation off",
+        ),
     }
 
 

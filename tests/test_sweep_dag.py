@@ -30,14 +30,14 @@ def test_fixed_selection_plans_the_one_variant_only():
 
 def test_fastest_selection_runs_the_sweep_sharing_quantized_checkpoints():
     jobs, variants, out = forced_plan(*SWEEP)
-    # CI's sweep: tiny-awq-none and tiny-k {1, 2}, three variants of one recipe (tiny-awq-k1 is tiny-awq-mtp1)
-    assert variants == {"tiny-awq-none", "tiny-awq-mtp1", "tiny-awq-k2"}
-    assert jobs["latency_probe"] == 3 and jobs["quality_gate"] == 3
+    # CI's sweep: tiny-k {1, 2}, two variants of one recipe (tiny-awq-k1 is tiny-awq-mtp1)
+    assert variants == {"tiny-awq-mtp1", "tiny-awq-k2"}
+    assert jobs["latency_probe"] == 2 and jobs["quality_gate"] == 2
     assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
     assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}
     assert jobs["compare"] == 1 and jobs["select"] == 1 and jobs["tarball"] == 1
-    # every speculative variant's reference is its own image with speculation off (tiny-awq-none needs none)
-    assert jobs["lossless"] == 3 and jobs["lossless_reference"] == 2
+    # the K sweep's variants share one reference: the same recipe and serve settings with speculation off
+    assert jobs["lossless"] == 2 and jobs["lossless_reference"] == 1
     assert "checkpoint jobs" in out  # tarball's variant is known once select has run
 
 

@@ -221,14 +221,33 @@ class Pipeline:
     def speculates(self, variant: str) -> bool:
         return self.config["variants"][variant]["speculative"]["method"] != "none"
 
+    def reference_source(self, variant: str) -> str:
+        """The variant whose image serves `variant`'s lossless reference: among the compared variants, the first
+        with the same recipe and serve settings (with speculation off their servers are the same server, so a K
+        sweep runs one reference, not one per K); the variant itself otherwise."""
+
+        def key(name: str) -> str:
+            settings = self.config["variants"][name]
+            return json.dumps([settings["recipe"], serve_settings.resolve_serve(settings["serve"])], sort_keys=True)
+
+        if variant in self.compared:
+            return next(o for o in self.compared if self.speculates(o) and key(o) == key(variant))
+        return variant
+
     def lossless_reference(self, variant: str) -> tuple[str | None, str | None]:
-        """(the lossless check's reference file, what it is): the variant's own image served with speculation off
-        (rule lossless_reference), which records the reference's top logprobs, so a difference at a near tie (bf16
-        rounding) is told from a flip; a no-speculation variant's probe could not (it records no logprobs, and asking
-        for them would slow a timed run). (None, None) for a variant that does not speculate."""
-        if self.speculates(variant):
-            return f"results/{variant}/lossless/reference.json", "own image, speculation off"
-        return None, None
+        """(the lossless check's reference file, what it is): the image of reference_source(variant) served with
+        speculation off (rule lossless_reference), which records the reference's top logprobs, so a difference at
+        a near tie (bf16 rounding) is told from a flip; a no-speculation variant's probe could not (it records no
+        logprobs, and asking for them would slow a timed run). (None, None) for a variant that does not speculate."""
+        if not self.speculates(variant):
+            return None, None
+        source = self.reference_source(variant)
+        kind = (
+            "own image, speculation off"
+            if source == variant
+            else f"{source}'s image (same recipe and serve settings), speculation off"
+        )
+        return f"results/{source}/lossless/reference.json", kind
 
     def serve_json(self, variant: str) -> dict:
         settings = self.config["variants"][variant]
