@@ -40,6 +40,7 @@ QWEN35_4B_DIMS = {
     "linear_conv_kernel_dim": 4,
     "max_position_embeddings": 262144,
     "mtp_num_hidden_layers": 1,
+    "tie_word_embeddings": True,  # no lm_head.weight in the real checkpoint
 }
 QWEN35_4B_VOCAB = 248320
 

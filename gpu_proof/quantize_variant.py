@@ -56,6 +56,7 @@ def main() -> None:
             "recipe": recipe,
             "calibration": CALIBRATION["path"],
             "heldout": str(ROOT / "data" / "heldout.txt"),
+            "keep_texts": [],  # pruning recipes keep what the calibration and held-out texts use
             "schema": str(ROOT / "schemas" / "quantize_report.schema.yaml"),
         },
         "output": {
@@ -63,7 +64,7 @@ def main() -> None:
             "manifest": str(out / "manifest.json"),
             "report": str(out / "report.json"),
         },
-        "params": {"calibration": dict(CALIBRATION), "quantize": dict(BOUNDS)},
+        "params": {"calibration": dict(CALIBRATION), "quantize": dict(BOUNDS), "keep_sentence": None},
     }
     job_path = out / "job.json"
     job_path.write_text(json.dumps(job, indent=2) + "\n")

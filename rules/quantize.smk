@@ -11,6 +11,7 @@ rule quantize:
         recipe=lambda wildcards: RECIPES[wildcards.recipe],
         calibration=optional(CALIBRATION_FILE, config["calibration"]["path"]),
         heldout=config["quantize"]["heldout"],
+        keep_texts=lambda wildcards: PIPELINE.vocab_keep(wildcards.recipe)["files"],
         schema="schemas/quantize_report.schema.yaml",
     output:
         model=directory("results/quantize/{recipe}/model"),
@@ -19,6 +20,7 @@ rule quantize:
     params:
         calibration=config["calibration"],
         quantize={k: v for k, v in config["quantize"].items() if k != "heldout"},
+        keep_sentence=lambda wildcards: PIPELINE.vocab_keep(wildcards.recipe)["sentence"],
     threads: 4  # scaled down to --cores
     resources:
         gpu=GPU,

@@ -13,21 +13,23 @@ from pathlib import Path
 
 from lib.decode_bytes import A10G_GBPS, bound_ms, part_bytes, step_bytes
 from lib.quantize_checks import (
+    HEAD,
+    HEAD_MODULE,
     carried_files,
     check_heldout,
     check_output,
-    checkpoint_modules,
     compare_stats,
     default_device,
     expected_weight_bytes,
     heldout_ids,
     load_model,
     next_token_stats,
-    plan_targets,
+    plan_checkpoint,
     read_recipe,
 )
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, sha256_file, validate_json, write_json, write_manifest
+from lib.vocab import PruneError, plan_kept_ids, required_texts, write_pruned_checkpoint
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "quantize_report.schema.yaml"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -148,6 +150,17 @@ def _ensure_mtp(model_dir: Path, out_dir: Path) -> None:
         save_mtp_tensors_to_checkpoint(str(model_dir), str(out_dir))
 
 
+def _untie_head(model) -> None:
+    """The head becomes its own parameter (a copy of the embedding) and both config levels say so: vLLM reads
+    the text config's tie_word_embeddings, which llmcompressor's own untying leaves true (it sets the top
+    level only), so a quantized head would be dropped for the 16-bit embedding at load."""
+    import torch
+
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
+
+
 def build_checkpoint(
     model_dir: str | Path,
     recipe: dict,
@@ -159,9 +172,11 @@ def build_checkpoint(
     max_seq_length: int,
     heldout: list[int],
     seed: int = 0,
+    untie_head: bool = False,
 ) -> tuple:
     """Quantize with the recipe (or copy, when it has no modifiers) into `out_dir`, carry the source's other
-    files over, and return the held-out statistics of the source model."""
+    files over, and return the held-out statistics of the source model. `untie_head` gives a tied LM head
+    its own copy of the embedding before the recipe runs."""
     import torch
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -176,6 +191,8 @@ def build_checkpoint(
     from llmcompressor import oneshot
 
     model.to("cpu")  # llmcompressor's sequential pipeline moves each layer to the accelerator itself
+    if untie_head:
+        _untie_head(model)
     _seed_everything(seed)
     _skip_pinning_without_accelerator()
     oneshot(
@@ -193,7 +210,48 @@ def build_checkpoint(
         torch.cuda.empty_cache()
     _ensure_mtp(model_dir, out_dir)
     _carry_over(model_dir, out_dir)
+    if untie_head:
+        # llmcompressor re-saves the source's config.json patching only the text config: the top level would
+        # still say tied, and transformers would tie the packed head back to the embedding on load
+        config = json.loads((out_dir / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        write_json(out_dir / "config.json", config)
     return stats
+
+
+def prune_checkpoint(
+    source_dir: Path, pruned_dir: Path, kept: list[int], architecture: str, heldout_path, heldout: list[int], bounds
+) -> dict:
+    """lib/vocab's pruned checkpoint, then its guards: the held-out text splits into the same pieces (renumbered)
+    and decodes back to itself; on it the pruned model agrees with the source within the quantize bounds."""
+    import torch
+    from transformers import AutoTokenizer
+
+    shutil.rmtree(pruned_dir, ignore_errors=True)
+    done = write_pruned_checkpoint(source_dir, pruned_dir, kept)
+    new_id = {old: new for new, old in enumerate(kept)}
+    text = Path(heldout_path).read_text(encoding="utf-8")
+    before, after = (AutoTokenizer.from_pretrained(str(d)) for d in (source_dir, pruned_dir))
+    old_ids, new_ids = (t(text, add_special_tokens=False)["input_ids"] for t in (before, after))
+    if new_ids != [new_id.get(i, -1) for i in old_ids] or after.decode(new_ids) != before.decode(old_ids):
+        raise StageError(
+            f"after pruning the vocabulary to {len(kept)} ids the held-out text {heldout_path} no longer tokenizes "
+            "to the same pieces and back"
+        )
+    model = load_model(source_dir, architecture, "source")
+    source_top1, source_nll = next_token_stats(model, heldout)
+    del model
+    model = load_model(pruned_dir, architecture, "pruned")
+    pruned = next_token_stats(model, [new_id[i] for i in heldout])
+    del model
+    mapped = torch.tensor([new_id.get(int(i), -1) for i in source_top1])  # a dropped prediction never agrees
+    stats = compare_stats((mapped, source_nll), pruned)
+    print(f"held-out after pruning: {stats}", flush=True)
+    try:
+        check_heldout(stats, bounds["min_top1_agreement"], bounds["max_ppl_ratio"])
+    except StageError as error:
+        raise StageError(f"vocabulary pruned to {len(kept)} ids: {error}") from error
+    return {**done, "tokenizer_roundtrip_tokens": len(new_ids), "heldout": stats}
 
 
 def _quantization_config(out_dir: Path):
@@ -221,14 +279,18 @@ def main(job) -> None:
     bounds = dict(job.params.quantize)
     # Guards that need no model come first: a recipe that does not fit fails in a second, not after loading.
     recipe = read_recipe(job.input.recipe)
-    config = json.loads((model_dir / "config.json").read_text())
-    architecture = (config.get("architectures") or ["AutoModelForCausalLM"])[0]
-    header = checkpoint_header(model_dir)
-    targeted, pattern_counts = plan_targets(recipe, architecture, checkpoint_modules(header))
+    source_dir, source_config = model_dir, json.loads((model_dir / "config.json").read_text())
+    source_header = checkpoint_header(model_dir)
+    plan = plan_checkpoint(recipe, source_config, source_header)
+    prune, rows = recipe["prune_vocab"], plan["vocab_rows"]
+    architecture, targeted, untie = plan["architecture"], plan["targeted"], plan["untie"]
+    header = plan["header"]  # with its own lm_head once untied
     expected_bytes = expected_weight_bytes(header, targeted)
     print(
         f"recipe {recipe['path']}: {len(targeted)} modules to quantize, expected weights {expected_bytes} bytes "
-        f"(source {sum(i['bytes'] for i in header.values())})",
+        f"(source {sum(i['bytes'] for i in source_header.values())}"
+        + (f"; the LM head untied: +{header[HEAD]['bytes']} bytes before packing" if untie else "")
+        + ")",
         flush=True,
     )
 
@@ -257,11 +319,29 @@ def main(job) -> None:
             tokens_used=sum(map(len, dataset["input_ids"])),
         )
         print(f"calibration: {calib['samples_used']} samples, {calib['tokens_used']} tokens", flush=True)
+    kept = None
+    if prune:  # before any model loads: a size that cannot hold every required token fails here
+        required = {i for row in (dataset["input_ids"] if dataset else []) for i in row}
+        for text in required_texts([job.input.heldout, *job.input.keep_texts], job.params.keep_sentence):
+            required |= set(tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            kept = plan_kept_ids(json.loads((model_dir / "tokenizer.json").read_text()), prune["size"], required, rows)
+        except PruneError as error:
+            raise StageError(f"recipe {recipe['path']}: pipeline.prune_vocab: {error}") from error
+        print(f"vocabulary: {rows} rows -> {len(kept)} ids ({len(required)} required by the data)", flush=True)
 
     tmp = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    vocab, pruned_dir = None, out_dir.with_name(f".{out_dir.name}.pruned")
     try:
+        if prune:
+            vocab = prune_checkpoint(source_dir, pruned_dir, kept, architecture, job.input.heldout, heldout, bounds)
+            model_dir = pruned_dir
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
+            if dataset is not None:
+                dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
         source_stats = build_checkpoint(
             model_dir,
             recipe,
@@ -272,11 +352,12 @@ def main(job) -> None:
             max_seq_length=max_seq_length,
             heldout=heldout,
             seed=seed,
+            untie_head=untie,
         )
         qconfig = _quantization_config(tmp)
         if recipe["quantize"] != bool(qconfig):
             raise StageError(f"{tmp}/config.json {'lacks' if recipe['quantize'] else 'has'} a quantization_config")
-        checks = check_output(model_dir, tmp, targeted, expected_bytes)
+        checks = check_output(model_dir, tmp, targeted, expected_bytes, head_quantized=HEAD_MODULE in targeted)
         heldout_stats = compare_stats(source_stats, next_token_stats(load_model(tmp, architecture, "written"), heldout))
         heldout_stats.update(
             path=str(job.input.heldout),
@@ -290,9 +371,12 @@ def main(job) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(pruned_dir, ignore_errors=True)
     manifest = write_manifest(out_dir, job.output.manifest)
-    source_bytes, output_bytes = _dir_bytes(model_dir), _dir_bytes(out_dir)
-    decode_step = step_bytes(part_bytes(out_dir))
+    source_bytes, output_bytes = _dir_bytes(source_dir), _dir_bytes(out_dir)
+    parts = part_bytes(out_dir)
+    decode_step = step_bytes(parts)
     decode_step.update(bound_ms_a10g=round(bound_ms(decode_step["total"], A10G_GBPS), 4), a10g_gbps=A10G_GBPS)
     report = {
         "status": "quantized" if recipe["quantize"] else "not quantized",
@@ -310,7 +394,7 @@ def main(job) -> None:
         "quantized_module_names": checks["quantized_module_names"],
         "quantization_config": qconfig,
         "checks": {
-            "pattern_matches": pattern_counts,
+            "pattern_matches": plan["pattern_counts"],
             "expected_quantized_modules": len(targeted),
             "mtp_tensors": checks["mtp_tensors"],
             "carried_over": checks["carried_over"],
@@ -321,7 +405,14 @@ def main(job) -> None:
         "source_bytes": source_bytes,
         "output_bytes": output_bytes,
         "size_ratio": round(output_bytes / source_bytes, 4),
+        "head": {
+            "tied_in_source": plan["tied_head"],
+            "untied": untie,
+            "untie_bytes": parts["lm_head"] if untie else 0,
+            "quantized": HEAD_MODULE in targeted,
+        },
         "decode_step": decode_step,
+        "vocab": vocab and {**vocab, "size": prune["size"]},
         "output_files": {name: (out_dir / name).stat().st_size for name in manifest},
         "wall_seconds": round(time.monotonic() - started, 1),
         "versions": _versions(),

@@ -344,7 +344,8 @@ def test_tiny_config_shape():
     text = config["text_config"]
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    assert text["mtp_num_hidden_layers"] == 1 and text["tie_word_embeddings"] is False
+    # tied at both levels, as Qwen3.5-4B ships (vLLM reads the text config's flag)
+    assert text["mtp_num_hidden_layers"] == 1 and text["tie_word_embeddings"] is config["tie_word_embeddings"] is True
     rope = text["rope_parameters"]
     assert sum(rope["mrope_section"]) * 2 == text["head_dim"] * rope["partial_rotary_factor"]
     assert config["image_token_id"] == ids["<|image_pad|>"] and config["video_token_id"] == ids["<|video_pad|>"]

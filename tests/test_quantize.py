@@ -1,5 +1,7 @@
 import hashlib
 import json
+import math
+import re
 import struct
 import subprocess
 import time
@@ -14,6 +16,7 @@ from lib.quantize_checks import (
     check_output,
     checkpoint_modules,
     expected_weight_bytes,
+    plan_checkpoint,
     plan_targets,
     read_recipe,
 )
@@ -101,10 +104,12 @@ def qwen35_tensors(
     head_dim=128,
     vocab=2688,
     mtp=True,
+    tied=False,
 ) -> dict[str, list[int]]:
-    """Tensor name -> shape of a Qwen3.5 checkpoint (defaults: the tiny profile's dims)."""
+    """Tensor name -> shape of a Qwen3.5 checkpoint (defaults: the tiny profile's dims; tied: no lm_head.weight,
+    the head is the embedding, as Qwen3.5-4B ships)."""
     t = {
-        "lm_head.weight": [vocab, hidden],
+        **({} if tied else {"lm_head.weight": [vocab, hidden]}),
         "model.language_model.embed_tokens.weight": [vocab, hidden],
         "model.language_model.norm.weight": [hidden],
         "model.visual.blocks.0.attn.qkv.weight": [192, 64],
@@ -181,14 +186,25 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> 
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
 
 
+def header(**dims) -> dict[str, dict]:
+    return {n: {"shape": s, "dtype": "BF16", "bytes": 2 * math.prod(s)} for n, s in qwen35_tensors(**dims).items()}
+
+
 def modules(**dims) -> dict[str, list[int]]:
-    return checkpoint_modules({n: {"shape": s, "dtype": "BF16", "bytes": 0} for n, s in qwen35_tensors(**dims).items()})
+    return checkpoint_modules(header(**dims))
 
 
-def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,), **weights) -> Path:
+def plan(recipe: dict, tied: bool = True, **dims) -> dict:
+    """plan_checkpoint as the stage runs it, on a tied (Qwen3.5-4B's layout) or untied checkpoint."""
+    text = {"tie_word_embeddings": tied, "vocab_size": dims.get("vocab", 2688)}
+    config = {"architectures": [ARCH], "tie_word_embeddings": tied, "text_config": text}
+    return plan_checkpoint(recipe, config, header(tied=tied, **dims))
+
+
+def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,), pipeline=None, **weights) -> Path:
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, **weights}
     recipe = {
-        "pipeline": {"architectures": list(architectures)},
+        "pipeline": {"architectures": list(architectures), **(pipeline or {})},
         "default_stage": {
             "default_modifiers": {
                 "QuantizationModifier": {
@@ -210,6 +226,7 @@ EXPECTED = {
     "awq-w4a16-g32-broad": (25, 4),
     "awq-w4a16-g32-broad-head4": (26, 4),
     "awq-w4a16-g32-broad-head8": (26, None),  # int4 body, int8 head
+    "awq-w4a16-g32-broad-head4-vocab131k": (26, 4),  # the real vocabulary pruned: header-planned here
     "gptq-w4a16-g32-sym": (25, 4),
     "w8a16": (25, 8),
     "bf16": (0, None),
@@ -224,13 +241,13 @@ def test_every_recipe_file_is_covered():
 def test_shipped_recipe_targets_what_its_name_says(name):
     count, bits = EXPECTED[name]
     recipe = read_recipe(RECIPES / f"{name}.yaml")
-    targeted, matches = plan_targets(recipe, ARCH, modules())
+    targeted, matches = plan_targets(dict(recipe, prune_vocab=None), ARCH, modules())
     assert len(targeted) == count and all(matches.values())
     assert recipe["quantize"] is (count > 0)
     head = targeted.pop("lm_head", None)  # only the -head recipes quantize the LM head, and say its bits
     assert (head is not None) is ("-head" in name)
     if head:
-        assert head["num_bits"] == int(name[-1]) and count == 1 + len(targeted)
+        assert head["num_bits"] == int(name.split("-head")[1][0]) and count == 1 + len(targeted)
         assert head["strategy"] == ("group" if head["num_bits"] == 4 else "channel")
         bits = 4
     assert {w["num_bits"] for w in targeted.values()} <= {bits}
@@ -258,9 +275,73 @@ def test_shipped_recipe_targets_what_its_name_says(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_shipped_recipes_fit_the_real_model(name):
-    targeted, _ = plan_targets(read_recipe(RECIPES / f"{name}.yaml"), ARCH, modules(**REAL_DIMS))
+    planned = plan(read_recipe(RECIPES / f"{name}.yaml"), tied=True, **REAL_DIMS)  # Qwen3.5-4B ties its head
     per_layer = {"awq-w4a16-g32-mlp": 3 * 32}.get(name, 0 if name == "bf16" else 3 * 32 + 24 * 3 + 8 * 4)
-    assert len(targeted) == per_layer + ("-head" in name)
+    assert len(planned["targeted"]) == per_layer + ("-head" in name)
+    assert planned["tied_head"] and planned["untie"] is ("-head" in name)
+    rows = 131072 if name.endswith("-vocab131k") else 248320
+    assert planned["header"]["model.language_model.embed_tokens.weight"]["shape"] == [rows, 2560]
+    if planned["untie"]:
+        assert planned["targeted"]["lm_head"] and planned["header"]["lm_head.weight"]["shape"] == [rows, 2560]
+
+
+@pytest.mark.parametrize(
+    "prune, match",
+    [
+        ({"size": 2688}, "must be at least 64 and below the checkpoint's 2688 vocabulary rows"),
+        ({"size": 32}, "must be at least 64"),
+        ({"size": "1k"}, "must be {size: N}"),
+        ({"size": 1024, "keep": 1}, "must be {size: N}"),
+    ],
+)
+def test_guard_prune_size_is_checked_before_anything_runs(tmp_path, prune, match):
+    path = recipe_file(tmp_path, ["re:.*mlp\\.down_proj$"], pipeline={"prune_vocab": prune})
+    with pytest.raises(StageError, match=f"pipeline.prune_vocab.*{re.escape(match)}"):
+        plan(read_recipe(path), tied=True)
+
+
+# ---- a tied LM head (Qwen3.5-4B's layout) ----
+
+
+def test_a_tied_head_is_untied_only_when_the_recipe_says_so(tmp_path):
+    path = recipe_file(tmp_path, ["re:.*mlp\\.down_proj$", "re:.*lm_head$"])
+    with pytest.raises(StageError) as error:
+        plan(read_recipe(path), tied=True)
+    message = str(error.value)
+    assert "pipeline.untie_head is not set" in message and "ties its LM head to the input embedding" in message
+    assert "'re:.*lm_head$'" in message and str(path) in message
+    path = recipe_file(tmp_path, ["re:.*mlp\\.down_proj$", "re:.*lm_head$"], pipeline={"untie_head": True})
+    planned = plan(read_recipe(path), tied=True)
+    assert planned["untie"] and "lm_head" in planned["targeted"]
+    # untied: the head's packed bytes join the checkpoint (int4 g32 of a 2688 x 256 head)
+    grown = expected_weight_bytes(planned["header"], planned["targeted"])
+    body = expected_weight_bytes(header(tied=True), {m: w for m, w in planned["targeted"].items() if m != "lm_head"})
+    assert grown - body == 2688 * 256 // 8 * 4 + 2688 * 8 * 2 + 16
+    assert not plan(read_recipe(path), tied=False)["untie"]  # an untied checkpoint: nothing to do
+
+
+@pytest.mark.parametrize(
+    "targets, match",
+    [
+        (["re:.*mlp\\.down_proj$"], "no target quantizes lm_head"),
+        (None, "quantizes nothing"),
+    ],
+)
+def test_untie_head_without_a_quantized_head_is_refused(tmp_path, targets, match):
+    if targets is None:
+        path = tmp_path / "bf16.yaml"
+        path.write_text(f"pipeline: {{architectures: [{ARCH}], untie_head: true}}\n")
+    else:
+        path = recipe_file(tmp_path, targets, pipeline={"untie_head": True})
+    with pytest.raises(StageError, match=f"pipeline.untie_head is set .*{match}"):
+        plan(read_recipe(path), tied=True)
+
+
+def test_untie_head_must_be_a_boolean(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"pipeline: {{architectures: [{ARCH}], untie_head: 'yes'}}\n")
+    with pytest.raises(StageError, match="pipeline.untie_head must be true or false"):
+        read_recipe(path)
 
 
 def test_every_variant_names_a_shipped_recipe():
@@ -421,6 +502,22 @@ def test_after_guard_files_carried_over_as_they_are(written, name):
         check_output(source, out, targeted, expected)
 
 
+def test_after_guard_a_quantized_head_must_be_untied_in_config(written):
+    source, out, targeted, expected = written
+    tied = {"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": True}}
+    (source / "config.json").write_text(json.dumps(tied))
+    # llmcompressor's own untying clears only the top-level flag: vLLM reads the text config's and would
+    # serve the 16-bit embedding as the head
+    (out / "config.json").write_text(json.dumps({**tied, "tie_word_embeddings": False, "quantization_config": {}}))
+    with pytest.raises(StageError, match="should be its own tensor.*text_config.tie_word_embeddings=True"):
+        check_output(source, out, targeted, expected, head_quantized=True)
+    (out / "config.json").write_text(json.dumps({**tied, "quantization_config": {}}))
+    check_output(source, out, targeted, expected)  # a 16-bit head stays tied
+    (out / "config.json").write_text(json.dumps({"tie_word_embeddings": False, "quantization_config": {}}))
+    with pytest.raises(StageError, match="should be tied to the embedding"):
+        check_output(source, out, targeted, expected)
+
+
 def test_after_guard_size_must_shrink_as_expected(written):
     source, out, targeted, expected = written
     with pytest.raises(StageError, match="bytes where the recipe predicts"):
@@ -451,6 +548,7 @@ def test_report_schema_rejects_a_report_that_contradicts_itself():
         "output_bytes": 1,
         "size_ratio": 1,
         "output_files": {},
+        "head": {"tied_in_source": True, "untied": False, "untie_bytes": 0, "quantized": False},
         "wall_seconds": 0,
         "versions": {},
     }
@@ -478,6 +576,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
             "recipe": str(recipe if isinstance(recipe, Path) else RECIPES / f"{recipe}.yaml"),
             "calibration": str(ROOT / "data" / "tiny" / "corpus.txt"),
             "heldout": str(ROOT / REAL["quantize"]["heldout"]),
+            "keep_texts": [],  # what the rule adds for a pruning recipe (the probe's and the gate's texts)
             "schema": str(REPORT_SCHEMA),
         },
         "output": {
@@ -488,6 +587,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
         "params": {
             "calibration": calibration,
             "quantize": bounds,
+            "keep_sentence": None,
         },
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -537,8 +637,10 @@ def _digests(folder: Path) -> dict[str, str]:
     }
 
 
-# head8 differs from head4 only by a second config group (int8 channel-wise lm_head), which the planning tests cover
-RUN_ON_TINY = sorted(set(EXPECTED) - {"awq-w4a16-g32-broad-head8"})
+# head8 differs from head4 only by a second config group (int8 channel-wise lm_head), which the planning tests cover;
+# the real pruning size exceeds the tiny vocabulary: the tiny profile's own pruning recipe runs in its place
+TINY_PRUNE = ROOT / "recipes" / "tiny" / "awq-w4a16-g32-broad-head4-vocab2816.yaml"
+RUN_ON_TINY = sorted(set(EXPECTED) - {"awq-w4a16-g32-broad-head8", "awq-w4a16-g32-broad-head4-vocab131k"})
 
 
 @pytest.mark.e2e
@@ -564,8 +666,21 @@ def test_recipe_runs_on_the_tiny_checkpoint(runs, tiny_checkpoint, recipe):
     weights = sum(i["bytes"] for i in header.values())
     source = sum(i["bytes"] for i in checkpoint_header(tiny_checkpoint).values())
     step = report["decode_step"]  # what a decode step reads: decoder + head, from the written headers
-    head = sum(i["bytes"] for n, i in header.items() if n.startswith("lm_head"))
-    assert step["lm_head"] == head and not step["tied_head"] and step["total"] == step["decoder"] + head < weights
+    # the tiny model ties its head as Qwen3.5-4B does: only the -head recipes untie it (and pack it)
+    untied = "-head" in recipe
+    head = sum(
+        i["bytes"] for n, i in header.items() if n.startswith("lm_head" if untied else "model.language_model.embed_")
+    )
+    assert report["head"] == {
+        "tied_in_source": True,
+        "untied": untied,
+        "untie_bytes": head if untied else 0,
+        "quantized": untied,
+    }
+    assert step["lm_head"] == head and step["tied_head"] is not untied
+    assert step["total"] == step["decoder"] + head < weights + (0 if untied else head)
+    tie = json.loads((model / "config.json").read_text())
+    assert tie["tie_word_embeddings"] is tie["text_config"]["tie_word_embeddings"] is not untied
     if count:
         qconfig = json.loads((model / "config.json").read_text())["quantization_config"]
         assert qconfig["config_groups"]["group_0"]["weights"]["num_bits"] == bits
@@ -658,3 +773,110 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
         timeout=300,
     )
     assert result.returncode == 3 and "does not load with transformers" in result.stdout, result.stderr[-2000:]
+
+
+# ---- vocabulary pruning on the tiny checkpoint, through the stage script ----
+
+ROUND_TRIP = """
+import json, sys
+from transformers import AutoTokenizer
+source, pruned = (AutoTokenizer.from_pretrained(d) for d in sys.argv[1:3])
+text = sys.argv[3]
+kept = {t: i for t, i in pruned.get_vocab().items()}
+old, new = source(text, add_special_tokens=False)["input_ids"], pruned(text, add_special_tokens=False)["input_ids"]
+print(json.dumps({
+    "round_trip": pruned.decode(new) == text,
+    "same_pieces": [kept.get(source.convert_ids_to_tokens(i)) for i in old] == new,
+    "all_source_pieces_kept": all(source.convert_ids_to_tokens(i) in kept for i in old),
+    "specials": [pruned.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def pruned(tiny_venvs, tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny profile's pruning recipe (int4 head on 2,816 ids) run once through the stage."""
+    out = tmp_path_factory.mktemp("pruned")
+    result = run_stage(tiny_venvs["compress"], tiny_checkpoint, TINY_PRUNE, out)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return out
+
+
+@pytest.mark.e2e
+def test_vocabulary_pruning_on_the_tiny_checkpoint(pruned, tiny_venvs, tiny_checkpoint):
+    tmp_path = pruned
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate_json(report, REPORT_SCHEMA)
+    source_config = json.loads((tiny_checkpoint / "config.json").read_text())
+    model = tmp_path / "model"
+    config = json.loads((model / "config.json").read_text())
+    vocab = report["vocab"]
+    assert vocab["rows_before"] == source_config["text_config"]["vocab_size"] > vocab["rows"] == 2816
+    assert config["text_config"]["vocab_size"] == 2816 and vocab["sliced_tensors"] == [
+        "model.language_model.embed_tokens.weight"
+    ]
+    written = checkpoint_header(model)
+    assert written["model.language_model.embed_tokens.weight"]["shape"][0] == 2816
+    assert written["lm_head.weight_packed"]["shape"][0] == 2816  # untied, then packed: rows of the pruned vocabulary
+    assert report["head"]["untied"] and report["decode_step"]["lm_head"] == report["head"]["untie_bytes"]
+    assert vocab["heldout"]["top1_agreement"] >= TINY["quantize"]["min_top1_agreement"]
+    # every id field names the same token as before
+    tokens = json.loads((model / "tokenizer.json").read_text())["added_tokens"]
+    content = {t["id"]: t["content"] for t in tokens}
+    source_tokens = json.loads((tiny_checkpoint / "tokenizer.json").read_text())["added_tokens"]
+    source_content = {t["id"]: t["content"] for t in source_tokens}
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        assert content[config[key]] == source_content[source_config[key]], key
+    generation = json.loads((model / "generation_config.json").read_text())
+    source_generation = json.loads((tiny_checkpoint / "generation_config.json").read_text())
+    assert [content[i] for i in generation["eos_token_id"]] == [
+        source_content[i] for i in source_generation["eos_token_id"]
+    ]
+    # text no test saw: it round-trips; where every original piece survived, it splits into the same pieces
+    unseen = (ROOT / "docs" / "gpu-proof.md").read_text()[:3000] + " Zürich ½ 東京 🚀"
+    checked = subprocess.run(
+        [str(tiny_venvs["compress"]), "-c", ROUND_TRIP, str(tiny_checkpoint), str(model), unseen],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    seen = json.loads(checked.stdout.strip().splitlines()[-1])
+    assert seen["round_trip"] and seen["same_pieces"] is seen["all_source_pieces_kept"]
+    assert len(set(seen["specials"])) == 3 and all(0 <= i < 2816 for i in seen["specials"])
+
+
+@pytest.mark.e2e
+def test_the_pruned_checkpoint_serves_on_vllm(pruned, tiny_venvs, tmp_path):
+    """vLLM 0.26 (CPU build) loads the pruned vocabulary with its untied int4 head and answers in text."""
+    import urllib.request
+
+    from conftest import SERVE_JSON, host_server
+
+    def post(base, path, body):
+        request = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=300).read())
+
+    with host_server(pruned / "model", dict(SERVE_JSON), tmp_path) as base:
+        name = SERVE_JSON["served_model_name"]
+        chat = post(
+            base,
+            "/v1/chat/completions",
+            {"model": name, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12},
+        )
+        assert chat["choices"][0]["message"]["content"].strip()
+        ids = post(base, "/tokenize", {"model": name, "prompt": "The quick brown fox <|im_end|>"})["tokens"]
+        assert ids and max(ids) < 2816
+    assert "quantization=compressed-tensors" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.e2e
+def test_a_pruning_size_below_the_required_tokens_fails_before_any_work(tiny_venvs, tiny_checkpoint, tmp_path):
+    recipe = yaml.safe_load(TINY_PRUNE.read_text())
+    recipe["pipeline"]["prune_vocab"]["size"] = 512
+    path = tmp_path / "too-small.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = run_stage(tiny_venvs["compress"], tiny_checkpoint, path, tmp_path / "out")
+    assert result.returncode != 0
+    assert "pipeline.prune_vocab: size 512 is smaller than the" in result.stderr and "must survive" in result.stderr
+    assert not (tmp_path / "out" / "model").exists() and not list((tmp_path / "out").glob(".model.*"))

@@ -215,6 +215,19 @@ class Pipeline:
     def fixed_variant(self) -> str:
         return self.config["select"]["variant"] or self.config["variant"]
 
+    def vocab_keep(self, recipe: str) -> dict:
+        """What a vocabulary-pruning recipe must keep every token of, beyond its calibration and held-out text: the
+        probe's varied text and sentence, the local gate tasks' data. Nothing for other recipes, so a probe edit
+        never reruns their quantization."""
+        import yaml
+
+        pipeline = yaml.safe_load(Path(self.recipes[recipe]).read_text()).get("pipeline") or {}
+        if not pipeline.get("prune_vocab"):
+            return {"files": [], "sentence": None}
+        tasks_dir = self.config["quality"]["tasks_dir"]
+        tasks = sorted(str(p) for p in Path(tasks_dir).glob("*.jsonl")) if tasks_dir else []
+        return {"files": [self.config["probe"]["varied_text"], *tasks], "sentence": self.config["probe"]["sentence"]}
+
     def recipe_key(self, variant: str) -> str:
         return Path(self.config["variants"][variant]["recipe"]).stem
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, sha256_file
+from lib.vocab import MULTIPLE, pruned_header
 
 # Weights and indexes are rewritten by the quantizer; everything else in the source dir
 # (tokenizer, chat template, processor/generation configs) must reach the serving image as is.
@@ -40,6 +41,31 @@ _DTYPE_BYTES = {
 def checkpoint_modules(header: dict[str, dict]) -> dict[str, list[int]]:
     """Module name -> weight shape, for every module with a `.weight` (Linear weights are the 2-D ones)."""
     return {name[: -len(".weight")]: info["shape"] for name, info in header.items() if name.endswith(".weight")}
+
+
+HEAD_MODULE = "lm_head"
+HEAD, EMBEDDING = f"{HEAD_MODULE}.weight", "model.language_model.embed_tokens.weight"
+
+
+def tie_flags(config: dict) -> tuple[bool, bool]:
+    """tie_word_embeddings of config.json's text config (the one vLLM reads) and of its top level."""
+    text = (config.get("text_config") or config).get("tie_word_embeddings")
+    top = config.get("tie_word_embeddings")
+    text = top if text is None else text  # a level that does not say follows the other
+    return bool(text), bool(text if top is None else top)
+
+
+def head_is_tied(config: dict, header: dict[str, dict]) -> bool:
+    """Whether the LM head is the input embedding (Qwen3.5-4B's layout: tie_word_embeddings and no
+    lm_head tensor)."""
+    return tie_flags(config)[0] and not any(n.startswith(f"{HEAD_MODULE}.") for n in header)
+
+
+def untied_header(header: dict[str, dict]) -> dict[str, dict]:
+    """The header once the head is untied: lm_head.weight a copy of the embedding (same shape and dtype)."""
+    if EMBEDDING not in header:
+        raise StageError(f"cannot untie the LM head: the checkpoint has no {EMBEDDING}")
+    return {**header, HEAD: dict(header[EMBEDDING])}
 
 
 def read_recipe(path: str | Path) -> dict:
@@ -96,9 +122,21 @@ def read_recipe(path: str | Path) -> dict:
             )
     if modifiers and not groups:
         raise StageError(f"recipe {path} has modifiers but none with config_groups: it would quantize nothing")
+    untie_head = (recipe.get("pipeline") or {}).get("untie_head", False)
+    if not isinstance(untie_head, bool):
+        raise StageError(f"recipe {path}: pipeline.untie_head must be true or false, got {untie_head!r}")
+    prune = (recipe.get("pipeline") or {}).get("prune_vocab")
+    if prune is not None and not (
+        isinstance(prune, dict) and set(prune) == {"size"} and isinstance(prune["size"], int) and prune["size"] > 0
+    ):
+        raise StageError(
+            f"recipe {path}: pipeline.prune_vocab must be {{size: N}} with N a positive integer, got {prune!r}"
+        )
     return {
         "path": str(path),
         "architectures": architectures,
+        "untie_head": untie_head,
+        "prune_vocab": prune,
         "modifiers": [name for name, _ in modifiers],
         "groups": groups,
         "quantize": bool(modifiers),
@@ -114,14 +152,43 @@ def _some(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def plan_targets(recipe: dict, architecture: str, modules: dict[str, list[int]]) -> tuple[dict, dict]:
+def _check_head_untying(recipe: dict, tied_head: bool) -> None:
+    """A tied head cannot be quantized in place (it is the embedding): the recipe must say to untie it,
+    and must not untie a head it leaves 16-bit (that only adds a copy of the embedding)."""
+    head_targets = [
+        p
+        for g in recipe["groups"]
+        for p in g["targets"]
+        if _matches("lm_head", p) and not any(_matches("lm_head", i) for i in g["ignore"])
+    ]
+    where = f"recipe {recipe['path']}: pipeline.untie_head"
+    if tied_head and head_targets and not recipe["untie_head"]:
+        raise StageError(
+            f"{where} is not set, but targets {', '.join(map(repr, head_targets))} would quantize lm_head and the "
+            "checkpoint ties its LM head to the input embedding (tie_word_embeddings, no lm_head.weight): set "
+            "pipeline.untie_head: true to give the head its own copy first, or drop lm_head from the targets"
+        )
+    if recipe["untie_head"] and not recipe["quantize"]:
+        raise StageError(f"{where} is set on a recipe that quantizes nothing: an untied 16-bit head only costs bytes")
+    if recipe["untie_head"] and tied_head and not head_targets:
+        raise StageError(
+            f"{where} is set but no target quantizes lm_head: an untied 16-bit head is a second copy of the "
+            "embedding on disk and saves nothing per step"
+        )
+
+
+def plan_targets(
+    recipe: dict, architecture: str, modules: dict[str, list[int]], tied_head: bool = False
+) -> tuple[dict, dict]:
     """Check the recipe against the checkpoint before anything runs. Returns (module -> weight args of
-    every module the recipe will quantize, pattern -> modules it matches); raises naming every problem."""
+    every module the recipe will quantize, pattern -> modules it matches); raises naming every problem.
+    `modules` are those of the checkpoint as quantized: with the head already untied when the recipe unties it."""
     if architecture not in recipe["architectures"]:
         raise StageError(
             f"the checkpoint's architecture {architecture} is not one recipe {recipe['path']} knows "
             f"({', '.join(recipe['architectures'])})"
         )
+    _check_head_untying(recipe, tied_head)
     problems, counts, targeted = [], {}, {}
     for group in recipe["groups"]:
         if not group["targets"]:
@@ -179,6 +246,35 @@ def plan_targets(recipe: dict, architecture: str, modules: dict[str, list[int]])
     return targeted, counts
 
 
+def plan_checkpoint(recipe: dict, config: dict, header: dict[str, dict]) -> dict:
+    """plan_targets on a checkpoint's config.json and safetensors header, pruned and with a tied head untied when
+    the recipe says so. Returns the architecture, vocab_rows (before pruning), tied_head, untie, the header as it
+    will be quantized, targeted and pattern_counts."""
+    architecture = (config.get("architectures") or ["AutoModelForCausalLM"])[0]
+    rows = (config.get("text_config") or config)["vocab_size"]
+    prune = recipe["prune_vocab"]
+    if prune and not MULTIPLE <= prune["size"] < rows:
+        raise StageError(
+            f"recipe {recipe['path']}: pipeline.prune_vocab.size {prune['size']} must be at least {MULTIPLE} and below "
+            f"the checkpoint's {rows} vocabulary rows"
+        )
+    if prune:  # planned against the checkpoint as pruned
+        header = pruned_header(header, rows, prune["size"])
+    tied = head_is_tied(config, header)
+    untie = tied and recipe["untie_head"]
+    planned = untied_header(header) if untie else header
+    targeted, counts = plan_targets(recipe, architecture, checkpoint_modules(planned), tied)
+    return {
+        "architecture": architecture,
+        "vocab_rows": rows,
+        "tied_head": tied,
+        "untie": untie,
+        "header": planned,
+        "targeted": targeted,
+        "pattern_counts": counts,
+    }
+
+
 def expected_weight_bytes(header: dict[str, dict], targeted: dict[str, dict]) -> int:
     """Tensor bytes of the checkpoint once `targeted` modules are packed (int32-packed weights, one
     16-bit scale per group or channel, the 2-int64 weight_shape, zero points when asymmetric)."""
@@ -209,14 +305,36 @@ def carried_files(model_dir: Path) -> list[str]:
     )
 
 
+def _head_layout_problem(model_dir: Path, out_dir: Path, source: dict, written: dict, head_quantized: bool):
+    """The written config must tie the head exactly when the source did and the head stayed 16-bit: a
+    quantized head under a tying text config is silently replaced by the 16-bit embedding in vLLM."""
+    configs = [json.loads((d / "config.json").read_text()) for d in (model_dir, out_dir)]
+    expect_tied = head_is_tied(configs[0], source) and not head_quantized
+    text_flag, top_flag = tie_flags(configs[1])
+    head_tensors = sorted(n for n in written if n.startswith(f"{HEAD_MODULE}."))
+    if expect_tied == text_flag == top_flag and not (expect_tied and head_tensors):
+        return None
+    return (
+        f"the LM head should be {'tied to the embedding' if expect_tied else 'its own tensor'}, but config.json "
+        f"has text_config.tie_word_embeddings={text_flag}, tie_word_embeddings={top_flag} and "
+        f"{len(head_tensors)} lm_head tensors"
+    )
+
+
 def check_output(
-    model_dir: str | Path, out_dir: str | Path, targeted: dict, expected_bytes: int, size_tolerance: float = 0.02
+    model_dir: str | Path,
+    out_dir: str | Path,
+    targeted: dict,
+    expected_bytes: int,
+    size_tolerance: float = 0.02,
+    head_quantized: bool = False,
 ) -> dict:
-    """After-guards that need no model: quantized modules are exactly the targeted ones, mtp.* is there
-    and 16-bit, non-weight files are the source's, and tensor bytes are the expected size."""
+    """After-guards that need no model: quantized modules are exactly the targeted ones, the head is tied
+    or not as planned, mtp.* is there and 16-bit, non-weight files are the source's, and tensor bytes are
+    the expected size."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     source, written = checkpoint_header(model_dir), checkpoint_header(out_dir)
-    problems = []
+    problems = [p for p in [_head_layout_problem(model_dir, out_dir, source, written, head_quantized)] if p]
     quantized = sorted(n[: -len(".weight_scale")] for n in written if n.endswith(".weight_scale"))
     if set(quantized) != set(targeted):
         problems.append(

@@ -33,6 +33,9 @@ TINY_DIMS = {
     "linear_conv_kernel_dim": 4,
     "max_position_embeddings": 32768,
     "mtp_num_hidden_layers": 1,
+    # Qwen3.5-4B ties its LM head to the input embedding (model card: "LM Output: 248320 (Tied to token
+    # embedding)"; no lm_head.weight): a recipe that quantizes the head must untie it first.
+    "tie_word_embeddings": True,
     "vision_depth": 1,
     "vision_hidden_size": 64,
     "vision_intermediate_size": 128,
@@ -109,7 +112,7 @@ def tiny_config(token_ids: dict[str, int], vocab_size: int, **dims) -> dict:
             "rope_theta": 10000000,
             "rope_type": "default",
         },
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": d["tie_word_embeddings"],
         "use_cache": True,
         "vocab_size": vocab_size,
     }
@@ -134,7 +137,7 @@ def tiny_config(token_ids: dict[str, int], vocab_size: int, **dims) -> dict:
         "image_token_id": token_ids["<|image_pad|>"],
         "model_type": "qwen3_5",
         "text_config": text,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": d["tie_word_embeddings"],
         "video_token_id": token_ids["<|video_pad|>"],
         "vision_config": vision,
         "vision_end_token_id": token_ids["<|vision_end|>"],
