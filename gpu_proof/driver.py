@@ -49,6 +49,7 @@ KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm
 NO_SPECULATION = {"method": "none", "k": 0}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
+VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
 # name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
 # section (config.yaml's layout), how the first start finds its cache (empty, seeded with bf16's baked kernel
 # caches, or from:<variant>, that variant's whole baked cache), whether to bake it (then restart from the baked
@@ -110,6 +111,22 @@ VARIANTS = {
         "sets": "repeated",
         "profile": True,
     },
+    # next lease (issues 14 and 15): suffix with every draft padded to K (one FULL graph a step?), and the int4 head
+    # on the vocabulary pruned to 131,072 ids, both profiled on the tied random checkpoint
+    "awq-broad-suffix24-pad-profile": {
+        "recipe": BROAD,
+        "speculative": {"method": "suffix", "k": 24, "pad_drafts": True},
+        "first": "from:awq-broad-profile",
+        "sets": "all",
+        "profile": True,
+    },
+    "awq-broad-head4-vocab131k": {
+        "recipe": VOCAB131K,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-profile",
+        "sets": "all",
+        "profile": True,
+    },
 }
 SPEC_DEFAULTS = {
     "first": "seeded",
@@ -127,6 +144,7 @@ QUANTIZED_BY = {
     "recipes/awq-w4a16-g32-mlp.yaml": "awq-w4a16-g32-mlp",
     HEAD4: "awq-broad-head4",
     HEAD8: "awq-broad-head8",
+    VOCAB131K: "awq-broad-head4-vocab131k",
 }
 # bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
 STEPS = [
@@ -161,6 +179,12 @@ STEPS = [
     "serve-awq-broad-suffix24-profile",
     "quantize-awq-broad-head8",
     "serve-awq-broad-head8",
+    # next lease: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-profile,
+    # serve-awq-broad-suffix24-pad-profile,quantize-awq-broad-head4,serve-awq-broad-head4,
+    # quantize-awq-broad-head4-vocab131k,serve-awq-broad-head4-vocab131k
+    "serve-awq-broad-suffix24-pad-profile",
+    "quantize-awq-broad-head4-vocab131k",
+    "serve-awq-broad-head4-vocab131k",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

