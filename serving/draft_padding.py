@@ -63,10 +63,9 @@ def _ngram(propose):
 def register() -> None:
     if os.environ.get(ENV) != "1":
         return
+    from vllm.logger import init_logger
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
-
-    from vllm.logger import init_logger
 
     for cls, wrap in ((SuffixDecodingProposer, _suffix), (NgramProposer, _ngram)):
         if not hasattr(cls.propose, _WRAPPED):
