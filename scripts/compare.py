@@ -13,7 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
-from lib.decode_bytes import A10G_GBPS, bound_ms, draft_passes
+from lib.decode_bytes import A10G_GBPS, bound_ms, draft_passes, step_total
 from lib.gate import failed_tasks
 from lib.probe import COMPETITION_SET, PROMPT_SETS, prompt_sets
 from lib.stage import StageError, validate_json, write_json
@@ -89,7 +89,7 @@ def decode_step(report: dict, speculative: dict, categories: dict[str, dict]) ->
     if step is None:
         return None
     passes = draft_passes(speculative)
-    total = step["decoder"] + step["lm_head"] + passes * step["mtp_per_draft"]
+    total = step_total(step, passes)
     floor = bound_ms(total, A10G_GBPS)
     return {
         "bytes": total,

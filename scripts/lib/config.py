@@ -219,10 +219,9 @@ class Pipeline:
         """What a vocabulary-pruning recipe must keep every token of, beyond its calibration and held-out text: the
         probe's varied text and sentence, the local gate tasks' data. Nothing for other recipes, so a probe edit
         never reruns their quantization."""
-        import yaml
+        from lib.quantize_checks import read_recipe
 
-        pipeline = yaml.safe_load(Path(self.recipes[recipe]).read_text()).get("pipeline") or {}
-        if not pipeline.get("prune_vocab"):
+        if not read_recipe(self.recipes[recipe])["prune_vocab"]:
             return {"files": [], "sentence": None}
         tasks_dir = self.config["quality"]["tasks_dir"]
         tasks = sorted(str(p) for p in Path(tasks_dir).glob("*.jsonl")) if tasks_dir else []

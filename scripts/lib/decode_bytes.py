@@ -25,20 +25,24 @@ def part_bytes(model_dir: str | Path) -> dict[str, int]:
     return parts
 
 
+def step_total(step: dict, draft_passes: int) -> int:
+    """A step's bytes (step_bytes' decoder, lm_head, mtp_per_draft) with `draft_passes` MTP passes."""
+    return step["decoder"] + step["lm_head"] + draft_passes * step["mtp_per_draft"]
+
+
 def step_bytes(parts: dict[str, int], draft_passes: int = 0) -> dict:
     """Bytes one decode step reads: decoder + head, plus draft_passes x (MTP layer + head). A tied head (no
     lm_head tensor, as Qwen3.5-4B ships) is the embedding matrix, read whole by the head's GEMM."""
     tied = parts["lm_head"] == 0
     head = parts["embed_tokens"] if tied else parts["lm_head"]
-    mtp_per_draft = parts["mtp"] + head
-    return {
+    step = {
         "decoder": parts["decoder"],
         "lm_head": head,
         "tied_head": tied,
-        "mtp_per_draft": mtp_per_draft,
+        "mtp_per_draft": parts["mtp"] + head,
         "draft_passes": draft_passes,
-        "total": parts["decoder"] + head + draft_passes * mtp_per_draft,
     }
+    return {**step, "total": step_total(step, draft_passes)}
 
 
 def draft_passes(speculative: dict) -> int:

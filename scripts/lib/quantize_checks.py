@@ -159,7 +159,7 @@ def _check_head_untying(recipe: dict, tied_head: bool) -> None:
         p
         for g in recipe["groups"]
         for p in g["targets"]
-        if _matches("lm_head", p) and not any(_matches("lm_head", i) for i in g["ignore"])
+        if _matches(HEAD_MODULE, p) and not any(_matches(HEAD_MODULE, i) for i in g["ignore"])
     ]
     where = f"recipe {recipe['path']}: pipeline.untie_head"
     if tied_head and head_targets and not recipe["untie_head"]:

@@ -13,9 +13,12 @@ dropping merges never applicable there changes nothing. New ids keep the old ord
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shutil
+from pathlib import Path
 
-from lib.safetensors import read_header, tensor_bytes
+from lib.safetensors import checkpoint_header
 
 MULTIPLE = 64  # vLLM pads/tiles the vocabulary dim by 64 (Marlin's out_features tile for a quantized head)
 
@@ -171,30 +174,28 @@ def vocab_sized_tensors(header: dict[str, dict], vocab_rows: int) -> list[str]:
     )
 
 
+def _strings(value):
+    """Every string inside a JSON value."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
 def required_texts(paths: list[str], sentence: str | None) -> list[str]:
     """Texts whose tokens must survive: plain files whole, JSON-lines files as every string value of every
     record (lm-eval task data: questions, choices, answers), and the probe's sentence repeated."""
-    import json
-    from pathlib import Path
-
     texts = []
     for path in paths:
         body = Path(path).read_text(encoding="utf-8")
         if not path.endswith(".jsonl"):
             texts.append(body)
             continue
-
-        def strings(value):
-            if isinstance(value, str):
-                yield value
-            elif isinstance(value, dict):
-                for item in value.values():
-                    yield from strings(item)
-            elif isinstance(value, list):
-                for item in value:
-                    yield from strings(item)
-
-        texts.extend(s for line in body.splitlines() if line.strip() for s in strings(json.loads(line)))
+        texts.extend(s for line in body.splitlines() if line.strip() for s in _strings(json.loads(line)))
     if sentence:
         texts.append(sentence * 4)
     return texts
@@ -204,10 +205,6 @@ def write_pruned_checkpoint(model_dir, out_dir, kept: list[int]) -> dict:
     """The checkpoint with only the kept ids: every one-row-per-id tensor sliced (embedding, untied head, MTP
     embedding), config.json's vocab_size and token ids, generation_config.json's ids, tokenizer.json and
     tokenizer_config.json renumbered; every other file copied. Returns what was done."""
-    import json
-    import shutil
-    from pathlib import Path
-
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -257,9 +254,7 @@ def write_pruned_checkpoint(model_dir, out_dir, kept: list[int]) -> dict:
     index_file = out_dir / "model.safetensors.index.json"
     if index_file.is_file():
         data = json.loads(index_file.read_text())
-        data["metadata"]["total_size"] = sum(
-            tensor_bytes(info) for shard in out_dir.glob("*.safetensors") for info in read_header(shard).values()
-        )
+        data["metadata"]["total_size"] = sum(info["bytes"] for info in checkpoint_header(out_dir).values())
         index_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return {"rows_before": rows, "rows": len(kept), "sliced_tensors": sorted(sliced)}
 
