@@ -55,7 +55,9 @@ case "$1" in
   wait)
     limit=${2:-560}; t0=$(date +%s)
     while :; do
-      [ -f "$STATE/results.tar.gz" ] && cp "$STATE/results.tar.gz" "$OUT/results.tar.gz.tmp" && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+      # the records and logs; the profiler traces (3-6 MB each) stay behind, too large to come back together
+      [ -d "$STATE/results" ] && tar czf "$OUT/results.tar.gz.tmp" -C "$STATE" --exclude=results/profiles results \
+        && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
       [ -f "$STATE/driver.log" ] && tail -c 3000000 "$STATE/driver.log" > "$OUT/driver.log"
       [ -f "$STATE/driver.done" ] && { echo "driver finished"; break; }
       [ $(( $(date +%s) - t0 )) -ge "$limit" ] && { echo "still running after $limit s"; break; }

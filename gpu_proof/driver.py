@@ -111,20 +111,48 @@ VARIANTS = {
         "sets": "repeated",
         "profile": True,
     },
-    # next lease (issues 14 and 15): suffix with every draft padded to K (one FULL graph a step?), and the int4 head
-    # on the vocabulary pruned to 131,072 ids, both profiled on the tied random checkpoint
+    # fourth lease (issues 14 and 15), on the tied random checkpoint: AWQ broad on every prompt set with the lossless
+    # reference, then suffix with every draft padded to K (one FULL graph a step?) and unpadded on the same host, the
+    # int4 head on the vocabulary pruned to 131,072 ids, the int8 head, and the int4 head untied from the tied source
+    "awq-broad-all-profile": {
+        "recipe": BROAD,
+        "speculative": NO_SPECULATION,
+        "first": "empty",
+        "bake": True,
+        "restart": False,
+        "reference": True,
+        "profile": True,
+    },
     "awq-broad-suffix24-pad-profile": {
         "recipe": BROAD,
         "speculative": {"method": "suffix", "k": 24, "pad_drafts": True},
-        "first": "from:awq-broad-profile",
-        "sets": "all",
+        "first": "from:awq-broad-all-profile",
+        "profile": True,
+    },
+    "awq-broad-suffix24-nopad-profile": {
+        "recipe": BROAD,
+        "speculative": {"method": "suffix", "k": 24},
+        "first": "from:awq-broad-all-profile",
         "profile": True,
     },
     "awq-broad-head4-vocab131k": {
         "recipe": VOCAB131K,
         "speculative": NO_SPECULATION,
-        "first": "seeded:awq-broad-profile",
-        "sets": "all",
+        "first": "seeded:awq-broad-all-profile",
+        "profile": True,
+    },
+    "awq-broad-head8-tied": {
+        "recipe": HEAD8,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-all-profile",
+        "sets": "repeated",
+        "profile": True,
+    },
+    "awq-broad-head4-tied": {
+        "recipe": HEAD4,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-all-profile",
+        "sets": "repeated",
         "profile": True,
     },
 }
@@ -179,12 +207,19 @@ STEPS = [
     "serve-awq-broad-suffix24-profile",
     "quantize-awq-broad-head8",
     "serve-awq-broad-head8",
-    # next lease: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-profile,
-    # serve-awq-broad-suffix24-pad-profile,quantize-awq-broad-head4,serve-awq-broad-head4,
-    # quantize-awq-broad-head4-vocab131k,serve-awq-broad-head4-vocab131k
+    # fourth lease (--only runs its steps in the order given): --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad-all-profile,serve-awq-broad-suffix24-pad-profile,lossless-pad,
+    # quantize-awq-broad-head4-vocab131k,serve-awq-broad-head4-vocab131k,quantize-awq-broad-head8,
+    # serve-awq-broad-head8-tied,serve-awq-broad-suffix24-nopad-profile,quantize-awq-broad-head4,
+    # serve-awq-broad-head4-tied  (with --serve-env VLLM_USE_FLASHINFER_SAMPLER=0, see Driver.serve_env)
+    "serve-awq-broad-all-profile",
     "serve-awq-broad-suffix24-pad-profile",
+    "lossless-pad",
     "quantize-awq-broad-head4-vocab131k",
     "serve-awq-broad-head4-vocab131k",
+    "serve-awq-broad-head8-tied",
+    "serve-awq-broad-suffix24-nopad-profile",
+    "serve-awq-broad-head4-tied",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
@@ -192,7 +227,7 @@ PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_prof
 
 
 class Driver:
-    def __init__(self, state: Path, warmup: int, runs: int):
+    def __init__(self, state: Path, warmup: int, runs: int, serve_env: dict[str, str] | None = None):
         self.state = state
         self.results = state / "results"
         self.logs = self.results / "logs"
@@ -201,6 +236,10 @@ class Driver:
             d.mkdir(parents=True, exist_ok=True)
         self.model_dir = state / "weights" / "Qwen3.5-4B-random"
         self.warmup, self.runs = warmup, runs
+        # extra environment for every server of the run, recorded in each variant's record. The fourth lease set
+        # VLLM_USE_FLASHINFER_SAMPLER=0: FlashInfer's top-k/top-p sampler is JIT-built with nvcc at every start whose
+        # cache was seeded from another variant (~130 s, machine7's logs), and a greedy request never calls it
+        self.serve_env = dict(serve_env or {})
         self.config = _load_config()
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
 
@@ -222,9 +261,10 @@ class Driver:
         tmp.replace(self.state / "results.tar.gz")
 
     def run_steps(self, only: list[str] | None) -> None:
-        for step in STEPS:
-            if only and step not in only:
-                continue
+        unknown = sorted(set(only or ()) - set(STEPS))
+        if unknown:
+            raise SystemExit(f"unknown steps {unknown}; known: {STEPS}")
+        for step in only or STEPS:  # --only's order: a lease runs what matters most first
             if (self.done / step).exists():
                 self.log(f"{step}: done before, skipped")
                 continue
@@ -441,6 +481,7 @@ class Driver:
             "speculative": spec["speculative"],
             "model_dir": str(model),
             "serve_settings": settings,
+            "serve_env": self.serve_env,
             "command": (
                 f"cd <repo> && SERVE_CONFIG={serve_json} MODEL_DIR={model} HOST=127.0.0.1 PORT=<port> "
                 f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"
@@ -655,6 +696,7 @@ class Driver:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
             PYTHONUNBUFFERED="1",
+            **self.serve_env,
         )
         for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
@@ -830,8 +872,10 @@ def main() -> None:
     parser.add_argument("--only", default="")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    driver = Driver(Path(args.state), args.warmup, args.runs)
+    serve_env = dict(item.split("=", 1) for item in args.serve_env)
+    driver = Driver(Path(args.state), args.warmup, args.runs, serve_env)
     driver.run_steps([s for s in args.only.split(",") if s] or None)
 
 

@@ -172,6 +172,21 @@ def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
     assert (tmp_path / "done" / "serve-bf16").exists() and (tmp_path / "results.tar.gz").exists()
 
 
+def test_driver_runs_only_its_steps_in_the_order_given_with_the_run_serve_env(tmp_path):
+    """A lease runs what matters most first (--only's order); --serve-env reaches every record; a misspelt step
+    stops the driver before anything runs."""
+    d = fake_driver(tmp_path)
+    d.serve_env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    with pytest.raises(SystemExit, match="unknown steps"):
+        d.run_steps(["serve-bf16", "serve-no-such-variant"])
+    assert not list((tmp_path / "done").iterdir())
+    d.run_steps(["serve-bf16-mtp2", "serve-bf16"])
+    results = tmp_path / "results"
+    mtp, bf16 = (json.loads((results / f"variant-{name}.json").read_text()) for name in ("bf16-mtp2", "bf16"))
+    assert mtp["cold_start"]["first_start_cache"] == "empty"  # it ran before bf16 baked the cache it would seed from
+    assert mtp["serve_env"] == bf16["serve_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 def test_driver_runs_the_speculation_proof_with_its_lossless_check(tmp_path):
     """Issue 14's run: bf16 probed on its first start (no restart), AWQ with the lossless reference, a suffix variant
     on the same checkpoint, then the lossless step comparing the two."""
