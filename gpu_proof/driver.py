@@ -155,6 +155,14 @@ VARIANTS = {
         "sets": "repeated",
         "profile": True,
     },
+    # fifth lease (issue 14, item 7): bf16 on every set, then padded suffix drafting up to 4x the matched length
+    # (vLLM's suffix_decoding_max_spec_factor, 1.0 by default), both on one host: --only environment,checkpoint,
+    # bandwidth,serve-bf16-all,quantize-awq-w4a16-g32-broad,serve-awq-broad-suffix24-pad-f4
+    "bf16-all": {"recipe": None, "speculative": NO_SPECULATION, "first": "empty", "bake": True, "restart": False},
+    "awq-broad-suffix24-pad-f4": {
+        "recipe": BROAD,
+        "speculative": {"method": "suffix", "k": 24, "pad_drafts": True, "suffix_decoding_max_spec_factor": 4.0},
+    },
 }
 SPEC_DEFAULTS = {
     "first": "seeded",
@@ -220,6 +228,8 @@ STEPS = [
     "serve-awq-broad-head8-tied",
     "serve-awq-broad-suffix24-nopad-profile",
     "serve-awq-broad-head4-tied",
+    "serve-bf16-all",
+    "serve-awq-broad-suffix24-pad-f4",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
