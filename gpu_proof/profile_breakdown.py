@@ -27,7 +27,11 @@ from pathlib import Path
 # (triton_{poi,red,per}_fused_<ops>) are named after the ops they fuse: a mean + rsqrt is an RMSNorm.
 FAMILIES = [
     ("marlin_gemm", r"marlin"),
-    ("gdn_recurrence", r"gated_delta|fused_recurrent|recurrent_gated|chunk_gated|chunk_scaled_dot|chunk_fwd|fla_|gdn"),
+    # delta_rule: the speculative verify path's fused_sigmoid_gating_delta_rule_update_kernel (not an activation)
+    (
+        "gdn_recurrence",
+        r"gated_delta|delta_rule|fused_recurrent|recurrent_gated|chunk_gated|chunk_scaled_dot|chunk_fwd|fla_|gdn",
+    ),
     ("causal_conv1d", r"causal_conv1d|conv1d"),
     ("attention", r"flash|fmha|attention|attn|paged|mha_|xqa"),
     ("sampler", r"argmax|topk|top_k|gumbel|sampl|rejection|log_softmax|_softmax|sort"),

@@ -308,11 +308,12 @@ def test_the_speculation_records_validate_and_name_their_lease():
         assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
 
 
-def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records():
+@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied"])
+def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
 
-    found = spec_records()
+    found = {path.stem: json.loads(path.read_text()) for path in (RESULTS.parent / lease).glob("*.json")}
     for check in found["lossless"]["checks"]:
         record = found[f"variant-{check['variant']}"]
         reference = found[f"variant-{check['reference_variant']}"]
@@ -363,6 +364,7 @@ def test_kernel_families_and_the_idle_time_between_steps():
     assert kernel_family("triton_poi_fused_mul_silu_slice_1") == "activation_elementwise"
     assert kernel_family("_causal_conv1d_update_kernel") == "causal_conv1d"
     assert kernel_family("fused_recurrent_gated_delta_rule_fwd_kernel") == "gdn_recurrence"
+    assert kernel_family("fused_sigmoid_gating_delta_rule_update_kernel") == "gdn_recurrence"  # spec verify path
     assert kernel_family("flash_fwd_splitkv_kernel") == "attention"
     assert kernel_family("something_new") == "other"
     events = [
@@ -416,3 +418,42 @@ def test_the_profile_records_validate_and_agree_with_their_bytes():
         for breakdown in (before, after):  # kernel time of the families covers the busy time (overlaps count twice)
             kernels = sum(f["total_ms"] for f in breakdown["families"].values())
             assert kernels >= breakdown["busy_ms"] * 0.999 and breakdown["window_ms"] >= breakdown["busy_ms"]
+
+
+# ---- the tied checkpoint's leases (results/gpu-proof/h100-tied): padded drafts, smaller heads ----
+
+TIED_RESULTS = ROOT / "results" / "gpu-proof" / "h100-tied"
+
+
+def test_the_tied_records_validate_and_their_head_bytes_match_a_hand_count():
+    found = {path.stem: json.loads(path.read_text()) for path in sorted(TIED_RESULTS.glob("*.json"))}
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] in ("machine8", "machine9"), name
+    rows, cols, kept = 248320, 2560, 131072
+    awq, vocab, head8 = (
+        found[f"variant-awq-broad-{name}"]["weights"] for name in ("all-profile", "head4-vocab131k", "head8-tied")
+    )
+    assert awq["lm_head"] == 0 and awq["embed_tokens"] == rows * cols * 2  # tied: the embedding is the head
+    assert vocab["embed_tokens"] == kept * cols * 2
+    assert vocab["lm_head"] == kept * cols // 2 + kept * cols // 32 * 2 + 16  # int4 + group-32 bf16 scales + shape
+    assert head8["lm_head"] == rows * cols + rows * 2 + 16  # int8 + one bf16 scale per row + shape
+    assert awq["decoder"] == vocab["decoder"] == head8["decoder"]
+    for recipe in ("awq-broad-head4-vocab131k", "awq-broad-head8"):
+        head = found[f"quantize-{recipe}"]["report"]["head"]
+        assert head["tied_in_source"] and head["untied"] and head["quantized"], recipe
+    assert found["quantize-awq-broad-head4-vocab131k"]["report"]["vocab"]["rows"] == kept
+
+
+def test_padded_suffix_drafts_on_every_step_and_is_compared_with_bf16_on_its_own_host():
+    """With pad_drafts every decode step after the first carries a K-token draft, so on fresh prompts (nothing
+    accepted) the drafts counted are runs x (output tokens - 1); bf16 ran on the same lease as the factor-4 run."""
+    found = {path.stem: json.loads(path.read_text()) for path in sorted(TIED_RESULTS.glob("variant-*.json"))}
+    assert found["variant-bf16-all"]["machine"] == found["variant-awq-broad-suffix24-pad-f4"]["machine"]
+    for name in ("variant-awq-broad-suffix24-pad-profile", "variant-awq-broad-suffix24-pad-f4"):
+        probe = found[name]["probe"]
+        assert found[name]["speculative"]["pad_drafts"] is True
+        for category in probe["fresh"]["categories"]:
+            assert category["spec_decode"]["accepted_tokens"] == 0, (name, category["name"])
+            assert category["spec_decode"]["drafts"] == probe["runs"] * (category["output_tokens_mean"] - 1)
+        assert all(c["mean_acceptance_length"] > 1 for c in probe["categories"]), name
