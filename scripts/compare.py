@@ -81,24 +81,35 @@ def category_row(category: dict, reference_median: float | None) -> dict:
     }
 
 
-def decode_step(report: dict, speculative: dict, categories: dict[str, dict]) -> dict | None:
+def decode_step(report: dict, speculative: dict, categories: dict[str, dict], device: dict) -> dict | None:
     """The variant's bytes per decode step (its checkpoint's, from the quantize report, with K MTP passes) and the
-    floor they put on its inter-token latency at the contract's A10G, beside the measured ITL per category (the
-    competition's set). None for a report written before quantize recorded it."""
+    floor they put on its inter-token latency at the contract's A10G and at the probing device's measured bandwidth
+    (`device`: the latency record's device_bandwidth), beside the measured ITL per category (the competition's set).
+    None for a report written before quantize recorded it."""
     step = report.get("decode_step")
     if step is None:
         return None
     passes = draft_passes(speculative)
     total = step_total(step, passes)
-    floor = bound_ms(total, A10G_GBPS)
+
+    def floors(gbps: float) -> tuple[float, dict]:
+        floor = bound_ms(total, gbps)
+        return round(floor, 4), {
+            name: round(floor / (c["mean_acceptance_length"] or 1.0), 4) for name, c in categories.items()
+        }
+
+    a10g, a10g_per_token = floors(A10G_GBPS)
+    probe, probe_per_token = floors(device["gbps"])
     return {
         "bytes": total,
         "draft_passes": passes,
         "a10g_gbps": A10G_GBPS,
-        "a10g_bound_ms": round(floor, 4),
-        "a10g_bound_ms_per_token": {
-            name: round(floor / (c["mean_acceptance_length"] or 1.0), 4) for name, c in categories.items()
-        },
+        "a10g_bound_ms": a10g,
+        "a10g_bound_ms_per_token": a10g_per_token,
+        "probe_device": device["device"],
+        "probe_gbps": device["gbps"],
+        "probe_bound_ms": probe,
+        "probe_bound_ms_per_token": probe_per_token,
         "itl_median_ms": {name: c["itl_median_ms"] for name, c in categories.items()},
     }
 
@@ -160,7 +171,9 @@ def build_summary(
                 "quantized": report["quantized"],
                 "weight_bits": weight_bits(report),
                 "model_bytes": report["output_bytes"],
-                "decode_step": decode_step(report, variant["speculative"], competition["categories"]),
+                "decode_step": decode_step(
+                    report, variant["speculative"], competition["categories"], latency["device_bandwidth"]
+                ),
                 "speculative": variant["speculative"],
                 "max_num_seqs": variant["serve"]["max_num_seqs"],
                 "reference": reference,
@@ -309,7 +322,7 @@ def markdown(summary: dict) -> str:
             "recipe",
             "bits",
             "weights MB",
-            "GB/step (A10G floor ms)",
+            "GB/step (floor ms: A10G, probe)",
             "spec",
             "seqs",
             f"speedup vs baseline ({names})",
@@ -329,7 +342,8 @@ def markdown(summary: dict) -> str:
             str(row["weight_bits"]),
             f"{row['model_bytes'] / 1e6:.1f}",
             (
-                f"{row['decode_step']['bytes'] / 1e9:.3g} ({row['decode_step']['a10g_bound_ms']:.3g})"
+                f"{row['decode_step']['bytes'] / 1e9:.3g} ({row['decode_step']['a10g_bound_ms']:.3g}, "
+                f"{row['decode_step']['probe_bound_ms']:.3g})"
                 if row["decode_step"]
                 else "-"
             ),

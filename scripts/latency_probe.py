@@ -58,7 +58,7 @@ def plot(result: dict, title: str, path) -> None:
 
 
 def main(job) -> None:
-    from lib.containers import run_container
+    from lib.containers import container_bandwidth, run_container
     from lib.vllm_logs import cache_evidence
 
     image = json.loads(Path(job.input.image).read_text())
@@ -69,6 +69,7 @@ def main(job) -> None:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
         evidence = cache_evidence(container.logs(tail=100000))
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
+        bandwidth = container_bandwidth(container)  # after the probe: it must not share the device with a request
     compile_cache = {
         "hit": bool(evidence["hits"]) and not evidence["misses"],
         "evidence": evidence["hits"],
@@ -79,6 +80,7 @@ def main(job) -> None:
         image_id=image["id"],
         cold_start_s=cold_start_s,
         compile_cache=compile_cache,
+        device_bandwidth=bandwidth,
         warmup=job.params.probe["warmup"],
         ignore_eos=job.params.probe["ignore_eos"],
     )

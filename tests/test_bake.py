@@ -1,6 +1,7 @@
 """The bake's pure parts: reading vLLM's cache verdict, the cold-start record, the deterministic cache tar."""
 
 import io
+import json
 import tarfile
 
 import pytest
@@ -111,3 +112,32 @@ def test_the_gpu_is_read_in_the_container_nvidia_smi_first_then_torch():
         containers.container_gpu(mixed, gpus=True)
     with pytest.raises(StageError, match="cannot read a GPU name"):
         containers.parse_gpu_query("NVIDIA H100, [N/A]")
+
+
+def test_the_memory_bandwidth_is_measured_in_the_container_or_the_stage_says_why_not():
+    from lib import containers
+    from lib.stage import StageError
+
+    measured = '{"device": "NVIDIA A10G", "gbps": 512.3, "buffer_bytes": 268435456, "repeats": 50, "threads": 8}'
+    good = FakeContainer({"python3": (0, "a warning first\n" + measured + "\n")})
+    assert containers.container_bandwidth(good)["gbps"] == 512.3 and good.ran == ["python3"]
+    for answer, seen in (
+        ((1, "ModuleNotFoundError: No module named 'torch'"), "No module named 'torch'"),
+        ((0, "not json"), "gave no result"),
+        ((0, '{"device": "cpu", "gbps": 0}'), "gave no result"),
+    ):
+        with pytest.raises(StageError, match=seen):
+            containers.container_bandwidth(FakeContainer({"python3": answer}))
+
+
+@pytest.mark.e2e
+def test_the_bandwidth_query_runs_with_torch_on_the_cpu(tiny_venvs):
+    """The in-container snippet itself, on the serving venv's torch (what the tiny image runs): a positive GB/s."""
+    import subprocess
+
+    from lib.containers import BANDWIDTH_QUERY
+
+    command = [str(tiny_venvs["serve-cpu"]), *BANDWIDTH_QUERY[1:]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["device"] == "cpu" and measured["gbps"] > 0 and measured["buffer_bytes"] == 256 << 20

@@ -40,6 +40,7 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     assert [c["name"] for c in latency["categories"]] == ["short", "medium", "long"]
     assert all(c["runs"] == TINY["probe"]["runs"] for c in latency["categories"])
     assert latency["compile_cache"]["hit"] and latency["compile_cache"]["evidence"]  # the image used its baked cache
+    assert latency["device_bandwidth"]["device"] == "cpu" and latency["device_bandwidth"]["gbps"] > 0  # tiny: no GPU
     assert latency["prompt_sets"] == ["repeated", "varied", "fresh"]
     all_sets = latency["categories"] + latency["varied"]["categories"] + latency["fresh"]["categories"]
     assert [c["name"] for c in latency["varied"]["categories"]] == ["short", "medium", "long"]

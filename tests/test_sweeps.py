@@ -170,6 +170,7 @@ def latency(scale: float, acceptance: float | None, fresh: float = 1.3, sets=("v
         cold_start_s=1.0,
         warmup=1,
         ignore_eos=True,
+        device_bandwidth={"device": "made up", "gbps": 150.0, "buffer_bytes": 1 << 28, "repeats": 5},
     )
 
 
@@ -219,7 +220,7 @@ def fabricated_summary():
     return compare.build_summary(variants, latencies, qualities, QUANTIZE, None)
 
 
-def test_bytes_per_step_count_the_mtp_passes_and_give_the_a10g_floor():
+def test_bytes_per_step_count_the_mtp_passes_and_give_the_a10g_and_probe_floors():
     rows = {r["variant"]: r for r in fabricated_summary()["variants"]}
     assert rows["bf16-k1"]["decode_step"] is None  # a report from before decode_step: nothing made up
     k1, k2 = rows["awq-k1"]["decode_step"], rows["awq-k2"]["decode_step"]
@@ -228,7 +229,10 @@ def test_bytes_per_step_count_the_mtp_passes_and_give_the_a10g_floor():
     accepted = rows["awq-k1"]["latency"]["short"]["mean_acceptance_length"]
     assert k1["a10g_bound_ms_per_token"]["short"] == pytest.approx(7.5 / accepted, abs=1e-4)
     assert k1["itl_median_ms"]["short"] == rows["awq-k1"]["latency"]["short"]["itl_median_ms"]
-    assert "| 4.5 (7.5) |" in compare.markdown(fabricated_summary())
+    # and at the bandwidth measured where the probe ran: 4.5 GB at 150 GB/s is 30 ms a step
+    assert (k1["probe_device"], k1["probe_gbps"]) == ("made up", 150.0) and k1["probe_bound_ms"] == pytest.approx(30)
+    assert k1["probe_bound_ms_per_token"]["short"] == pytest.approx(30 / accepted, abs=1e-4)
+    assert "| 4.5 (7.5, 30) |" in compare.markdown(fabricated_summary())
 
 
 def test_decode_step_bytes_of_a_checkpoint_count_a_tied_head_once(tmp_path):
@@ -293,7 +297,7 @@ def test_summary_puts_every_prompt_sets_speedups_side_by_side():
     text = compare.markdown(summary)
     assert "speedup vs baseline (repeated / varied / fresh)" in text
     assert (
-        "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | 5.8 (9.67) | mtp K=2 | 8 "
+        "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | 5.8 (9.67, 38.7) | mtp K=2 | 8 "
         "| 2.50 / 2.08 / 1.67 | 2.50 / 2.50 / 2.17 |" in text
     )
     assert "| awq-k2 | fresh | 1549 | 3265 | 3946 | 1.67 |" in text  # the per-set table

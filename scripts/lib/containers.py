@@ -5,6 +5,7 @@ Stdlib only: imported by the main interpreter. Two builders are supported: a Doc
 Running an image needs the Docker daemon.
 """
 
+import json
 import os
 import re
 import secrets
@@ -237,6 +238,47 @@ def container_gpu(container: "RunningContainer", gpus: bool) -> dict:
         f"container {container.name} runs with --gpus all but neither nvidia-smi nor torch in it names "
         "its GPU, so the compile cache's architecture is unknown:\n  " + "\n  ".join(tried)
     )
+
+
+# The memory bandwidth of the device the server computes on, measured in the container after the probe, so the
+# summary can set each variant's bytes per decode step against the probing hardware's own floor (the contract's
+# A10G is the other). A torch copy between two 256 MiB buffers (bytes read + written, as gpu_proof/bandwidth.py
+# counts; larger than any GPU's L2), the best of 3 timed rounds; small enough to fit beside the server's memory.
+BANDWIDTH_QUERY = [
+    "python3",
+    "-c",
+    "import json, time, torch\n"
+    "cuda = torch.cuda.is_available()\n"
+    "sync = torch.cuda.synchronize if cuda else (lambda: None)\n"
+    "n, repeats = 256 << 20, (50 if cuda else 5)\n"
+    "a = torch.ones(n, dtype=torch.uint8, device='cuda' if cuda else 'cpu'); b = torch.empty_like(a)\n"
+    "b.copy_(a); sync(); best = 0.0\n"
+    "for _ in range(3):\n"
+    "    t = time.perf_counter()\n"
+    "    for _ in range(repeats): b.copy_(a)\n"
+    "    sync(); best = max(best, 2 * n * repeats / (time.perf_counter() - t) / 1e9)\n"
+    "print(json.dumps({'device': torch.cuda.get_device_name(0) if cuda else 'cpu', 'gbps': round(best, 2), "
+    "'buffer_bytes': n, 'repeats': repeats, 'threads': torch.get_num_threads()}))\n",
+]
+
+
+def container_bandwidth(container: "RunningContainer") -> dict:
+    """BANDWIDTH_QUERY's measurement in the running container: {device, gbps, buffer_bytes, repeats, threads}."""
+    try:
+        result = container.exec(BANDWIDTH_QUERY, timeout_s=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise StageError(f"measuring memory bandwidth in container {container.name} failed: {error}") from error
+    try:
+        measured = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
+    except (ValueError, IndexError):
+        measured = None
+    if not measured or not measured.get("gbps", 0) > 0:
+        output = (result.stderr or result.stdout).strip()[-500:]
+        raise StageError(
+            f"measuring memory bandwidth in container {container.name} (`python3 -c` with torch) gave no "
+            f"result (exit {result.returncode}): {output}"
+        )
+    return measured
 
 
 def _raise_interrupt(signum, frame):
