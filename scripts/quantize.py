@@ -177,14 +177,16 @@ def build_checkpoint(
 ) -> tuple:
     """Quantize with the recipe (or copy, when it has no modifiers) into `out_dir`, carry the source's other
     files over, and return the held-out statistics of the source model. `untie_head` gives a tied LM head
-    its own copy of the embedding before the recipe runs. `loaded`: (model on the CPU, its held-out statistics or None)
-    when the caller already has the model (a pruned checkpoint is loaded once, for its guard and for this)."""
+    its own copy of the embedding before the recipe runs. `loaded`: (model on the CPU, its held-out statistics)
+    when the caller already has them (a pruned checkpoint is loaded once, for its guard and for this)."""
     import torch
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     # on the CPU, where llmcompressor's sequential pipeline expects it; only the held-out pass borrows a GPU
-    model, stats = loaded or (load_model(model_dir, architecture, "source", device="cpu"), None)
-    if stats is None:
+    if loaded:
+        model, stats = loaded
+    else:
+        model = load_model(model_dir, architecture, "source", device="cpu")
         stats = next_token_stats(model.to(default_device()), heldout)
     if not recipe["quantize"]:
         for path in model_dir.iterdir():
@@ -227,8 +229,8 @@ def prune_checkpoint(
 ) -> tuple[dict, tuple]:
     """lib/vocab's pruned checkpoint, then its guards: the held-out text splits into the same pieces (renumbered)
     and decodes back to itself; on it the pruned model agrees with the source within the quantize bounds.
-    Returns the report and (the pruned model back on the CPU, its held-out statistics, the ids they were taken on)
-    for build_checkpoint."""
+    Returns the report and (the pruned model back on the CPU, its held-out statistics) for build_checkpoint: the
+    round trip proved the pruned tokenizer gives the renumbered ids, so those are its held-out statistics."""
     import torch
     from transformers import AutoTokenizer
 
@@ -246,9 +248,8 @@ def prune_checkpoint(
     model = load_model(source_dir, architecture, "source")
     source_top1, source_nll = next_token_stats(model, heldout)
     del model
-    renumbered = [new_id[i] for i in heldout]
     model = load_model(pruned_dir, architecture, "pruned", device="cpu")
-    pruned = next_token_stats(model.to(default_device()), renumbered)
+    pruned = next_token_stats(model.to(default_device()), [new_id[i] for i in heldout])
     model.to("cpu")
     mapped = torch.tensor([new_id.get(int(i), -1) for i in source_top1])  # a dropped prediction never agrees
     stats = compare_stats((mapped, source_nll), pruned)
@@ -257,7 +258,7 @@ def prune_checkpoint(
         check_heldout(stats, bounds["min_top1_agreement"], bounds["max_ppl_ratio"])
     except StageError as error:
         raise StageError(f"vocabulary pruned to {len(kept)} ids: {error}") from error
-    return {**done, "tokenizer_roundtrip_tokens": len(new_ids), "heldout": stats}, (model, pruned, renumbered)
+    return {**done, "tokenizer_roundtrip_tokens": len(new_ids), "heldout": stats}, (model, pruned)
 
 
 def _quantization_config(out_dir: Path):
@@ -348,10 +349,6 @@ def main(job) -> None:
             model_dir = pruned_dir
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
-            pruned_model, pruned_stats, renumbered = loaded
-            # the guard's statistics were taken on the source's held-out ids renumbered: reused when the pruned
-            # tokenizer gives exactly those ids (the round-trip guard says it does), else taken again
-            loaded = (pruned_model, pruned_stats if renumbered == heldout else None)
             if dataset is not None:
                 dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
         source_stats = build_checkpoint(
