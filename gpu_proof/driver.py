@@ -47,9 +47,17 @@ REAL_VARIANT = "awq-w4a16-g32-mtp2"  # config.yaml's saved variant: its serve se
 KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm/ (torch.compile) is not
 
 NO_SPECULATION = {"method": "none", "k": 0}
+SUFFIX48_D64 = {
+    "method": "suffix",
+    "k": 48,
+    "pad_drafts": True,
+    "suffix_decoding_max_spec_factor": 4.0,
+    "suffix_decoding_max_tree_depth": 64,
+}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
+G128 = "recipes/awq-w4a16-g128-broad.yaml"
 # name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
 # section (config.yaml's layout), how the first start finds its cache (empty, seeded with bf16's baked kernel
 # caches, or from:<variant>, that variant's whole baked cache), whether to bake it (then restart from the baked
@@ -163,8 +171,23 @@ VARIANTS = {
         "recipe": BROAD,
         "speculative": {"method": "suffix", "k": 24, "pad_drafts": True, "suffix_decoding_max_spec_factor": 4.0},
     },
+    # sixth lease (issues 14 and 15): suffix's tree depth (vLLM's default 24) caps match + draft, so K=24 drafted
+    # ~19 at best; depth 64 lets K=48 draft whole repeated runs (arctic's cache, simulated: 9 -> 5 verify steps for
+    # 127 repeated tokens). Then the same with prefix caching on (the long prompt's prefill), and group 128, which
+    # vLLM 0.26 hands to Machete instead of Marlin on Hopper: --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-bf16-all,serve-awq-broad-suffix48-d64-pad-f4,
+    # serve-awq-broad-suffix48-d64-pad-f4-prefix,quantize-awq-w4a16-g128-broad,serve-awq-w4a16-g128-broad,
+    # serve-awq-broad,lossless
+    "awq-broad-suffix48-d64-pad-f4": {"recipe": BROAD, "speculative": SUFFIX48_D64},
+    "awq-broad-suffix48-d64-pad-f4-prefix": {
+        "recipe": BROAD,
+        "speculative": SUFFIX48_D64,
+        "serve": {"enable_prefix_caching": True},
+    },
+    "awq-w4a16-g128-broad": {"recipe": G128, "speculative": NO_SPECULATION, "sets": "repeated", "profile": True},
 }
 SPEC_DEFAULTS = {
+    "serve": {},  # over config.yaml's real serve section
     "first": "seeded",
     "bake": False,
     "restart": True,
@@ -181,6 +204,7 @@ QUANTIZED_BY = {
     HEAD4: "awq-broad-head4",
     HEAD8: "awq-broad-head8",
     VOCAB131K: "awq-broad-head4-vocab131k",
+    G128: "awq-w4a16-g128-broad",
 }
 # bf16 is served before the first quantization: it proves the serving path early and does not wait on AWQ.
 STEPS = [
@@ -230,6 +254,10 @@ STEPS = [
     "serve-awq-broad-head4-tied",
     "serve-bf16-all",
     "serve-awq-broad-suffix24-pad-f4",
+    "serve-awq-broad-suffix48-d64-pad-f4",
+    "serve-awq-broad-suffix48-d64-pad-f4-prefix",
+    "quantize-awq-w4a16-g128-broad",
+    "serve-awq-w4a16-g128-broad",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
@@ -421,12 +449,13 @@ class Driver:
         self.serve_variant(variant, spec, name=f"coldstart-empty-{variant}", probe_it=False, kind="coldstart")
 
     # ---- serving ----
-    def serve_settings(self, speculative: dict, profile_dir: Path | None = None) -> dict:
-        """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py);
-        with `profile_dir`, vLLM's profiler is configured to write there (extra_args, as a user would add it)."""
+    def serve_settings(self, speculative: dict, profile_dir: Path | None = None, serve: dict | None = None) -> dict:
+        """serve.json as the pipeline's serve_config rule writes it, through the same table (serving/settings.py),
+        from the real serve section with a variant's `serve` overrides; with `profile_dir`, vLLM's profiler is
+        configured to write there (extra_args, as a user would add it)."""
         from serving.settings import serve_json
 
-        settings = serve_json(self.config["variants"][REAL_VARIANT]["serve"], speculative)
+        settings = serve_json({**self.config["variants"][REAL_VARIANT]["serve"], **(serve or {})}, speculative)
         if profile_dir is not None:
             profiler = dict(PROFILER, torch_profiler_dir=str(profile_dir))
             settings["extra_args"] = [*settings["extra_args"], "--profiler-config", json.dumps(profiler)]
@@ -478,7 +507,9 @@ class Driver:
     ) -> None:
         name = name or f"variant-{variant}"
         model = self.model_for(spec)
-        settings = self.serve_settings(spec["speculative"], self.profile_dir(variant) if spec["profile"] else None)
+        settings = self.serve_settings(
+            spec["speculative"], self.profile_dir(variant) if spec["profile"] else None, spec["serve"]
+        )
         serve_json = self.state / "serve" / f"{variant}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         from serving.settings import vllm_args  # the exact flags the entrypoint will exec

@@ -224,6 +224,7 @@ def recipe_file(tmp_path, targets, ignore=("re:^mtp\\.",), architectures=(ARCH,)
 EXPECTED = {
     "awq-w4a16-g32-mlp": (12, 4),
     "awq-w4a16-g32-broad": (25, 4),
+    "awq-w4a16-g128-broad": (25, 4),  # Machete's group size on Hopper (GPU proof)
     "awq-w4a16-g32-broad-head4": (26, 4),
     "awq-w4a16-g32-broad-head8": (26, None),  # int4 body, int8 head
     "awq-w4a16-g32-broad-head4-vocab131k": (26, 4),  # the real vocabulary pruned: header-planned here
@@ -251,6 +252,8 @@ def test_shipped_recipe_targets_what_its_name_says(name):
         assert head["strategy"] == ("group" if head["num_bits"] == 4 else "channel")
         bits = 4
     assert {w["num_bits"] for w in targeted.values()} <= {bits}
+    groups = {w["group_size"] for w in targeted.values() if w["strategy"] == "group"}
+    assert groups <= {int(name.split("-g")[1].split("-")[0])} if "-g" in name else not groups
     for module in targeted:  # never: narrow linear-attention gates, conv, norms, vision, embeddings, MTP
         assert not any(
             word in module for word in ("in_proj_a", "in_proj_b", "conv1d", "norm", "visual", "embed", "mtp.")
@@ -638,9 +641,12 @@ def _digests(folder: Path) -> dict[str, str]:
 
 
 # head8 differs from head4 only by a second config group (int8 channel-wise lm_head), which the planning tests cover;
-# the real pruning size exceeds the tiny vocabulary: the tiny profile's own pruning recipe runs in its place
+# the real pruning size exceeds the tiny vocabulary: the tiny profile's own pruning recipe runs in its place; group 128
+# differs from broad only by its group size, which the tiny model's narrow projections do not divide
 TINY_PRUNE = ROOT / "recipes" / "tiny" / "awq-w4a16-g32-broad-head4-vocab2816.yaml"
-RUN_ON_TINY = sorted(set(EXPECTED) - {"awq-w4a16-g32-broad-head8", "awq-w4a16-g32-broad-head4-vocab131k"})
+RUN_ON_TINY = sorted(
+    set(EXPECTED) - {"awq-w4a16-g32-broad-head8", "awq-w4a16-g32-broad-head4-vocab131k", "awq-w4a16-g128-broad"}
+)
 
 
 @pytest.mark.e2e
