@@ -27,6 +27,8 @@ from pathlib import Path
 # (triton_{poi,red,per}_fused_<ops>) are named after the ops they fuse: a mean + rsqrt is an RMSNorm.
 FAMILIES = [
     ("marlin_gemm", r"marlin"),
+    # vLLM's int4 kernel for groups 64/128 on Hopper (CUTLASS-built: it would otherwise count as dense)
+    ("machete_gemm", r"machete"),
     # delta_rule: the speculative verify path's fused_sigmoid_gating_delta_rule_update_kernel (not an activation)
     (
         "gdn_recurrence",

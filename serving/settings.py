@@ -90,8 +90,9 @@ PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "alignment needs Triton",
     "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
     "mamba prefix-cache alignment needs Triton)",
-    "suffix": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU "
-    "the mamba prefix-cache alignment needs Triton)",
+    "suffix": "measured: on an H100 (results/gpu-proof/h100-suffix-depth) the repeated long prompt's greedy output "
+    "left the reference without a near tie with prefix caching on, and short and medium requests got slower; on CPU "
+    "the mamba prefix-cache alignment needs Triton",
     "draft_model": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 

@@ -308,7 +308,7 @@ def test_the_speculation_records_validate_and_name_their_lease():
         assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
 
 
-@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied"])
+@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth"])
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
@@ -360,6 +360,9 @@ def test_kernel_families_and_the_idle_time_between_steps():
     from gpu_proof.profile_breakdown import breakdown, kernel_family
 
     assert kernel_family("Marlin<256, 1, 8, 8, 4, 8>") == "marlin_gemm"
+    assert kernel_family("void cutlass::device_kernel<machete::MacheteKernelTemplate<cutlass::bfloat16_t>>") == (
+        "machete_gemm"
+    )
     assert kernel_family("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm"
     assert kernel_family("triton_poi_fused_mul_silu_slice_1") == "activation_elementwise"
     assert kernel_family("_causal_conv1d_update_kernel") == "causal_conv1d"
@@ -457,3 +460,35 @@ def test_padded_suffix_drafts_on_every_step_and_is_compared_with_bf16_on_its_own
             assert category["spec_decode"]["accepted_tokens"] == 0, (name, category["name"])
             assert category["spec_decode"]["drafts"] == probe["runs"] * (category["output_tokens_mean"] - 1)
         assert all(c["mean_acceptance_length"] > 1 for c in probe["categories"]), name
+
+
+# ---- suffix decoding's tree depth (results/gpu-proof/h100-suffix-depth) ----
+
+DEPTH_RESULTS = ROOT / "results" / "gpu-proof" / "h100-suffix-depth"
+
+
+def test_a_deeper_suffix_tree_drafts_past_the_default_cap_beside_bf16_on_its_own_host():
+    """vLLM's suffix tree depth (24 by default) bounds match + draft, so K=24 accepted at most 24 tokens a step
+    (h100-tied); depth 64 with K=48 accepts more than that on the repeated set. bf16 ran on the same lease."""
+    found = {path.stem: json.loads(path.read_text()) for path in sorted(DEPTH_RESULTS.glob("*.json"))}
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine10", name
+    shallow = json.loads((TIED_RESULTS / "variant-awq-broad-suffix24-pad-f4.json").read_text())
+    assert "suffix_decoding_max_tree_depth" not in shallow["speculative"]
+    assert all(c["mean_acceptance_length"] <= 24 for c in shallow["probe"]["categories"])
+    for name in ("awq-broad-suffix48-d64-pad-f4", "awq-broad-suffix48-d64-pad-f4-prefix"):
+        deep = found[f"variant-{name}"]
+        assert deep["machine"] == found["variant-bf16-all"]["machine"]
+        assert deep["speculative"]["k"] == 48 and deep["speculative"]["suffix_decoding_max_tree_depth"] == 64
+        assert all(c["mean_acceptance_length"] > 25 for c in deep["probe"]["categories"]), name
+        for category in deep["probe"]["fresh"]["categories"]:  # padded: a 48-token draft on every step
+            assert category["spec_decode"]["drafts"] == deep["probe"]["runs"] * (category["output_tokens_mean"] - 1)
+    prefix = found["variant-awq-broad-suffix48-d64-pad-f4-prefix"]
+    assert prefix["serve_settings"]["enable_prefix_caching"] is True
+    long = next(c for c in prefix["probe"]["categories"] if c["name"] == "long")
+    assert long["prefix_cache"]["hit_rate"] > 0.9
+    # with prefix caching on, the repeated long prompt's greedy output left the reference without a near tie: the
+    # reason config refuses suffix + prefix caching (serving/settings.py PREFIX_CACHING_UNSAFE)
+    check = next(c for c in found["lossless"]["checks"] if c["variant"] == prefix["variant"])
+    assert any(r["set"] == "repeated" and r["category"] == "long" and not r["passed"] for r in check["rows"])
