@@ -185,9 +185,25 @@ VARIANTS = {
         "serve": {"enable_prefix_caching": True},
     },
     "awq-w4a16-g128-broad": {"recipe": G128, "speculative": NO_SPECULATION, "sets": "repeated", "profile": True},
+    # seventh lease: the depth-64 run again on another host, a middle point (K=32, depth 48), and group 128 on
+    # Marlin (vLLM picks Machete unless it is disabled): --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-bf16-all,serve-awq-broad-suffix48-d64-pad-f4,
+    # serve-awq-broad-suffix32-d48-pad-f4,quantize-awq-w4a16-g128-broad,serve-awq-w4a16-g128-marlin
+    "awq-broad-suffix32-d48-pad-f4": {
+        "recipe": BROAD,
+        "speculative": dict(SUFFIX48_D64, k=32, suffix_decoding_max_tree_depth=48),
+    },
+    "awq-w4a16-g128-marlin": {
+        "recipe": G128,
+        "speculative": NO_SPECULATION,
+        "sets": "repeated",
+        "profile": True,
+        "env": {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
+    "env": {},  # the server's environment, over --serve-env
     "first": "seeded",
     "bake": False,
     "restart": True,
@@ -258,6 +274,8 @@ STEPS = [
     "serve-awq-broad-suffix48-d64-pad-f4-prefix",
     "quantize-awq-w4a16-g128-broad",
     "serve-awq-w4a16-g128-broad",
+    "serve-awq-broad-suffix32-d48-pad-f4",
+    "serve-awq-w4a16-g128-marlin",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
@@ -522,7 +540,7 @@ class Driver:
             "speculative": spec["speculative"],
             "model_dir": str(model),
             "serve_settings": settings,
-            "serve_env": self.serve_env,
+            "serve_env": {**self.serve_env, **spec["env"]},
             "command": (
                 f"cd <repo> && SERVE_CONFIG={serve_json} MODEL_DIR={model} HOST=127.0.0.1 PORT=<port> "
                 f"CACHE_DIR=<cache> PYTHONPATH={SITE_VLLM} python3 -m serving"
@@ -738,6 +756,7 @@ class Driver:
             DO_NOT_TRACK="1",
             PYTHONUNBUFFERED="1",
             **self.serve_env,
+            **VARIANTS[variant]["env"],
         )
         for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
