@@ -245,6 +245,28 @@ def test_wait_ready_reports_an_exited_container(tiny_image):
     assert containers_named(box.name) == ""
 
 
+def test_the_archive_compressor_gives_the_same_bytes_on_any_core_count(tmp_path, monkeypatch):
+    """image.tar.gz's bytes must not depend on the machine: pigz's output is the same from two threads up (one
+    thread takes another path, so gzip_command never asks for fewer than two), and it gunzips to the input."""
+    import gzip
+    import random
+
+    payload = random.Random(0).randbytes(1 << 20) + b"layer " * 200_000  # incompressible and compressible blocks
+    outputs = []
+    for cores in (1, 2, 3, 16):
+        monkeypatch.setattr(containers.os, "cpu_count", lambda cores=cores: cores)
+        command = containers.gzip_command(1)
+        assert command[-2:] == ["-p", str(max(2, cores))]
+        outputs.append(subprocess.run(command, input=payload, capture_output=True, check=True).stdout)
+    assert len(set(outputs)) == 1 and gzip.decompress(outputs[0]) == payload
+
+
+def test_a_machine_without_pigz_is_told_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(containers.shutil, "which", lambda name: None)
+    with pytest.raises(StageError, match=r"pigz is not installed \(apt-get install pigz"):
+        containers.gzip_command(1)
+
+
 @pytest.mark.e2e
 @needs_docker
 def test_save_image_of_a_missing_image_leaves_nothing(tmp_path):
