@@ -492,3 +492,30 @@ def test_a_deeper_suffix_tree_drafts_past_the_default_cap_beside_bf16_on_its_own
     # reason config refuses suffix + prefix caching (serving/settings.py PREFIX_CACHING_UNSAFE)
     check = next(c for c in found["lossless"]["checks"] if c["variant"] == prefix["variant"])
     assert any(r["set"] == "repeated" and r["category"] == "long" and not r["passed"] for r in check["rows"])
+
+
+def test_the_second_host_reran_depth_64_and_put_group_128_on_marlin_by_its_own_server_env():
+    """machine11: bf16 beside the suffix runs again; group 128 served with Machete disabled uses Marlin (its GEMMs
+    in the marlin family), where machine10's group 128 went to Machete (no Marlin kernel in its step)."""
+    rerun = {
+        path.stem: json.loads(path.read_text()) for path in (RESULTS.parent / "h100-suffix-depth-rerun").glob("*.json")
+    }
+    for name, data in rerun.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine11", name
+    assert {
+        "variant-bf16-all",
+        "variant-awq-broad-suffix48-d64-pad-f4",
+        "variant-awq-broad-suffix32-d48-pad-f4",
+    } <= set(rerun)
+    marlin = rerun["variant-awq-w4a16-g128-marlin"]
+    assert marlin["serve_env"]["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel"
+    machete = json.loads((DEPTH_RESULTS / "variant-awq-w4a16-g128-broad.json").read_text())
+    assert "VLLM_DISABLED_KERNELS" not in machete["serve_env"]
+    marlin_families = marlin["profile"]["sets"]["repeated"]["breakdown"]["families"]
+    machete_families = machete["profile"]["sets"]["repeated"]["breakdown"]["families"]
+    assert marlin_families["marlin_gemm"]["per_step_ms"] > 1 and "marlin_gemm" not in machete_families
+    assert machete_families["dense_gemm"]["per_step_ms"] > marlin_families["dense_gemm"]["per_step_ms"] + 1
+    for name in ("awq-broad-suffix48-d64-pad-f4", "awq-broad-suffix32-d48-pad-f4"):
+        depth = rerun[f"variant-{name}"]["speculative"]["suffix_decoding_max_tree_depth"]
+        assert all(c["mean_acceptance_length"] <= depth for c in rerun[f"variant-{name}"]["probe"]["categories"])
