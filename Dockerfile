@@ -15,13 +15,21 @@ ENV HF_HUB_OFFLINE=1 \
 # Keep the base's PYTHONPATH (the tiny base puts its site-packages there; vLLM's image has none).
 ENV PYTHONPATH=/opt/ml/code${PYTHONPATH:+:${PYTHONPATH}}
 
+# Least privilege: the server runs as an unprivileged user (uid 1000, no passwd entry needed). The model, code and
+# settings stay root's, read-only to it; the compile cache is its own (vLLM and torch.compile may add to it), and
+# HOME is /tmp for any library that writes under ~ (/tmp is world-writable in both bases). USER names it for
+# getpass.getuser(), which torch's inductor calls at import and which fails for a uid with no passwd entry.
+ENV HOME=/tmp \
+    USER=serving \
+    LOGNAME=serving
 # Largest and least often changed first: Docker's own builder (image.reproducible: false) then rebuilds only the
 # small layers after a code change. buildah (the reproducible default) commits them all as one layer.
 COPY model/ /opt/ml/model/
-COPY cache/ /opt/ml/cache/
+COPY --chown=1000:1000 cache/ /opt/ml/cache/
 COPY serving/ /opt/ml/code/serving/
 COPY serve.json /opt/ml/serve.json
 
+USER 1000:1000
 EXPOSE 8080
 ENTRYPOINT ["python3", "-m", "serving"]
 

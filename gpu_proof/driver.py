@@ -758,7 +758,9 @@ class Driver:
             **self.serve_env,
             **VARIANTS[variant]["env"],
         )
-        for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+        from serving.launch import CACHE_DIRS
+
+        for key in CACHE_DIRS:
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
         handle = open(log_path, "w")
         self.log(f"{variant}: starting `python3 -m serving` on port {port}, cache {cache}")

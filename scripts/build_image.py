@@ -59,6 +59,22 @@ def copy_serving(serving: str | list[str], dst: Path) -> None:
         shutil.copy2(name, target)
 
 
+def readable_by_all(folder: Path) -> None:
+    """Files 0644 and folders 0755 under `folder`: the image's unprivileged server user reads the model, and the
+    modes no longer depend on the umask or temp files of whoever wrote it. A file hard-linked from the stage
+    outputs is copied before its mode changes, so the inputs keep theirs."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            path.chmod(0o755)
+        elif path.stat().st_mode & 0o777 != 0o644:
+            if path.stat().st_nlink > 1:
+                private = path.with_name(path.name + ".copy")
+                shutil.copyfile(path, private)
+                private.replace(path)
+            path.chmod(0o644)
+    folder.chmod(0o755)
+
+
 def stage_context(
     context: Path, model: Path, cache_tar: Path, serving: str | list[str], serve_json: Path, dockerfile: Path
 ) -> Path:
@@ -66,6 +82,7 @@ def stage_context(
         shutil.rmtree(context)  # a context left by an interrupted build
     context.mkdir(parents=True)
     shutil.copytree(model, context / "model", copy_function=link_or_copy)  # GBs of weights, only read by the build
+    readable_by_all(context / "model")
     (context / "cache").mkdir()
     with tarfile.open(cache_tar) as archive:  # members are relative to /opt/ml/cache
         archive.extractall(context / "cache", filter="data")

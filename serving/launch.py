@@ -19,9 +19,13 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # subprocess), hence PYTHONPATH rather than an import here.
 DIST_DIR = PACKAGE_DIR / "_dist"
 
-# Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels.
+# Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels; and
+# the two vLLM paths whose defaults hang off HOME and are factors of its compile-cache key (vllm.envs
+# compile_factors): fixed here, the bake (root, HOME /root) and the image (its server user, HOME /tmp) key alike.
 CACHE_DIRS = {
     "VLLM_CACHE_ROOT": "vllm",
+    "VLLM_CONFIG_ROOT": "vllm-config",
+    "VLLM_XLA_CACHE_PATH": "vllm-xla",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",  # FlashInfer appends .cache/flashinfer itself

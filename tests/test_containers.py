@@ -131,6 +131,8 @@ def test_stage_context_layout(tmp_path):
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"weights")
     (model / "config.json").write_text("{}")
+    (model / "model_mtp.safetensors").write_bytes(b"mtp")
+    (model / "model_mtp.safetensors").chmod(0o600)  # as a temp file renamed into place leaves it
     serving = tmp_path / "serving"
     (serving / "__pycache__").mkdir(parents=True)
     (serving / "__main__.py").write_text("print('hi')\n")
@@ -147,9 +149,25 @@ def test_stage_context_layout(tmp_path):
         tmp_path / "out" / "context", model, cache_tar, serving, serve_json, ROOT / "Dockerfile"
     )
     assert (context / "model" / "model.safetensors").stat().st_ino == (model / "model.safetensors").stat().st_ino
+    # the image's unprivileged server reads every model file; the stage output it was linked from keeps its mode
+    staged = context / "model" / "model_mtp.safetensors"
+    assert staged.read_bytes() == b"mtp" and staged.stat().st_mode & 0o777 == 0o644
+    assert (model / "model_mtp.safetensors").stat().st_mode & 0o777 == 0o600
+    assert all(p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644) for p in (context / "model").rglob("*"))
     assert (context / "cache" / "vllm/torch_compile_cache/abc/artifact").read_bytes() == b"compiled"
     assert (context / "serving" / "__main__.py").exists() and not (context / "serving" / "__pycache__").exists()
     assert (context / "serve.json").exists() and (context / "Dockerfile").exists()
+
+
+def test_the_dockerfile_serves_as_an_unprivileged_user_that_cannot_change_the_model():
+    """USER is set and not root; only the compile cache is handed to that user (COPY --chown); the model, code and
+    settings stay root's. verify_image checks the built image's config and layer the same way."""
+    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and line[0] != "#"]
+    users = [words[1] for words in lines if words[0] == "USER"]
+    assert len(users) == 1 and users[0].partition(":")[0] not in ("0", "root")
+    copies = {words[-1]: words[1:-2] for words in lines if words[0] == "COPY"}
+    assert copies["/opt/ml/cache/"] == [f"--chown={users[0]}"]
+    assert all(not flags for dest, flags in copies.items() if dest != "/opt/ml/cache/")
 
 
 def test_serving_as_a_list_of_files(tmp_path, monkeypatch):

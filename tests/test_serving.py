@@ -141,6 +141,15 @@ def test_middleware_passes_others_through():
     assert body == b'{"prompt": "hi"}' and dict(scope["headers"])[b"content-length"] == b"16"
 
 
+def test_child_env_fixes_every_path_in_vllms_compile_cache_key_under_the_cache(tmp_path):
+    """vLLM hashes VLLM_CONFIG_ROOT (default ~/.config/vllm) into its compile-cache key: the bake runs as root and
+    the image as an unprivileged user with another HOME, so it is set from CACHE_DIR like the caches themselves."""
+    for home in ("/root", "/tmp"):
+        env = child_env({"CACHE_DIR": str(tmp_path), "HOME": home})
+        assert env["VLLM_CONFIG_ROOT"] == str(tmp_path / "vllm-config")
+        assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+
+
 def test_child_env_carries_middleware_settings():
     env = child_env({}, {"default_thinking": True, "thinking_reserve_tokens": 64})
     assert env["DEFAULT_THINKING"] == "1" and env["THINKING_RESERVE_TOKENS"] == "64"

@@ -35,12 +35,16 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
+def _tar(files: dict[str, bytes | tuple[bytes, dict]]) -> bytes:
+    """A layer tar; a file given as (data, {"uid": ..., "mode": ...}) gets that owner and mode (root, 0644 else)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for name, data in files.items():
+        for name, content in files.items():
+            data, attrs = content if isinstance(content, tuple) else (content, {})
             info = tarfile.TarInfo(name)
-            info.size = len(data)
+            info.size, info.mode = len(data), 0o644
+            for key, value in attrs.items():
+                setattr(info, key, value)
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
@@ -54,6 +58,7 @@ def make_archive(
     layers=LAYERS,
     entrypoint=("python3", "-m", "serving"),
     ports=("8080/tcp",),
+    user="1000:1000",
     corrupt: int | None = None,
 ) -> str:
     """A gzipped docker-archive laid out as Docker 20.10 saves one (manifest last); returns the image id."""
@@ -71,6 +76,7 @@ def make_archive(
                 "Entrypoint": list(entrypoint),
                 "Labels": dict(labels),
                 "ExposedPorts": {port: {} for port in ports},
+                **({"User": user} if user is not None else {}),
             },
             "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
@@ -129,6 +135,18 @@ def _without(layer_index: int, name: str) -> list[dict]:
         ({"layers": _without(0, "opt/ml/cache/torch_compile_cache/a/b.py")}, "no file under /opt/ml/cache/"),
         ({"entrypoint": ("vllm", "serve")}, "Entrypoint is ['vllm', 'serve']"),
         ({"ports": ()}, "ExposedPorts [] lacks 8080/tcp"),
+        ({"user": None}, "the server runs as root (config User '')"),
+        ({"user": "0:0"}, "the server runs as root (config User '0:0')"),
+        ({"user": "root"}, "the server runs as root (config User 'root')"),
+        (
+            {"layers": [{**LAYERS[0], "opt/ml/model/w.safetensors": (b"w", {"uid": 1000})}, LAYERS[1]]},
+            "entries under /opt/ml/model/ that the server user could change, e.g. /opt/ml/model/w.safetensors "
+            "(uid 1000, mode 644)",
+        ),
+        (
+            {"layers": [{**LAYERS[0], "opt/ml/model/config.json": (b"{}", {"mode": 0o666})}, LAYERS[1]]},
+            "e.g. /opt/ml/model/config.json (uid 0, mode 666)",
+        ),
     ],
 )
 def test_each_failed_check_is_named(tmp_path, changes, message):

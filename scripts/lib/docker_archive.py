@@ -24,6 +24,8 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
 PORT = "8080/tcp"
 REQUIRED_FILES = ["opt/ml/model/config.json", "opt/ml/serve.json", "opt/ml/code/serving/__main__.py"]
 CACHE_DIR = "opt/ml/cache/"
+MODEL_DIR = "opt/ml/model/"
+ROOT_USERS = ("", "0", "root")  # an empty config User is root too
 # What a leaked credential looks like in an env entry ("KEY=value") or a label; messages name the key only.
 SECRET_PATTERNS = {
     "Hugging Face token": re.compile(r"\bhf_[A-Za-z0-9]{20,}"),
@@ -76,7 +78,7 @@ def _norm(name: str) -> str:
 
 def _scan_layer(stream: _Hashing) -> dict:
     """Paths of interest in one layer tar (streamed, hashed as it goes)."""
-    found = {"files": [], "cache_files": 0, "entries": 0}
+    found = {"files": [], "cache_files": 0, "entries": 0, "model_writable": []}
     with tarfile.open(fileobj=stream, mode="r|", bufsize=_BUF) as layer:
         for entry in layer:
             found["entries"] += 1
@@ -85,6 +87,9 @@ def _scan_layer(stream: _Hashing) -> dict:
                 found["files"].append(name)
             elif name.startswith(CACHE_DIR) and entry.isfile():
                 found["cache_files"] += 1
+            # the model is root's and written by nobody else: no unprivileged server user can change it
+            if name.startswith(MODEL_DIR) and not entry.issym() and (entry.uid != 0 or entry.mode & 0o022):
+                found["model_writable"].append(f"/{name} (uid {entry.uid}, mode {entry.mode:o})")
     return found
 
 
@@ -200,6 +205,12 @@ def verify_archive(
         elif labels[key] != value:
             errors.append(f"label {key} is {labels[key]!r}, expected {value!r}")
     errors += find_secrets(env, labels)
+    record["user"] = settings.get("User") or ""
+    if record["user"].partition(":")[0] in ROOT_USERS:
+        errors.append(
+            f"the server runs as root (config User {record['user']!r}); the Dockerfile's USER names the unprivileged "
+            "server user"
+        )
 
     diff_ids = (image.get("rootfs") or {}).get("diff_ids") or []
     layer_paths = [_norm(p) for p in entry.get("Layers") or []]
@@ -223,6 +234,13 @@ def verify_archive(
             continue
         files.update({name: index for name in scan["files"]})
         cache_files += scan["cache_files"]
+        if scan["model_writable"]:
+            shown = scan["model_writable"][:5]
+            errors.append(
+                f"layer {index} ({layer}) has {len(scan['model_writable'])} entries under /{MODEL_DIR} that the "
+                f"server user could change, e.g. {', '.join(shown)} (the model must be root's and not group- or "
+                "other-writable)"
+            )
     record["files"], record["cache_files"] = files, cache_files
     for name in REQUIRED_FILES:
         if name not in files:
