@@ -17,8 +17,13 @@ SCHEMA = yaml.safe_load((ROOT / "schemas" / "gpu-proof.schema.yaml").read_text()
 EXPECTED_VARIANTS = {"bf16", "awq-w4a16-g32-mlp", "awq-w4a16-g32-broad", "bf16-mtp1", "bf16-mtp2", "bf16-mtp4"}
 
 
+def lease_records(folder: Path, pattern: str = "*.json") -> dict[str, dict]:
+    """A lease folder's records by file stem (variant-<name>, lossless, session, ...)."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob(pattern))}
+
+
 def records() -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
+    return lease_records(RESULTS)
 
 
 def by_kind(kind: str) -> dict[str, dict]:
@@ -297,7 +302,7 @@ SPEC_RESULTS = ROOT / "results" / "gpu-proof" / "h100-spec"
 
 
 def spec_records() -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(SPEC_RESULTS.glob("*.json"))}
+    return lease_records(SPEC_RESULTS)
 
 
 def test_the_speculation_records_validate_and_name_their_lease():
@@ -313,7 +318,7 @@ def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(le
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
 
-    found = {path.stem: json.loads(path.read_text()) for path in (RESULTS.parent / lease).glob("*.json")}
+    found = lease_records(RESULTS.parent / lease)
     for check in found["lossless"]["checks"]:
         record = found[f"variant-{check['variant']}"]
         reference = found[f"variant-{check['reference_variant']}"]
@@ -394,7 +399,7 @@ PROFILE_RESULTS = ROOT / "results" / "gpu-proof" / "h100-profile"
 
 
 def profile_records() -> dict[str, dict]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(PROFILE_RESULTS.glob("*.json"))}
+    return lease_records(PROFILE_RESULTS)
 
 
 def test_the_profile_records_validate_and_agree_with_their_bytes():
@@ -429,7 +434,7 @@ TIED_RESULTS = ROOT / "results" / "gpu-proof" / "h100-tied"
 
 
 def test_the_tied_records_validate_and_their_head_bytes_match_a_hand_count():
-    found = {path.stem: json.loads(path.read_text()) for path in sorted(TIED_RESULTS.glob("*.json"))}
+    found = lease_records(TIED_RESULTS)
     for name, data in found.items():
         jsonschema.validate(data, SCHEMA)
         assert data["kind"] == "session" or data["machine"] in ("machine8", "machine9"), name
@@ -451,7 +456,7 @@ def test_the_tied_records_validate_and_their_head_bytes_match_a_hand_count():
 def test_padded_suffix_drafts_on_every_step_and_is_compared_with_bf16_on_its_own_host():
     """With pad_drafts every decode step after the first carries a K-token draft, so on fresh prompts (nothing
     accepted) the drafts counted are runs x (output tokens - 1); bf16 ran on the same lease as the factor-4 run."""
-    found = {path.stem: json.loads(path.read_text()) for path in sorted(TIED_RESULTS.glob("variant-*.json"))}
+    found = lease_records(TIED_RESULTS, "variant-*.json")
     assert found["variant-bf16-all"]["machine"] == found["variant-awq-broad-suffix24-pad-f4"]["machine"]
     for name in ("variant-awq-broad-suffix24-pad-profile", "variant-awq-broad-suffix24-pad-f4"):
         probe = found[name]["probe"]
@@ -470,7 +475,7 @@ DEPTH_RESULTS = ROOT / "results" / "gpu-proof" / "h100-suffix-depth"
 def test_a_deeper_suffix_tree_drafts_past_the_default_cap_beside_bf16_on_its_own_host():
     """vLLM's suffix tree depth (24 by default) bounds match + draft, so K=24 accepted at most 24 tokens a step
     (h100-tied); depth 64 with K=48 accepts more than that on the repeated set. bf16 ran on the same lease."""
-    found = {path.stem: json.loads(path.read_text()) for path in sorted(DEPTH_RESULTS.glob("*.json"))}
+    found = lease_records(DEPTH_RESULTS)
     for name, data in found.items():
         jsonschema.validate(data, SCHEMA)
         assert data["kind"] == "session" or data["machine"] == "machine10", name
@@ -497,9 +502,7 @@ def test_a_deeper_suffix_tree_drafts_past_the_default_cap_beside_bf16_on_its_own
 def test_the_second_host_reran_depth_64_and_put_group_128_on_marlin_by_its_own_server_env():
     """machine11: bf16 beside the suffix runs again; group 128 served with Machete disabled uses Marlin (its GEMMs
     in the marlin family), where machine10's group 128 went to Machete (no Marlin kernel in its step)."""
-    rerun = {
-        path.stem: json.loads(path.read_text()) for path in (RESULTS.parent / "h100-suffix-depth-rerun").glob("*.json")
-    }
+    rerun = lease_records(RESULTS.parent / "h100-suffix-depth-rerun")
     for name, data in rerun.items():
         jsonschema.validate(data, SCHEMA)
         assert data["kind"] == "session" or data["machine"] == "machine11", name
