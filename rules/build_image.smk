@@ -10,6 +10,10 @@ rule base_image:
         packages=config["image"]["base_packages"],
         tag=f"docker.io/library/{config['image']['name']}-base:{config['envs']['serve']}",
         builder=config["image"]["builder"],
+        reproducible=config["image"]["reproducible"],  # build_image builds with buildah: copy the base there too
+    # It mostly waits on debootstrap's downloads, dockerd and buildah (disk, not cores): with no core of its own it
+    # runs beside the tiny model's training, which holds every core, instead of ahead of it (~170 s on 2 cores).
+    threads: 0
     resources:
         mem_mb=8000,
         runtime=60,

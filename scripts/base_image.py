@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lib.containers import builder_env, detect_builder, image_id, image_size, run
+from lib.containers import base_into_buildah, buildah_works, builder_env, detect_builder, image_id, image_size, run
 from lib.files import link_or_copy
 from lib.stage import StageError, write_json
 
@@ -153,13 +153,20 @@ def main(job) -> None:
         print(f"{builder} import {params.tag}: {time.monotonic() - t:.0f} s", flush=True)
     finally:
         remove_rootfs(work)
+    base_id = image_id(params.tag, builder)
+    buildah_copy = None
+    if builder == "docker" and params.reproducible and buildah_works():
+        t = time.monotonic()
+        buildah_copy = base_into_buildah({"ref": params.tag, "id": base_id})
+        print(f"copied into buildah's store for build_image: {time.monotonic() - t:.0f} s", flush=True)
     size = image_size(params.tag, builder)
     write_json(
         out,
         {
             "ref": params.tag,
-            "id": image_id(params.tag, builder),
+            "id": base_id,
             "builder": builder,
+            "buildah_copy": buildah_copy,
             "python": version,
             "site_packages": SITE,
             "size_bytes": size,

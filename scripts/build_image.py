@@ -24,7 +24,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lib.containers import buildah_works, builder_env, detect_builder, image_exists, image_id, image_size, run
+from lib.containers import (
+    base_into_buildah,
+    buildah_works,
+    builder_env,
+    detect_builder,
+    image_exists,
+    image_id,
+    image_size,
+    run,
+)
 from lib.files import link_or_copy
 from lib.stage import StageError, sha256_file, write_json
 
@@ -240,44 +249,6 @@ def build(
             str(context),
         ]
     run(cmd, builder=builder, what=f"{builder} build {tag}")
-
-
-def buildah_name(ref: str) -> str:
-    """The name a base is kept under in buildah's store: buildah cannot tag a digest, so the digest goes
-    (the image ID is checked instead) and a digest-only ref gets the tag `pinned`."""
-    name = ref.split("@", 1)[0]
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:pinned"
-
-
-def base_into_buildah(base: dict) -> str:
-    """Copy the Docker-store base (base["id"]) into buildah's store once; return the name to build FROM.
-
-    Copied by ID: Docker has no tag for a base pulled by digest. A stale copy under the same name (the base was
-    rebuilt) is removed so that a rebuilt base does not leave a dead copy of several GB behind."""
-    name = buildah_name(base["ref"])
-    if image_exists(name, "buildah"):
-        if image_id(name, "buildah") == base["id"]:
-            return name
-        subprocess.run(["buildah", "rmi", image_id(name, "buildah")], capture_output=True, env=builder_env("buildah"))
-    t = time.monotonic()
-    run(
-        ["buildah", "pull", "-q", f"docker-daemon:{base['id']}"],
-        builder="buildah",
-        what=f"buildah pull docker-daemon:{base['id']} (the base {base['ref']})",
-    )
-    run(["buildah", "tag", base["id"].removeprefix("sha256:"), name], builder="buildah", what=f"buildah tag {name}")
-    # the pull named it docker.io/library/sha256:<hex>; only our name stays
-    subprocess.run(
-        ["buildah", "rmi", f"docker.io/library/sha256:{base['id'].removeprefix('sha256:')}"],
-        capture_output=True,
-        env=builder_env("buildah"),
-    )  # an image with another name is only untagged
-    if image_id(name, "buildah") != base["id"]:
-        raise StageError(
-            f"buildah's copy of the base {name} has id {image_id(name, 'buildah')}, not Docker's {base['id']}"
-        )
-    print(f"copied base {base['ref']} ({base['id']}) from Docker to buildah: {time.monotonic() - t:.0f} s", flush=True)
-    return name
 
 
 def room_for_handover(size_bytes: int | None, tmp: Path) -> None:

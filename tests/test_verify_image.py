@@ -423,11 +423,11 @@ def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_ser
 def test_buildah_names_a_base_without_its_digest():
     digest = "@sha256:" + "f" * 64
     assert (
-        build_image.buildah_name("docker.io/vllm/vllm-openai:v0.26.0" + digest) == "docker.io/vllm/vllm-openai:v0.26.0"
+        containers.buildah_name("docker.io/vllm/vllm-openai:v0.26.0" + digest) == "docker.io/vllm/vllm-openai:v0.26.0"
     )
-    assert build_image.buildah_name("docker.io/vllm/vllm-openai" + digest) == "docker.io/vllm/vllm-openai:pinned"
-    assert build_image.buildah_name("localhost:5000/base:1") == "localhost:5000/base:1"
-    assert build_image.buildah_name("localhost:5000/base" + digest) == "localhost:5000/base:pinned"
+    assert containers.buildah_name("docker.io/vllm/vllm-openai" + digest) == "docker.io/vllm/vllm-openai:pinned"
+    assert containers.buildah_name("localhost:5000/base:1") == "localhost:5000/base:1"
+    assert containers.buildah_name("localhost:5000/base" + digest) == "localhost:5000/base:pinned"
 
 
 def test_the_buildah_build_is_stamped_1970(monkeypatch, tmp_path):

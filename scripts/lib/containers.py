@@ -356,6 +356,46 @@ def image_size(ref: str, builder: str = "docker") -> int | None:
     return int(run(["docker", "image", "inspect", "-f", "{{.Size}}", ref], what=f"docker image inspect {ref}"))
 
 
+def buildah_name(ref: str) -> str:
+    """The name a base is kept under in buildah's store: buildah cannot tag a digest, so the digest goes
+    (the image ID is checked instead) and a digest-only ref gets the tag `pinned`."""
+    name = ref.split("@", 1)[0]
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:pinned"
+
+
+def base_into_buildah(base: dict) -> str:
+    """Copy the Docker-store base (base["id"]) into buildah's store once; return the name to build FROM.
+    base_image makes this copy beside the tiny model's training, so build_image finds it there (about 90 s of
+    docker save on 2 cores off the critical path); build_image still makes it when it is missing.
+
+    Copied by ID: Docker has no tag for a base pulled by digest. A stale copy under the same name (the base was
+    rebuilt) is removed so that a rebuilt base does not leave a dead copy of several GB behind."""
+    name = buildah_name(base["ref"])
+    if image_exists(name, "buildah"):
+        if image_id(name, "buildah") == base["id"]:
+            return name
+        subprocess.run(["buildah", "rmi", image_id(name, "buildah")], capture_output=True, env=builder_env("buildah"))
+    t = time.monotonic()
+    run(
+        ["buildah", "pull", "-q", f"docker-daemon:{base['id']}"],
+        builder="buildah",
+        what=f"buildah pull docker-daemon:{base['id']} (the base {base['ref']})",
+    )
+    run(["buildah", "tag", base["id"].removeprefix("sha256:"), name], builder="buildah", what=f"buildah tag {name}")
+    # the pull named it docker.io/library/sha256:<hex>; only our name stays
+    subprocess.run(
+        ["buildah", "rmi", f"docker.io/library/sha256:{base['id'].removeprefix('sha256:')}"],
+        capture_output=True,
+        env=builder_env("buildah"),
+    )  # an image with another name is only untagged
+    if image_id(name, "buildah") != base["id"]:
+        raise StageError(
+            f"buildah's copy of the base {name} has id {image_id(name, 'buildah')}, not Docker's {base['id']}"
+        )
+    print(f"copied base {base['ref']} ({base['id']}) from Docker to buildah: {time.monotonic() - t:.0f} s", flush=True)
+    return name
+
+
 def gzip_command(compress_level: int) -> list[str]:
     """pigz on at least two threads: it compresses fixed 128 KiB blocks, so its bytes are the same for any thread
     count from two up (one thread takes another path), on 2 cores or 64; -n leaves name and time out of the header.
