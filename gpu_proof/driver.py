@@ -54,6 +54,7 @@ SUFFIX48_D64 = {
     "suffix_decoding_max_spec_factor": 4.0,
     "suffix_decoding_max_tree_depth": 64,
 }
+SUFFIX32_D48 = dict(SUFFIX48_D64, k=32, suffix_decoding_max_tree_depth=48)
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
@@ -189,16 +190,24 @@ VARIANTS = {
     # Marlin (vLLM picks Machete unless it is disabled): --only environment,checkpoint,bandwidth,
     # quantize-awq-w4a16-g32-broad,serve-bf16-all,serve-awq-broad-suffix48-d64-pad-f4,
     # serve-awq-broad-suffix32-d48-pad-f4,quantize-awq-w4a16-g128-broad,serve-awq-w4a16-g128-marlin
-    "awq-broad-suffix32-d48-pad-f4": {
-        "recipe": BROAD,
-        "speculative": dict(SUFFIX48_D64, k=32, suffix_decoding_max_tree_depth=48),
-    },
+    "awq-broad-suffix32-d48-pad-f4": {"recipe": BROAD, "speculative": SUFFIX32_D48},
     "awq-w4a16-g128-marlin": {
         "recipe": G128,
         "speculative": NO_SPECULATION,
         "sets": "repeated",
         "profile": True,
         "env": {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
+    },
+    # eighth lease (issue 14, item 3): K=32 depth 48 with silent drafts (serving/silent_drafts.py: padded to K when
+    # anyone drafted, no draft at all otherwise, and the no-draft step replays a FULL graph of 1 token per request),
+    # beside AWQ broad (the plain step and the lossless reference) and the padded form on the same host:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-silent32-d48-f4,lossless,serve-awq-broad-suffix32-d48-pad-f4,serve-bf16-all
+    "awq-broad-silent32-d48-f4": {
+        "recipe": BROAD,
+        "speculative": {**SUFFIX32_D48, "pad_drafts": None, "silent_drafts": True},
+        "first": "from:awq-broad",
+        "profile": True,
     },
 }
 SPEC_DEFAULTS = {
@@ -276,6 +285,7 @@ STEPS = [
     "serve-awq-w4a16-g128-broad",
     "serve-awq-broad-suffix32-d48-pad-f4",
     "serve-awq-w4a16-g128-marlin",
+    "serve-awq-broad-silent32-d48-f4",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

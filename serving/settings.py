@@ -55,13 +55,14 @@ SPECULATIVE_COMMON = ("method", "k")
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "none": (),
     "mtp": ("disable_padded_drafter_batch",),
-    "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts"),
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "silent_drafts"),
     "suffix": (
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
         "pad_drafts",
+        "silent_drafts",
     ),
     "draft_model": (
         "model",
@@ -75,7 +76,10 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
 }
 # Keys the project's own vLLM plugins read (through the environment, serving.launch.child_env), not vLLM's
 # SpeculativeConfig: --speculative-config never sees them.
-SPECULATIVE_PLUGIN_KEYS = {"pad_drafts": "SERVING_PAD_DRAFTS"}  # serving/draft_padding.py
+SPECULATIVE_PLUGIN_KEYS = {
+    "pad_drafts": "SERVING_PAD_DRAFTS",  # serving/draft_padding.py
+    "silent_drafts": "SERVING_SILENT_DRAFTS",  # serving/silent_drafts.py
+}
 # Every key a speculative section may hold (the schema lists exactly these).
 SPECULATIVE_KEYS = tuple(
     dict.fromkeys(SPECULATIVE_COMMON + tuple(key for keys in SPECULATIVE_METHODS.values() for key in keys))

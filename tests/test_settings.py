@@ -229,3 +229,70 @@ def test_the_padding_plugin_wraps_both_copy_drafters_only_when_asked(monkeypatch
     draft_padding.register()  # off: vLLM is not even imported
     wrapped = draft_padding._ngram(Proposer.propose)
     assert wrapped(Proposer(), 3, [[5], []], [10, 10], None) == [[5, 5, 5], []]
+
+
+# ---------- silent_drafts: padded when anyone drafts, nothing at all when nobody does ----------
+
+
+def test_silent_drafts_reach_the_plugin_environment_and_not_vllm():
+    from serving.launch import child_env
+
+    spec = {"method": "suffix", "k": 4, "silent_drafts": True}
+    args = vllm_args(dict(SERVE_JSON, speculative=spec), "/m")
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {"method": "suffix", "num_speculative_tokens": 4}
+    env = child_env({}, dict(SERVE_JSON, speculative=spec))
+    assert env["SERVING_SILENT_DRAFTS"] == "1" and env["SERVING_PAD_DRAFTS"] == "0"
+    assert speculative_problems({"method": "mtp", "k": 2, "silent_drafts": True}) == [
+        "speculative.silent_drafts: method mtp does not take silent_drafts (it takes: disable_padded_drafter_batch)"
+    ]
+
+
+def test_a_step_drafts_nothing_only_when_nobody_drafted_or_just_accepted():
+    from serving.silent_drafts import drafts_for_step
+
+    # nobody drafted, every request sampled one token (accepted nothing): a plain 1-token step
+    assert drafts_for_step([[], [], []], [[7], [8], []], [10, 10, 10], k=4, max_model_len=100) == [[], [], []]
+    # one request drafted: all padded to K (uniform 1 + K verify batch)
+    assert drafts_for_step([[1], [], []], [[7], [8], []], [10, 10, 10], k=4, max_model_len=100) == [
+        [1, 1, 1, 1],
+        [8, 8, 8, 8],
+        [],
+    ]
+    # nobody drafted, but one request just accepted drafts (2 tokens sampled): padded, because a non-speculative step
+    # right after an accepting one would read the GDN state from the wrong block-table column (vLLM #39273)
+    assert drafts_for_step([[], []], [[7, 9], [8]], [10, 10], k=2, max_model_len=100) == [[9, 9], [8, 8]]
+
+
+def test_one_token_graph_sizes_stay_within_max_num_seqs():
+    from serving.silent_drafts import one_token_sizes
+
+    assert one_token_sizes(8, 200) == [1, 2, 4, 8]
+    assert one_token_sizes(1, 200) == [1]
+    assert one_token_sizes(20, 200) == [1, 2, 4, 8, 16, 20]
+    assert one_token_sizes(20, 4) == [1, 2, 4]  # never above the largest capture size
+
+
+def test_the_silent_wrappers_apply_the_policy_to_both_copy_drafters():
+    from types import SimpleNamespace
+
+    from serving import silent_drafts
+
+    class Ngram:
+        max_model_len = 100
+
+        def propose(self, k, sampled, num_tokens, token_ids=None):
+            return [[3] if ids == [5] else [] for ids in sampled]
+
+    class Suffix:
+        max_model_len = 100
+
+        def propose(self, k, input_batch, sampled, *args):
+            return [[] for _ in sampled]
+
+    ngram = silent_drafts._ngram(Ngram.propose)
+    assert ngram(Ngram(), 3, [[5], [6]], [10, 10], None) == [[3, 3, 3], [6, 6, 6]]
+    assert ngram(Ngram(), 3, [[4], [6]], [10, 10], None) == [[], []]
+    suffix = silent_drafts._suffix(Suffix.propose)
+    batch = SimpleNamespace(num_tokens_no_spec=[10, 10, 0])
+    assert suffix(Suffix(), 3, batch, [[4], [6]]) == [[], []]
+    assert suffix(Suffix(), 3, batch, [[4, 2], [6]]) == [[2, 2, 2], [6, 6, 6]]
