@@ -46,6 +46,12 @@ def main() -> None:
     import torch
 
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # the rule's input: download's manifest, which quantize checks the checkpoint against before reading it
+    from lib.stage import write_manifest
+
+    source_manifest = out / "source-manifest.json"
+    write_manifest(model_dir, source_manifest)
     job = {
         "rule": "quantize",
         "threads": 16,
@@ -53,6 +59,7 @@ def main() -> None:
         "wildcards": {"recipe": Path(recipe).stem},
         "input": {
             "model": model_dir,
+            "model_manifest": str(source_manifest),
             "recipe": recipe,
             "calibration": CALIBRATION["path"],
             "heldout": str(ROOT / "data" / "heldout.txt"),

@@ -8,6 +8,7 @@ rule quantize:
     input:
         venv=venv("compress"),
         model=SOURCE_MODEL["checkpoint"],
+        model_manifest=SOURCE_MODEL["manifest"],  # checked before the model is read (a rerun trusts nothing changed)
         recipe=lambda wildcards: RECIPES[wildcards.recipe],
         calibration=optional(CALIBRATION_FILE, config["calibration"]["path"]),
         heldout=config["quantize"]["heldout"],

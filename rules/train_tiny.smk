@@ -6,6 +6,7 @@ if TRAINED:
         input:
             venv=venv("compress"),
             checkpoint=rules.download.output.checkpoint,
+            manifest=rules.download.output.manifest,  # checked before the checkpoint is read
             record=rules.download.output.record,
             **tiny_training_inputs(),
             schema="schemas/download.schema.yaml",

@@ -11,6 +11,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from lib.checkpoint import verify_manifest
 from lib.decode_bytes import A10G_GBPS, bound_ms, part_bytes, step_bytes
 from lib.quantize_checks import (
     HEAD,
@@ -283,6 +284,8 @@ def _versions() -> dict[str, str]:
 def main(job) -> None:
     started = time.monotonic()
     model_dir, out_dir = Path(job.input.model), Path(job.output.model)
+    # the source checkpoint as download (or train_tiny) made and verified it: a file changed since is not read
+    verify_manifest(model_dir, job.input.model_manifest)
     bounds = dict(job.params.quantize)
     # Guards that need no model come first: a recipe that does not fit fails in a second, not after loading.
     recipe = read_recipe(job.input.recipe)

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lib.checkpoint import write_checkpoint
+from lib.checkpoint import verify_manifest, write_checkpoint
 from lib.stage import StageError, checkpoint_files, sha256_file
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "download.schema.yaml"
@@ -52,6 +52,7 @@ def train(synthesized: Path, dest: Path, seed: int, settings: dict, generator: s
 
 def main(job) -> None:
     synthesized = Path(job.input.checkpoint)
+    verify_manifest(synthesized, job.input.manifest)  # download's checkpoint as it was made, or nothing
     record = json.loads(Path(job.input.record).read_text())
     settings = dict(job.params.train)
     fill = lambda tmp: {

@@ -1,14 +1,18 @@
-"""download and train_tiny: hub pinning/failure handling, the synthetic tiny checkpoint, its chat template and
-its training.
+"""download and train_tiny: hub pinning/failure handling, the hub's own hashes (checked for real by huggingface_hub
+against a local stand-in of the hub, tests/hub_standin.py), the manifest check of a later run, the synthetic tiny
+checkpoint, its chat template and its training.
 
 Quick tests run under plain python3 (no torch). Building the tiny checkpoint runs the stage in the
 compress venv through a subprocess (built by the pipeline's venv rule); loading it in transformers
 and vLLM is e2e.
 """
 
+import hashlib
 import json
 import os
+import struct
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,9 +21,12 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import download
+import quantize
 import train_tiny
+from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of
+from lib.checkpoint import verify_manifest
 from lib.safetensors import read_header
-from lib.stage import StageError, sha256_file
+from lib.stage import StageError, sha256_file, validate_json
 from lib.tiny import synthesis, tokenizer as tiny_tokenizer, training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +120,280 @@ def test_manifest_is_flat_and_covers_every_file(tmp_path, monkeypatch):
     assert not checkpoint.with_name("checkpoint.partial").exists()
 
 
+# --- the hub's own hashes ---------------------------------------------------------------------
+
+CONFIG = b'{"architectures": ["Qwen3_5ForConditionalGeneration"]}\n'
+GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+
+
+def safetensors_bytes(values: int = 4) -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [values], "data_offsets": [0, 4 * values]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + bytes(range(4 * values))
+
+
+# what the stand-in hub serves: two small files (git blob sha1) and an LFS one (sha256)
+HUB_FILES = {".gitattributes": GITATTRIBUTES, "config.json": CONFIG, "model.safetensors": safetensors_bytes()}
+HUB_LFS = {"model.safetensors"}
+
+
+def hub_listing(files=HUB_FILES, lfs=HUB_LFS) -> dict[str, dict]:
+    """What the record must say, computed here from the bytes (not by download's code)."""
+    return {
+        name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if name in lfs
+        else {"size": len(data), "git_sha1": blob_sha1_of(data)}
+        for name, data in files.items()
+    }
+
+
+def flipped(data: bytes) -> bytes:
+    """The same length with its last byte changed: huggingface_hub's own size check passes, only a hash tells."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def test_git_blob_sha1_is_gits_object_id(tmp_path):
+    for data, oid in (
+        (b"", "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"),
+        (b"hi\n", "45b983be36b73c0788dc9cbcb76cbb80fc7bb057"),
+    ):
+        (tmp_path / "f").write_bytes(data)
+        assert download.git_blob_sha1(tmp_path / "f") == oid  # `git hash-object f`
+
+
+def test_hub_hashes_are_the_lfs_sha256_or_the_git_oid():
+    lfs = SimpleNamespace(size=99, sha256="a" * 64, pointer_size=130)
+    entries = [
+        SimpleNamespace(path="model.safetensors", size=99, blob_id="b" * 40, lfs=lfs),  # blob_id: the pointer's
+        SimpleNamespace(path="config.json", size=7, blob_id="c" * 40, lfs=None),
+        SimpleNamespace(path="sub", tree_id="d" * 40),  # a folder
+    ]
+    assert download.hub_hashes(entries) == {
+        "model.safetensors": {"size": 99, "sha256": "a" * 64},
+        "config.json": {"size": 7, "git_sha1": "c" * 40},
+    }
+
+
+def test_a_file_unlike_the_hubs_hash_is_named_with_both_hashes(tmp_path):
+    for name, data in HUB_FILES.items():
+        (tmp_path / name).write_bytes(data)
+    expected = hub_listing()
+    download.verify_against_hub(tmp_path, expected, "org/m@x")  # as listed: passes
+    (tmp_path / "model.safetensors").write_bytes(flipped(HUB_FILES["model.safetensors"]))
+    (tmp_path / "config.json").write_bytes(CONFIG.replace(b"Qwen", b"Qwex"))
+    (tmp_path / ".gitattributes").unlink()
+    (tmp_path / "extra.bin").write_bytes(b"?")
+    with pytest.raises(StageError) as error:
+        download.verify_against_hub(tmp_path, expected, "org/m@x")
+    message = str(error.value)
+    assert message.startswith("org/m@x: the download does not match the hub's own hashes")
+    lfs_actual = sha256_file(tmp_path / "model.safetensors")
+    small_actual = download.git_blob_sha1(tmp_path / "config.json")
+    assert f"model.safetensors: the hub's LFS sha256 is {expected['model.safetensors']['sha256']}, " in message
+    assert f"the downloaded file's is {lfs_actual}" in message
+    assert f"config.json: the hub's git blob sha1 is {expected['config.json']['git_sha1']}, " in message
+    assert f"the downloaded file's is {small_actual}" in message
+    assert ".gitattributes: listed by the hub, not downloaded" in message
+    assert "extra.bin: downloaded, not listed by the hub" in message
+
+
+def fake_hub_module(files: dict[str, bytes], listed: dict[str, bytes], lfs=HUB_LFS):
+    """huggingface_hub as download uses it, without a network: the listing describes `listed`; the snapshot writes
+    `files` (and the download bookkeeping huggingface_hub leaves in a local_dir)."""
+
+    def entry(name, data):
+        listing = hub_listing({name: data}, lfs)[name]
+        info = SimpleNamespace(size=len(data), sha256=listing["sha256"]) if "sha256" in listing else None
+        return SimpleNamespace(path=name, size=len(data), blob_id=listing.get("git_sha1", "0" * 40), lfs=info)
+
+    class HfApi:
+        def list_repo_tree(self, repo, revision, recursive):
+            assert revision == COMMIT and recursive
+            return iter([entry(name, data) for name, data in listed.items()])
+
+    def snapshot_download(repo_id, revision, local_dir):
+        assert revision == COMMIT
+        for name, data in files.items():
+            (Path(local_dir) / name).write_bytes(data)
+        (Path(local_dir) / ".cache" / "huggingface").mkdir(parents=True)
+        (Path(local_dir) / ".cache" / "huggingface" / "x.metadata").write_text("bookkeeping")
+
+    return SimpleNamespace(HfApi=HfApi, snapshot_download=snapshot_download)
+
+
+def test_hub_download_records_the_hubs_hashes_and_keeps_nothing_on_a_mismatch(tmp_path, monkeypatch):
+    """download.main's hub path with huggingface_hub replaced (test_hub_path_against_a_local_hub runs the real one)."""
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub_module(HUB_FILES, HUB_FILES))
+    j = job(tmp_path)
+    j.output.record = str(tmp_path / "weights" / "m" / "download.json")
+    download.main(j)
+    record = json.loads(Path(j.output.record).read_text())  # schema-checked by the stage
+    assert record["hub"] == {"repo": "Qwen/Qwen3.5-4B", "revision": COMMIT, "files": hub_listing()}
+    assert json.loads(Path(j.output.manifest).read_text()) == {
+        name: hashlib.sha256(data).hexdigest() for name, data in HUB_FILES.items()
+    }
+
+    corrupt = {**HUB_FILES, "model.safetensors": flipped(HUB_FILES["model.safetensors"])}
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub_module(corrupt, HUB_FILES))
+    with pytest.raises(StageError, match="model.safetensors: the hub's LFS sha256 is"):
+        download.main(j)
+    assert list((tmp_path / "weights" / "m").iterdir()) == []  # not the last good one either: a rerun fetches
+
+
+def test_a_hub_record_without_the_hubs_hashes_is_invalid():
+    record = {"source": "hub", "training": None, "seconds": 1.0, "files": 3, "bytes": 10}
+    with pytest.raises(StageError, match="'hub' is a required property"):
+        validate_json(record, download.SCHEMA)
+    validate_json({**record, "hub": {"repo": "a/b", "revision": COMMIT, "files": hub_listing()}}, download.SCHEMA)
+    with pytest.raises(StageError, match="hub"):
+        validate_json(
+            {**record, "source": "synthetic", "hub": {"repo": "a/b", "revision": COMMIT, "files": {}}}, download.SCHEMA
+        )
+
+
+def synthetic_download(tmp_path, monkeypatch):
+    def fake(tiny, corpus, dest, generator=None):
+        (dest / "config.json").write_bytes(CONFIG)
+        (dest / "model.safetensors").write_bytes(safetensors_bytes())
+
+    monkeypatch.setattr(download, "build_synthetic", fake)
+    j = job(tmp_path, source="synthetic", tiny={"seed": 0}, corpus=CORPUS)
+    j.output.record = str(tmp_path / "weights" / "m" / "download.json")
+    download.main(j)
+    return j
+
+
+TAMPERINGS = {
+    "changed": lambda c: (c / "model.safetensors").write_bytes(flipped((c / "model.safetensors").read_bytes())),
+    "removed": lambda c: (c / "config.json").unlink(),
+    "added": lambda c: (c / "extra.safetensors").write_bytes(b"?"),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERINGS)
+def test_a_rerun_does_not_trust_a_checkpoint_changed_since_download(tmp_path, monkeypatch, tampering):
+    """Snakemake reruns no stage when a file inside the checkpoint folder changes: the stages that read it (quantize,
+    and train_tiny for the tiny model) check it against its manifest first, and refuse it naming the file."""
+    j = synthetic_download(tmp_path, monkeypatch)
+    checkpoint, manifest = Path(j.output.checkpoint), j.output.manifest
+    verify_manifest(checkpoint, manifest)  # as made: trusted
+    (checkpoint / ".snakemake_timestamp").write_text("")  # Snakemake's marker on a finished folder is not a change
+    verify_manifest(checkpoint, manifest)
+    TAMPERINGS[tampering](checkpoint)
+    name = {"changed": "model.safetensors: sha256 ", "removed": "config.json: missing", "added": "extra.safetensors"}
+    out = tmp_path / "out"
+    quantize_job = SimpleNamespace(
+        input=SimpleNamespace(model=str(checkpoint), model_manifest=manifest, recipe="unused"),
+        output=SimpleNamespace(model=str(out / "model"), manifest=str(out / "manifest.json")),
+        params=SimpleNamespace(quantize={}),
+    )
+    train_job = SimpleNamespace(
+        input=SimpleNamespace(checkpoint=str(checkpoint), manifest=manifest, record=j.output.record),
+        output=SimpleNamespace(checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json")),
+        params=SimpleNamespace(seed=0, train={"steps": 2}, sentence=SENTENCE),
+    )
+    for stage, stage_job in ((quantize, quantize_job), (train_tiny, train_job)):
+        with pytest.raises(StageError, match=f"no longer matches its manifest(.|\n)*{name[tampering]}"):
+            stage.main(stage_job)
+    assert not out.exists()
+
+
+# --- the hub path for real: huggingface_hub (compress venv) against a local stand-in of the hub ---------------------
+
+
+@pytest.fixture
+def local_hub():
+    with StandinHub() as hub:
+        hub.add("Qwen/Qwen3.5-4B", COMMIT, HUB_FILES, lfs=HUB_LFS)
+        yield hub
+
+
+def hub_download(tmp_path, hub, name="a") -> tuple[subprocess.CompletedProcess, SimpleNamespace]:
+    """download for source hub as run_stage re-runs it in the compress venv, HF_ENDPOINT at the stand-in."""
+    j = job(tmp_path / name)
+    j.output.record = str(Path(j.output.manifest).with_name("download.json"))
+    job_file = tmp_path / f"{name}.json"
+    job_file.write_text(json.dumps({k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}  # no token, not offline
+    env.update(
+        PYTHONPATH=str(ROOT / "scripts"),
+        HF_ENDPOINT=hub.endpoint,
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        NO_PROXY="127.0.0.1,localhost",
+    )
+    result = subprocess.run(
+        [str(COMPRESS), str(ROOT / "scripts" / "download.py"), "--job", str(job_file)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result, j
+
+
+@pytest.mark.e2e
+def test_hub_path_against_a_local_hub_verifies_and_records_every_file(tmp_path, tiny_venvs, local_hub):
+    result, j = hub_download(tmp_path, local_hub)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = Path(j.output.checkpoint)
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == HUB_FILES  # no .cache bookkeeping
+    record = json.loads(Path(j.output.record).read_text())
+    assert record["source"] == "hub" and record["files"] == 3
+    assert record["hub"] == {"repo": "Qwen/Qwen3.5-4B", "revision": COMMIT, "files": hub_listing()}
+    manifest = json.loads(Path(j.output.manifest).read_text())
+    assert manifest == {name: hashlib.sha256(data).hexdigest() for name, data in HUB_FILES.items()}
+    # huggingface_hub asked what it asks the hub: the tree listing, each file's metadata, the LFS file from storage
+    asked = {(method, host, path.split("?")[0]) for method, host, path in local_hub.requests}
+    resolve = f"/Qwen/Qwen3.5-4B/resolve/{COMMIT}/"
+    assert ("GET", "127.0.0.1", f"/api/models/Qwen/Qwen3.5-4B/tree/{COMMIT}") in asked
+    assert {("HEAD", "127.0.0.1", resolve + name) for name in HUB_FILES} <= asked
+    lfs_sha256 = record["hub"]["files"]["model.safetensors"]["sha256"]
+    assert ("GET", "localhost", f"/lfs/{lfs_sha256}") in asked  # the LFS file from the storage host it redirects to
+    assert ("GET", "127.0.0.1", resolve + "config.json") in asked  # a small file from the hub itself
+    assert local_hub.unexpected == []
+    assert "each matching the hub's hash" in result.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_hub_path_against_a_local_hub_fails_on_a_corrupted_file_naming_it(tmp_path, tiny_venvs, local_hub, name):
+    """The hub lists a file's hash; the bytes it serves differ (same length). The stage fails naming the file, the
+    hub's hash and the download's, and leaves nothing: no checkpoint, .partial, manifest or record."""
+    local_hub.serve_instead("Qwen/Qwen3.5-4B", name, flipped(HUB_FILES[name]))
+    result, j = hub_download(tmp_path, local_hub)
+    assert result.returncode == 1
+    listed = hub_listing()[name]
+    kind, hub_hash = ("LFS sha256", listed["sha256"]) if "sha256" in listed else ("git blob sha1", listed["git_sha1"])
+    served = flipped(HUB_FILES[name])
+    actual = hashlib.sha256(served).hexdigest() if "sha256" in listed else blob_sha1_of(served)
+    assert (
+        f"ERROR [download]: Qwen/Qwen3.5-4B@{COMMIT}: the download does not match the hub's own hashes" in result.stderr
+    )
+    problems = {line.strip() for line in result.stderr.splitlines() if line.startswith("  ")}
+    assert problems == {f"{name}: the hub's {kind} is {hub_hash}, the downloaded file's is {actual}"}  # that file only
+    assert list(Path(j.output.checkpoint).parent.iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_hub_path_rerun_after_tampering_refetches_and_reverifies(tmp_path, tiny_venvs, local_hub):
+    """A checkpoint changed after download is refused by the stage that reads it (quantize); rerunning download (what
+    removing the checkpoint makes Snakemake do) fetches and verifies it against the hub again."""
+    result, j = hub_download(tmp_path, local_hub)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = Path(j.output.checkpoint)
+    (checkpoint / "model.safetensors").write_bytes(flipped(HUB_FILES["model.safetensors"]))
+    with pytest.raises(StageError, match="model.safetensors: sha256 "):
+        verify_manifest(checkpoint, j.output.manifest)
+    local_hub.requests.clear()
+    result, j = hub_download(tmp_path, local_hub)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (checkpoint / "model.safetensors").read_bytes() == HUB_FILES["model.safetensors"]
+    verify_manifest(checkpoint, j.output.manifest)
+    assert any(path.startswith("/lfs/") for _, _, path in local_hub.requests)  # fetched again, not reused
+
+
 SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
 NO_MTP = {
     "repeat_examples": 0,
@@ -189,7 +470,9 @@ def test_download_records_an_untrained_checkpoint_and_train_tiny_completes_the_r
         rule="train_tiny",
         log=[],
         threads=1,
-        input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator="unused"),
+        input=SimpleNamespace(
+            checkpoint=j.output.checkpoint, manifest=j.output.manifest, record=j.output.record, generator="unused"
+        ),
         params=SimpleNamespace(seed=0, train={"steps": 2}, sentence=SENTENCE),
         output=SimpleNamespace(
             checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"), record=str(out / "download.json")
@@ -407,7 +690,12 @@ def run_stage_in_venv(tmp_path, name, train=None):
         rule="train_tiny",
         log=[],
         threads=2,
-        input=SimpleNamespace(checkpoint=j.output.checkpoint, record=j.output.record, generator=str(GENERATOR)),
+        input=SimpleNamespace(
+            checkpoint=j.output.checkpoint,
+            manifest=j.output.manifest,
+            record=j.output.record,
+            generator=str(GENERATOR),
+        ),
         params=SimpleNamespace(seed=0, train=train, sentence=SENTENCE),
         output=SimpleNamespace(
             checkpoint=str(out / "checkpoint"), manifest=str(out / "manifest.json"), record=str(out / "download.json")
