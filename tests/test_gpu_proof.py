@@ -313,7 +313,7 @@ def test_the_speculation_records_validate_and_name_their_lease():
         assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
 
 
-@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth"])
+@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent"])
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
@@ -522,3 +522,29 @@ def test_the_second_host_reran_depth_64_and_put_group_128_on_marlin_by_its_own_s
     for name in ("awq-broad-suffix48-d64-pad-f4", "awq-broad-suffix32-d48-pad-f4"):
         depth = rerun[f"variant-{name}"]["speculative"]["suffix_decoding_max_tree_depth"]
         assert all(c["mean_acceptance_length"] <= depth for c in rerun[f"variant-{name}"]["probe"]["categories"])
+
+
+# ---- silent drafts (results/gpu-proof/h100-silent) ----
+
+
+def test_silent_drafts_replay_full_one_token_graphs_and_cost_less_than_padding_on_fresh_prompts():
+    """machine12: with silent_drafts the server captured FULL graphs for 1-token decodes and dispatched a no-draft
+    step to one; on fresh prompts (nothing accepted) a token costs less than with every draft padded to K, and more
+    than a plain AWQ step (async scheduling stays off with suffix in vLLM 0.26)."""
+    found = lease_records(RESULTS.parent / "h100-silent")
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine12", name
+    silent, padded = found["variant-awq-broad-silent32-d48-f4"], found["variant-awq-broad-suffix32-d48-pad-f4"]
+    plain = found["variant-awq-broad"]
+    assert silent["speculative"]["silent_drafts"] is True and not silent["speculative"].get("pad_drafts")
+    log = (RESULTS.parent / "h100-silent" / "logs" / "machine12-awq-broad-silent32-d48-f4-first.log").read_text()
+    assert "silent drafts: no-draft step -> FULL BatchDescriptor(num_tokens=1, num_reqs=1, uniform=True" in log
+
+    def itl(record):
+        return [c["itl_median_ms"] for c in record["probe"]["fresh"]["categories"]]
+
+    assert all(c["mean_acceptance_length"] == 1.0 for c in silent["probe"]["fresh"]["categories"])
+    assert all(p < q for p, q in zip(itl(plain), itl(silent), strict=True)) and all(
+        s < p for s, p in zip(itl(silent), itl(padded), strict=True)
+    )
