@@ -21,7 +21,7 @@ from lib.quantize_checks import (
     read_recipe,
 )
 from lib.safetensors import checkpoint_header
-from lib.stage import StageError, validate_json
+from lib.stage import StageError, validate_json, write_manifest
 from quantize import _as_chat, load_calibration_texts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -576,6 +576,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
         "wildcards": {},
         "input": {
             "model": str(checkpoint),
+            "model_manifest": str(out / "source-manifest.json"),  # download's manifest, checked before reading
             "recipe": str(recipe if isinstance(recipe, Path) else RECIPES / f"{recipe}.yaml"),
             "calibration": str(ROOT / "data" / "tiny" / "corpus.txt"),
             "heldout": str(ROOT / REAL["quantize"]["heldout"]),
@@ -594,6 +595,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
         },
     }
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(checkpoint, out / "source-manifest.json")
     (out / "job.json").write_text(json.dumps(job))
     return subprocess.run(
         [str(python), "scripts/quantize.py", "--job", str(out / "job.json")],
