@@ -11,10 +11,6 @@ rule base_image:
         tag=f"docker.io/library/{config['image']['name']}-base:{config['envs']['serve']}",
         builder=config["image"]["builder"],
         reproducible=config["image"]["reproducible"],  # build_image builds with buildah: copy the base there too
-    # Much of it waits on debootstrap's downloads, dockerd and buildah: with no core of its own it runs beside the
-    # tiny model's training, which holds every core. On 2 cores they share them (2026-11-24, clean clone: 206 s and
-    # 378 s side by side, against about 167 + 227 s one after the other), so the gain is small but not negative.
-    threads: 0
     resources:
         mem_mb=8000,
         runtime=60,

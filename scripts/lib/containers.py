@@ -365,8 +365,8 @@ def buildah_name(ref: str) -> str:
 
 def base_into_buildah(base: dict) -> str:
     """Copy the Docker-store base (base["id"]) into buildah's store once; return the name to build FROM.
-    base_image makes this copy beside the tiny model's training, so build_image finds it there (about 90 s of
-    docker save on 2 cores off the critical path); build_image still makes it when it is missing.
+    base_image makes this copy (about 80 s on 2 cores), so build_image finds it there; build_image still makes it
+    when it is missing.
 
     Copied by ID: Docker has no tag for a base pulled by digest. A stale copy under the same name (the base was
     rebuilt) is removed so that a rebuilt base does not leave a dead copy of several GB behind."""
