@@ -39,22 +39,23 @@ def pad(drafts: list[list[int]], sampled: list[list[int]], num_tokens, k: int, m
     return padded
 
 
-def _suffix(propose):
+# The proposers' wrappers (0.26 signatures); `policy` turns (drafts, sampled, lengths, K, max_model_len) into the
+# drafts to verify: `pad` here, serving/silent_drafts.drafts_for_step there.
+def _suffix(propose, policy=pad):
     def wrapper(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
         drafts = propose(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
-        count = len(sampled_token_ids)
-        lengths = input_batch.num_tokens_no_spec[:count]
-        return pad(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
+        lengths = input_batch.num_tokens_no_spec[: len(sampled_token_ids)]
+        return policy(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
 
     setattr(wrapper, _WRAPPED, propose)
     return wrapper
 
 
-def _ngram(propose):
+def _ngram(propose, policy=pad):
     def wrapper(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs):
         drafts = propose(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs)
         lengths = num_tokens_no_spec[: len(sampled_token_ids)]
-        return pad(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
+        return policy(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
 
     setattr(wrapper, _WRAPPED, propose)
     return wrapper

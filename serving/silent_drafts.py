@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from serving import draft_padding
 from serving.draft_padding import _WRAPPED as _PAD_WRAPPED, pad
 
 ENV = "SERVING_SILENT_DRAFTS"
@@ -66,23 +67,13 @@ def _log(message, *args):
     init_logger(_LOGGER).info(message, *args)
 
 
-# --- the proposers: same signatures as draft_padding's wrappers (0.26) ---------------------------------------------
+# --- the proposers: draft_padding's wrappers with this policy ---------------------------------------------------------
 def _suffix(propose):
-    def wrapper(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
-        drafts = propose(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
-        lengths = input_batch.num_tokens_no_spec[: len(sampled_token_ids)]
-        return drafts_for_step(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
-
-    return wrapper
+    return draft_padding._suffix(propose, drafts_for_step)
 
 
 def _ngram(propose):
-    def wrapper(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs):
-        drafts = propose(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs)
-        lengths = num_tokens_no_spec[: len(sampled_token_ids)]
-        return drafts_for_step(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
-
-    return wrapper
+    return draft_padding._ngram(propose, drafts_for_step)
 
 
 # --- the dispatcher (vllm/v1/cudagraph_dispatcher.py) --------------------------------------------------------------
