@@ -6,6 +6,9 @@ rule quality_gate:
         after_probe=rules.latency_probe.output.latency,
         schema="schemas/quality.schema.yaml",
         tasks=project_files(TASKS_DIR) if TASKS_DIR else [],
+        # every hub dataset the tasks load, fetched once at its pinned commit; the gate runs with the hub off
+        datasets_cache=FETCHED_DATASETS["gate"]["cache"],
+        datasets_manifest=FETCHED_DATASETS["gate"]["manifest"],
     output:
         scores=report("results/{variant}/quality_gate/quality.json", category="Quality gate", labels={"variant": "{variant}"}),
     params:

@@ -11,6 +11,9 @@ rule quantize:
         model_manifest=SOURCE_MODEL["manifest"],  # checked before the model is read (a rerun trusts nothing changed)
         recipe=lambda wildcards: RECIPES[wildcards.recipe],
         calibration=optional(CALIBRATION_FILE, config["calibration"]["path"]),
+        # a hub calibration set, fetched once at its pinned commit (rules/download_datasets.smk); read with the hub off
+        calibration_cache=optional(HUB_CALIBRATION, FETCHED_DATASETS["calibration"]["cache"]),
+        calibration_datasets=optional(HUB_CALIBRATION, FETCHED_DATASETS["calibration"]["manifest"]),
         heldout=config["quantize"]["heldout"],
         keep_texts=lambda wildcards: PIPELINE.vocab_keep(wildcards.recipe)["files"],
         schema="schemas/quantize_report.schema.yaml",

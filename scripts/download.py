@@ -9,79 +9,14 @@ train_tiny trains it when model.tiny.train.steps > 0. The checkpoint is assemble
 directory and renamed into place only when complete (lib/checkpoint.py).
 """
 
-import hashlib
-import os
-import re
 import shutil
 from pathlib import Path
 
 from lib.checkpoint import write_checkpoint
-from lib.stage import StageError, checkpoint_files, sha256_file
+from lib.hub import check_revision, hub_hashes, hub_offline, verify_against_hub
+from lib.stage import StageError
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "download.schema.yaml"
-
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-OFFLINE_VALUES = {"1", "true", "yes", "on"}
-
-
-def check_revision(repo: str, revision) -> str:
-    """Only a full commit hash pins the bytes: a branch or tag can move under the same name."""
-    if not isinstance(revision, str) or not COMMIT_RE.fullmatch(revision):
-        raise StageError(
-            f"revision for {repo} must be a 40-hex commit hash, got {revision!r} "
-            "(look it up on the model page under 'Files and versions' -> history)"
-        )
-    return revision
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in OFFLINE_VALUES
-
-
-def git_blob_sha1(path: str | Path, chunk: int = 1 << 20) -> str:
-    """The git object id of a file's bytes (`git hash-object`): what the hub lists as a non-LFS file's oid."""
-    path = Path(path)
-    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def hub_hashes(entries) -> dict[str, dict]:
-    """{path: {size, sha256}} for an LFS file, {path: {size, git_sha1}} for any other, from the hub's tree listing
-    (huggingface_hub's RepoFile/RepoFolder objects; folders are skipped)."""
-    files = {}
-    for entry in entries:
-        if not hasattr(entry, "blob_id"):  # a folder
-            continue
-        lfs = getattr(entry, "lfs", None)
-        if lfs is not None:
-            files[entry.path] = {"size": int(lfs.size), "sha256": str(lfs.sha256)}
-        else:
-            files[entry.path] = {"size": int(entry.size), "git_sha1": str(entry.blob_id)}
-    return files
-
-
-def verify_against_hub(dest: Path, expected: dict[str, dict], where: str) -> None:
-    """Every file the hub lists is in dest with the hub's hash (an LFS file's sha256, any other's git blob sha1), and
-    nothing else is; else StageError naming each file that differs, with both hashes."""
-    present = {str(path.relative_to(dest)): path for path in checkpoint_files(dest)}
-    problems = [f"{name}: listed by the hub, not downloaded" for name in sorted(set(expected) - set(present))]
-    problems += [f"{name}: downloaded, not listed by the hub" for name in sorted(set(present) - set(expected))]
-    for name in sorted(set(expected) & set(present)):
-        want, path = expected[name], present[name]
-        if "sha256" in want:
-            kind, hub, actual = "LFS sha256", want["sha256"], sha256_file(path)
-        else:
-            kind, hub, actual = "git blob sha1", want["git_sha1"], git_blob_sha1(path)
-        if actual != hub:
-            problems.append(f"{name}: the hub's {kind} is {hub}, the downloaded file's is {actual}")
-    if problems:
-        raise StageError(
-            f"{where}: the download does not match the hub's own hashes (corrupted in transit or on disk, or not "
-            "what the hub lists), so nothing was kept:\n  " + "\n  ".join(problems)
-        )
 
 
 def fetch_hub(repo: str, revision: str, dest: Path) -> dict:
@@ -145,4 +80,4 @@ def main(job) -> None:
 if __name__ == "__main__":
     from lib.stage import run_stage
 
-    run_stage(main, globals().get("snakemake"), __file__)
+    run_stage(main, globals().get("snakemake"), __file__, online=True)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from lib.gate import failed_tasks
+from lib.gate_tasks import task_manager
+from lib.hub import use_fetched_datasets
 from lib.openai_client import get_json, sse_events
 from lib.progress import Heartbeat, elapsed
 from lib.schema import defaults_of as schema_defaults
@@ -213,18 +215,10 @@ def _dataset_error(name: str, error: BaseException) -> str:
     found = re.search(r"Couldn't reach '([^']+)'", str(error))
     what = f"dataset {found.group(1)}" if found else "its dataset"
     return (
-        f"task {name}: cannot load {what} ({type(error).__name__}: {str(error)[:300]}). On an offline host "
-        "download it beforehand into the Hugging Face cache (HF_HOME / HF_DATASETS_CACHE) on a connected "
-        "machine; gated sets (Idavidrein/gpqa) need HF_TOKEN and accepted terms."
+        f"task {name}: cannot load {what} ({type(error).__name__}: {str(error)[:300]}). The gate reads hub datasets "
+        "only from the cache download_datasets fetched (datasets/gate), with the hub off: was this task's dataset "
+        "fetched (its rule reruns when quality.tasks or quality.datasets change)?"
     )
-
-
-def task_manager(tasks_dir: str | None):
-    from lm_eval.tasks import TaskManager
-
-    # lm-eval imports the tasks' utils.py; a __pycache__ there would change the rule's set of input files
-    sys.dont_write_bytecode = True
-    return TaskManager(include_path=str(Path(tasks_dir).resolve()) if tasks_dir else None)
 
 
 def check_datasets(requests: list[dict], manager) -> None:
@@ -527,6 +521,7 @@ def main(job) -> None:
     if note:
         print(f"[quality_gate] {note}", file=sys.stderr, flush=True)
 
+    use_fetched_datasets(job.input.datasets_cache, job.input.datasets_manifest)  # the hub is off (run_stage)
     manager = task_manager(p.tasks_dir)
     requests = build_task_requests(
         tasks, base_url="http://unused", model_name=p.model_name, num_concurrent=p.num_concurrent, limit=p.limit

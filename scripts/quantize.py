@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lib.checkpoint import verify_manifest
 from lib.decode_bytes import A10G_GBPS, bound_ms, part_bytes, step_bytes
+from lib.hub import use_fetched_datasets
 from lib.quantize_checks import (
     HEAD,
     HEAD_MODULE,
@@ -44,9 +45,11 @@ def load_calibration_texts(
     dataset: str | None = None,
     split: str | None = None,
     text_column: str | None = None,
+    revision: str | None = None,
 ) -> list:
     """Pick `num_samples` calibration samples (seeded, order included). A sample is a string, or a
-    list of chat messages when an hf dataset has a `messages` column."""
+    list of chat messages when an hf dataset has a `messages` column. An hf dataset is read from the cache
+    download_datasets fetched (lib/hub.use_fetched_datasets), with the hub off."""
     if not isinstance(num_samples, int) or num_samples <= 0:
         raise StageError(f"calibration.num_samples must be a positive integer, got {num_samples!r}")
     rng = random.Random(seed)
@@ -63,9 +66,12 @@ def load_calibration_texts(
         import datasets
 
         try:
-            rows = datasets.load_dataset(dataset, split=split or "train")
-        except Exception as error:  # hub/network/split errors: the user fixes the config
-            raise StageError(f"cannot load calibration dataset {dataset} (split {split}): {error}") from error
+            rows = datasets.load_dataset(dataset, split=split or "train", revision=revision)
+        except Exception as error:  # not fetched (the hub is off), or no such split: the user fixes the config
+            raise StageError(
+                f"cannot load calibration dataset {dataset} (split {split}) from the fetched cache "
+                f"(datasets/calibration, made by download_datasets): {type(error).__name__}: {error}"
+            ) from error
         column = text_column or ("messages" if "messages" in rows.column_names else "text")
         if column not in rows.column_names or len(rows) == 0:
             raise StageError(
@@ -318,8 +324,19 @@ def main(job) -> None:
         source = calib["source"]
         seed = int(calib["seed"])
         max_seq_length = int(calib["max_seq_length"])
+        if source == "hf_dataset":
+            fetched = [getattr(job.input, key, None) for key in ("calibration_cache", "calibration_datasets")]
+            if not all(fetched):
+                raise StageError("calibration.source hf_dataset: the job has no fetched cache (download_datasets)")
+            use_fetched_datasets(*fetched)
         texts = load_calibration_texts(
-            source, int(calib["num_samples"]), seed, path=calib_file, dataset=calib["dataset"], split=calib["split"]
+            source,
+            int(calib["num_samples"]),
+            seed,
+            path=calib_file,
+            dataset=calib["dataset"],
+            split=calib["split"],
+            revision=calib.get("revision"),
         )
         dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
         calib.update(

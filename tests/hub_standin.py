@@ -65,6 +65,18 @@ class Repo:
         depth = under.count("/") + 1 if under else 0
         return inside if recursive else [e for e in inside if e["path"].count("/") == depth]
 
+    def info(self) -> dict:
+        """What `HfApi.repo_info` / `dataset_info` reads at a revision: the commit and the file names."""
+        return {
+            "id": self.repo_id,
+            "sha": self.commit,
+            "private": False,
+            "disabled": False,
+            "gated": False,
+            "siblings": [{"rfilename": path} for path in sorted(self.files)],
+            "tags": [],
+        }
+
     def body(self, path: str) -> bytes:
         return self.served.get(path, self.files[path])
 
@@ -124,14 +136,17 @@ class StandinHub:
                         data = repo.body(path)
                         return 200, {"Content-Length": str(len(data)), "ETag": f'"{parts[1]}"'}, data
         elif parts[0] == "api" and len(parts) > 1 and parts[1] in ("models", "datasets") and method == "GET":
+            info = self._lookup(parts[1][:-1], parts[2:], "revision")
+            if info:
+                repo, _, error = info
+                return error or self._json(repo.info())
             found = self._lookup(parts[1][:-1], parts[2:], "tree")
             if found:
                 repo, under, error = found
                 if error:
                     return error
                 recursive = parse_qs(url.query).get("recursive", ["false"])[0].lower() in ("true", "1")
-                body = json.dumps(repo.tree(under, recursive)).encode()
-                return 200, {"Content-Type": "application/json", "Content-Length": str(len(body))}, body
+                return self._json(repo.tree(under, recursive))
         elif method in ("GET", "HEAD"):
             repo_type, rest = ("dataset", parts[1:]) if parts[0] == "datasets" else ("model", parts)
             found = self._lookup(repo_type, rest, "resolve")
@@ -161,6 +176,11 @@ class StandinHub:
             return 302, headers, b""
         data = repo.body(path)
         return 200, {**headers, "Content-Length": str(len(data))}, data
+
+    @staticmethod
+    def _json(data) -> tuple[int, dict, bytes]:
+        body = json.dumps(data).encode()
+        return 200, {"Content-Type": "application/json", "Content-Length": str(len(body))}, body
 
     @staticmethod
     def _not_found(code, commit):
@@ -196,3 +216,33 @@ class StandinHub:
                 pass
 
         return Handler
+
+
+def run_stage_script(python, script, job: dict, hub: StandinHub, workdir, extra_env=None, timeout=300):
+    """A stage script as run_stage re-runs it in its venv (`--job`), with huggingface_hub pointed at the stand-in:
+    no token, not offline, its own HF_HOME under workdir."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    workdir = Path(workdir)
+    scripts = Path(script).resolve().parent
+    job_file = workdir / f"{Path(script).stem}-{len(list(workdir.glob('*.job.json')))}.job.json"
+    job_file.write_text(json.dumps(job))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    env.update(
+        PYTHONPATH=str(scripts),
+        HF_ENDPOINT=hub.endpoint,
+        HF_HOME=str(workdir / "hf-home"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+        NO_PROXY="127.0.0.1,localhost",
+        **(extra_env or {}),
+    )
+    return subprocess.run(
+        [str(python), str(script), "--job", str(job_file)],
+        env=env,
+        cwd=scripts.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

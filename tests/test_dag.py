@@ -12,6 +12,7 @@ from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
 
 STAGES = [
     "download",
+    "download_datasets",
     "quantize",
     "bake_compile_cache",
     "build_image",
@@ -139,3 +140,12 @@ def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
     finally:
         recipe.unlink()
     assert set(jobs) == {"quantize", *FROM_BAKE_ON}, jobs
+
+
+@pytest.mark.e2e
+def test_a_new_gate_dataset_pin_refetches_the_gate_data_and_regates_only(tiny_run, tmp_path):
+    override = tmp_path / "datasets.yaml"
+    override.write_text(yaml.safe_dump({"quality": {"datasets": {"org/not-loaded-by-any-task": None}}}))
+    jobs = planned_jobs(str(override))
+    # the calibration set, the image and its measurements stay; the gate's data and everything it gates follow
+    assert set(jobs) == {"download_datasets", "quality_gate", "tarball", "verify_image"}, jobs

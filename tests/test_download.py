@@ -23,7 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import download
 import quantize
 import train_tiny
-from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of
+from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of, run_stage_script
+from lib import hub
 from lib.checkpoint import verify_manifest
 from lib.safetensors import read_header
 from lib.stage import StageError, sha256_file, validate_json
@@ -158,7 +159,7 @@ def test_git_blob_sha1_is_gits_object_id(tmp_path):
         (b"hi\n", "45b983be36b73c0788dc9cbcb76cbb80fc7bb057"),
     ):
         (tmp_path / "f").write_bytes(data)
-        assert download.git_blob_sha1(tmp_path / "f") == oid  # `git hash-object f`
+        assert hub.git_blob_sha1(tmp_path / "f") == oid  # `git hash-object f`
 
 
 def test_hub_hashes_are_the_lfs_sha256_or_the_git_oid():
@@ -168,7 +169,7 @@ def test_hub_hashes_are_the_lfs_sha256_or_the_git_oid():
         SimpleNamespace(path="config.json", size=7, blob_id="c" * 40, lfs=None),
         SimpleNamespace(path="sub", tree_id="d" * 40),  # a folder
     ]
-    assert download.hub_hashes(entries) == {
+    assert hub.hub_hashes(entries) == {
         "model.safetensors": {"size": 99, "sha256": "a" * 64},
         "config.json": {"size": 7, "git_sha1": "c" * 40},
     }
@@ -178,17 +179,17 @@ def test_a_file_unlike_the_hubs_hash_is_named_with_both_hashes(tmp_path):
     for name, data in HUB_FILES.items():
         (tmp_path / name).write_bytes(data)
     expected = hub_listing()
-    download.verify_against_hub(tmp_path, expected, "org/m@x")  # as listed: passes
+    hub.verify_against_hub(tmp_path, expected, "org/m@x")  # as listed: passes
     (tmp_path / "model.safetensors").write_bytes(flipped(HUB_FILES["model.safetensors"]))
     (tmp_path / "config.json").write_bytes(CONFIG.replace(b"Qwen", b"Qwex"))
     (tmp_path / ".gitattributes").unlink()
     (tmp_path / "extra.bin").write_bytes(b"?")
     with pytest.raises(StageError) as error:
-        download.verify_against_hub(tmp_path, expected, "org/m@x")
+        hub.verify_against_hub(tmp_path, expected, "org/m@x")
     message = str(error.value)
     assert message.startswith("org/m@x: the download does not match the hub's own hashes")
     lfs_actual = sha256_file(tmp_path / "model.safetensors")
-    small_actual = download.git_blob_sha1(tmp_path / "config.json")
+    small_actual = hub.git_blob_sha1(tmp_path / "config.json")
     assert f"model.safetensors: the hub's LFS sha256 is {expected['model.safetensors']['sha256']}, " in message
     assert f"the downloaded file's is {lfs_actual}" in message
     assert f"config.json: the hub's git blob sha1 is {expected['config.json']['git_sha1']}, " in message
@@ -312,24 +313,8 @@ def hub_download(tmp_path, hub, name="a") -> tuple[subprocess.CompletedProcess, 
     """download for source hub as run_stage re-runs it in the compress venv, HF_ENDPOINT at the stand-in."""
     j = job(tmp_path / name)
     j.output.record = str(Path(j.output.manifest).with_name("download.json"))
-    job_file = tmp_path / f"{name}.json"
-    job_file.write_text(json.dumps({k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}))
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}  # no token, not offline
-    env.update(
-        PYTHONPATH=str(ROOT / "scripts"),
-        HF_ENDPOINT=hub.endpoint,
-        HF_HOME=str(tmp_path / "hf-home"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-        NO_PROXY="127.0.0.1,localhost",
-    )
-    result = subprocess.run(
-        [str(COMPRESS), str(ROOT / "scripts" / "download.py"), "--job", str(job_file)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    job_dict = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(j).items()}
+    result = run_stage_script(COMPRESS, ROOT / "scripts" / "download.py", job_dict, hub, tmp_path, timeout=120)
     return result, j
 
 

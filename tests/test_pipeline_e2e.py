@@ -85,7 +85,11 @@ def test_gate_with_teeth_fails_and_stops_its_container(tiny_run, tmp_path):
     tasks = [dict(task, threshold=1.01) for task in TINY["quality"]["tasks"]]  # the trained model scores 1.0 on some
     job = {
         "rule": "quality_gate",
-        "input": {"image": str(RESULTS / "build_image" / "image.json")},
+        "input": {
+            "image": str(RESULTS / "build_image" / "image.json"),
+            "datasets_cache": str(ROOT / "datasets" / "gate" / "cache"),
+            "datasets_manifest": str(ROOT / "datasets" / "gate" / "manifest.json"),
+        },
         "output": {"scores": str(tmp_path / "quality.json")},
         "params": {
             "model_name": "Qwen/Qwen3.5-4B",

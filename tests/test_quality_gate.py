@@ -502,8 +502,11 @@ sys.modules["lib.containers"] = types.SimpleNamespace(
     run_container=run_container, free_port=lambda: 1, wait_for_ping=lambda url, timeout, **kw: 0.5)
 tmp = Path({tmp!r})
 (tmp / "image.json").write_text(json.dumps({{"ref": "docker.io/library/fake:1"}}))
+(tmp / "datasets").mkdir()  # what download_datasets fetches for tasks that load no hub dataset: nothing
+(tmp / "datasets.json").write_text("{{}}")
 job = SimpleNamespace(
-    input=SimpleNamespace(image=str(tmp / "image.json"), venv="unused"),
+    input=SimpleNamespace(image=str(tmp / "image.json"), venv="unused", datasets_cache=str(tmp / "datasets"),
+                          datasets_manifest=str(tmp / "datasets.json")),
     output=SimpleNamespace(scores=str(tmp / "results" / "quality.json")),
     params=SimpleNamespace(model_name="fake-model", tasks=json.loads(sys.argv[1]), limit=None, margin_stderr=0,
                            num_concurrent=4, reference_scores="", reference_variant=None,

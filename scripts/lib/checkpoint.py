@@ -54,7 +54,7 @@ def write_checkpoint(output, fill: Callable[[Path], dict | None], record: dict, 
     return record
 
 
-def verify_manifest(checkpoint: str | Path, manifest_path: str | Path) -> dict[str, str]:
+def verify_manifest(checkpoint: str | Path, manifest_path: str | Path, allow_empty: bool = False) -> dict[str, str]:
     """Check every file of `checkpoint` against the sha256 manifest written when it was made (for download's, after
     each file was checked against the hub's own hashes): the same files, the same bytes. Snakemake reruns a stage
     whose inputs are newer, never one whose input folder changed inside, so the stage that reads it checks.
@@ -64,7 +64,7 @@ def verify_manifest(checkpoint: str | Path, manifest_path: str | Path) -> dict[s
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as error:
         raise StageError(f"cannot read the manifest {manifest_path} of {checkpoint}: {error}") from error
-    if not isinstance(manifest, dict) or not manifest:
+    if not isinstance(manifest, dict) or not (manifest or allow_empty):
         raise StageError(f"{manifest_path} is not a manifest (a non-empty {{file: sha256}} object)")
     present = {str(path.relative_to(checkpoint)): path for path in checkpoint_files(checkpoint)}
     problems = [f"{name}: missing" for name in sorted(set(manifest) - set(present))]

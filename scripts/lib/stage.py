@@ -51,8 +51,17 @@ def venv_python(venv_marker: str) -> Path:
 CONSOLE_FD_ENV = "PIPELINE_CONSOLE_FD"
 
 
-def run_stage(main: Callable[[SimpleNamespace], None], snakemake=None, script: str | None = None) -> None:
-    """Entry point of every stage script (its `__main__` block)."""
+# What every stage but the fetching ones (download, download_datasets) runs with: the hub switched off, so a stage
+# that would reach it for a file nobody fetched fails at once, naming it, instead of depending on the network.
+HUB_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run_stage(
+    main: Callable[[SimpleNamespace], None], snakemake=None, script: str | None = None, online: bool = False
+) -> None:
+    """Entry point of every stage script (its `__main__` block). Only a stage that fetches passes online=True."""
+    if not online:
+        os.environ.update(HUB_OFFLINE_ENV)  # before main imports huggingface_hub or datasets, which read it once
     if snakemake is None:  # re-executed inside the stage's venv
         job = json.loads(Path(sys.argv[sys.argv.index("--job") + 1]).read_text())
         _call(main, job)
@@ -117,13 +126,19 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-# Snakemake marks a finished directory output with this file; it is bookkeeping, not part of a checkpoint.
+# Snakemake marks a finished directory output with this file; it is bookkeeping, not part of a checkpoint. So are
+# the lock files the datasets library leaves beside a cache it prepared or read (an offline read adds new ones).
 SNAKEMAKE_MARKER = ".snakemake_timestamp"
+LOCK_SUFFIX = ".lock"
 
 
 def checkpoint_files(directory: str | Path) -> list[Path]:
-    """Every file of a checkpoint folder, in a stable order, without Snakemake's marker."""
-    return [path for path in sorted(Path(directory).rglob("*")) if path.is_file() and path.name != SNAKEMAKE_MARKER]
+    """Every file of a checkpoint folder, in a stable order, without Snakemake's marker or lock files."""
+    return [
+        path
+        for path in sorted(Path(directory).rglob("*"))
+        if path.is_file() and path.name != SNAKEMAKE_MARKER and not path.name.endswith(LOCK_SUFFIX)
+    ]
 
 
 def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
