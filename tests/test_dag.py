@@ -147,5 +147,5 @@ def test_a_new_gate_dataset_pin_refetches_the_gate_data_and_regates_only(tiny_ru
     override = tmp_path / "datasets.yaml"
     override.write_text(yaml.safe_dump({"quality": {"datasets": {"org/not-loaded-by-any-task": None}}}))
     jobs = planned_jobs(str(override))
-    # the calibration set, the image and its measurements stay; the gate's data and everything it gates follow
-    assert set(jobs) == {"download_datasets", "quality_gate", "tarball", "verify_image"}, jobs
+    # the calibration set, the image and its measurements stay; the gate's data, the gate and the archive it admits
+    assert set(jobs) == {"download_datasets", "quality_gate", "tarball"}, jobs
