@@ -9,7 +9,16 @@ from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
 
 SWEEP = [*TINY, "config/tiny-sweep.yaml"]
 # the single-variant DAG's rules: what comes before the bake, and what image.tar.gz needs from the bake on
-ORIGINAL_RULES = {"venv", "base_image", "download", "download_datasets", "train_tiny", "quantize", "serve_config", *FROM_BAKE_ON}
+ORIGINAL_RULES = {
+    "venv",
+    "base_image",
+    "download",
+    "download_datasets",
+    "train_tiny",
+    "quantize",
+    "serve_config",
+    *FROM_BAKE_ON,
+}
 
 
 def forced_plan(*args: str) -> tuple[dict[str, int], set[str], str]:
