@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lib.checkpoint import write_checkpoint
 from lib.hub import check_revision, hub_hashes, hub_offline, verify_against_hub
+from lib.progress import Heartbeat, bytes_under, elapsed
 from lib.stage import StageError
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "download.schema.yaml"
@@ -30,9 +31,13 @@ def fetch_hub(repo: str, revision: str, dest: Path) -> dict:
         )
     from huggingface_hub import HfApi, snapshot_download
 
+    def progress(seconds: float) -> str:
+        return f"[download] {repo}@{revision[:12]}: {bytes_under(dest)} after {elapsed(seconds)}"
+
     try:
         expected = hub_hashes(HfApi().list_repo_tree(repo, revision=revision, recursive=True))
-        snapshot_download(repo_id=repo, revision=revision, local_dir=str(dest))
+        with Heartbeat(progress):  # ~9 GB for Qwen3.5-4B: a line every 30 s on the console
+            snapshot_download(repo_id=repo, revision=revision, local_dir=str(dest))
     except Exception as error:  # offline, unknown repo/commit, gated, HTTP: all end the same way
         raise StageError(
             f"could not download {repo}@{revision} from the hub: {type(error).__name__}: {error}"

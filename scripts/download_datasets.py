@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 from lib.checkpoint import write_checkpoint
 from lib.hub import hub_hashes, hub_repo_cache, verify_against_hub
+from lib.progress import Heartbeat, bytes_under, elapsed
 from lib.stage import StageError
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "datasets.schema.yaml"
@@ -152,13 +153,21 @@ def fetch_gate(fetcher: Fetcher, tasks: list[dict], tasks_dir: str | None) -> No
 
 def fetch(use: str, params, dest: Path, hub_cache: Path) -> dict:
     """Fill `dest` (the datasets cache) for `use`; return the record's fields."""
-    if use == "calibration":
-        calibration = dict(params.calibration)
-        fetcher = Fetcher(dest, hub_cache, {calibration["dataset"]: calibration["revision"]})
-        fetch_calibration(fetcher, calibration)
-    else:
-        fetcher = Fetcher(dest, hub_cache, dict(params.pins or {}))
-        fetch_gate(fetcher, list(params.tasks), params.tasks_dir)
+    pins = {params.calibration["dataset"]: params.calibration["revision"]} if use == "calibration" else params.pins
+    fetcher = Fetcher(dest, hub_cache, dict(pins or {}))
+
+    def progress(seconds: float) -> str:
+        fetched = ", ".join(fetcher.fetched) or "none yet"
+        return (
+            f"[download_datasets] {use}: {elapsed(seconds)}; datasets resolved: {fetched}; downloaded "
+            f"{bytes_under(hub_cache)}, prepared {bytes_under(dest)}"
+        )
+
+    with Heartbeat(progress):
+        if use == "calibration":
+            fetch_calibration(fetcher, dict(params.calibration))
+        else:
+            fetch_gate(fetcher, list(params.tasks), params.tasks_dir)
         unused = sorted(set(fetcher.pins) - set(fetcher.fetched))
         if unused:
             print(f"WARNING: no gate task loads {', '.join(unused)} (pinned, not fetched)", file=sys.stderr)

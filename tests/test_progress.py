@@ -3,7 +3,9 @@ PROGRESS_INTERVAL_S; here with a short interval so the lines appear in a test.""
 
 import asyncio
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +133,37 @@ def test_gate_progress_lines_appear_during_a_task(monkeypatch):
             time.sleep(0.03)
     assert lines and all(line.startswith("[quality_gate] 0/1 tasks done; task tiny_mc:") for line in lines)
     assert "5 requests answered" in lines[-1] or "4 requests answered" in lines[-1]
+
+
+def test_the_model_download_says_how_much_has_arrived_every_interval(monkeypatch, tmp_path, capsys):
+    """download's snapshot of ~9 GB runs for minutes: a line every interval with the bytes written so far."""
+    import hashlib
+    import types
+
+    import download
+
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.05)
+    files = {"config.json": b"{}", "model.safetensors": b"\0" * 3_000_000}
+
+    def snapshot_download(repo_id, revision, local_dir):
+        for name, data in files.items():
+            time.sleep(0.3)
+            (Path(local_dir) / name).write_bytes(data)
+        time.sleep(0.3)
+
+    listing = [
+        types.SimpleNamespace(
+            path=name, size=len(data), blob_id=hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        )
+        for name, data in files.items()
+    ]
+    api = types.SimpleNamespace(list_repo_tree=lambda repo, revision, recursive: listing)
+    fake_hub = types.SimpleNamespace(HfApi=lambda: api, snapshot_download=snapshot_download)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    dest = tmp_path / "checkpoint"
+    dest.mkdir()
+    download.fetch_hub("org/model", "c" * 40, dest)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[download] ")]
+    assert lines and all(line.startswith(f"[download] org/model@{'c' * 12}: ") for line in lines), lines
+    assert lines[0].endswith("0.0 MB after 0 s") and lines[-1].endswith("3.0 MB after 0 s"), lines

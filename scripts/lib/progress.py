@@ -82,3 +82,16 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def bytes_under(path) -> str:
+    """What a download has written so far under `path` (its files' sizes summed), as a short "1.23 GB"."""
+    from pathlib import Path
+
+    total = 0
+    for item in Path(path).rglob("*"):
+        try:
+            total += item.stat().st_size if item.is_file() else 0
+        except OSError:  # renamed or removed while we look
+            pass
+    return f"{total / 1e9:.2f} GB" if total >= 1e8 else f"{total / 1e6:.1f} MB"
