@@ -116,9 +116,8 @@ class Fetcher:
             listed = hub_hashes(
                 HfApi().list_repo_tree(repo, revision=entry["commit"], repo_type="dataset", recursive=True)
             )
-            verify_against_hub(snapshot, listed, f"dataset {repo}@{entry['commit']}", complete=False)
-            present = {str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()}
-            entry["files"] = {name: listed[name] for name in sorted(present)}
+            checked = verify_against_hub(snapshot, listed, f"dataset {repo}@{entry['commit']}", complete=False)
+            entry["files"] = {name: listed[name] for name in checked}
 
 
 def _gated_hint(error: BaseException) -> str:

@@ -54,10 +54,11 @@ def hub_hashes(entries) -> dict[str, dict]:
     return files
 
 
-def verify_against_hub(dest: Path, expected: dict[str, dict], where: str, complete: bool = True) -> None:
+def verify_against_hub(dest: Path, expected: dict[str, dict], where: str, complete: bool = True) -> list[str]:
     """Every file the hub lists is in dest with the hub's hash (an LFS file's sha256, any other's git blob sha1), and
     nothing else is; else StageError naming each file that differs, with both hashes. `complete=False`: only the
-    files a loader chose to fetch are there (a dataset's other configs are not), each as the hub lists it."""
+    files a loader chose to fetch are there (a dataset's other configs are not), each as the hub lists it.
+    Returns the files checked, sorted."""
     present = {str(path.relative_to(dest)): path for path in checkpoint_files(dest)}
     missing = sorted(set(expected) - set(present)) if complete else []
     problems = [f"{name}: listed by the hub, not downloaded" for name in missing]
@@ -75,6 +76,7 @@ def verify_against_hub(dest: Path, expected: dict[str, dict], where: str, comple
             f"{where}: the download does not match the hub's own hashes (corrupted in transit or on disk, or not "
             "what the hub lists), so nothing was kept:\n  " + "\n  ".join(problems)
         )
+    return sorted(present)
 
 
 def hub_repo_cache(hub_cache: str | Path, repo_type: str, repo: str, commit: str) -> Path:
