@@ -55,6 +55,7 @@ SUFFIX48_D64 = {
     "suffix_decoding_max_tree_depth": 64,
 }
 SUFFIX32_D48 = dict(SUFFIX48_D64, k=32, suffix_decoding_max_tree_depth=48)
+NGRAM_GPU4 = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
@@ -209,6 +210,23 @@ VARIANTS = {
         "first": "from:awq-broad",
         "profile": True,
     },
+    # ninth lease (issue 14, item 3): vLLM's n-gram matcher on the GPU, the copy-style method 0.26 keeps async
+    # scheduling on for, as vLLM ships it (a step's missing draft tokens trimmed on the host after an event sync) and
+    # with every draft padded to K on the GPU (serving/draft_padding.pad_gpu; no trim, no sync), beside AWQ broad:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-ngramgpu4-pad,serve-awq-broad-ngramgpu4,lossless,serve-awq-broad-ngramgpu16-pad,serve-bf16-all
+    "awq-broad-ngramgpu4": {"recipe": BROAD, "speculative": NGRAM_GPU4, "first": "from:awq-broad", "profile": True},
+    "awq-broad-ngramgpu4-pad": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "pad_drafts": True},
+        "first": "from:awq-broad",
+        "profile": True,
+    },
+    "awq-broad-ngramgpu16-pad": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True},
+        "first": "from:awq-broad",
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -286,6 +304,9 @@ STEPS = [
     "serve-awq-broad-suffix32-d48-pad-f4",
     "serve-awq-w4a16-g128-marlin",
     "serve-awq-broad-silent32-d48-f4",
+    "serve-awq-broad-ngramgpu4-pad",
+    "serve-awq-broad-ngramgpu4",
+    "serve-awq-broad-ngramgpu16-pad",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

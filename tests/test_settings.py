@@ -1,6 +1,8 @@
 """serving/settings.py: the one table of serve settings, the speculative pass-through, and the schema kept equal."""
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -13,6 +15,7 @@ from serving.settings import (  # noqa: E402
     SERVE,
     SPECULATIVE_KEYS,
     SPECULATIVE_METHODS,
+    SPECULATIVE_REQUIRED,
     SettingsError,
     resolve_serve,
     serve_json,
@@ -174,8 +177,8 @@ def test_speculative_problems_name_the_key_and_the_method(spec, words):
 def test_a_good_section_has_no_problems_and_nulls_are_not_sent():
     for method in SPECULATIVE_METHODS:
         spec = {"method": method, "k": 0 if method == "none" else 2, **{key: None for key in SPECULATIVE_KEYS[2:]}}
-        spec.update({"model": "/opt/ml/draft"} if method == "draft_model" else {})
-        spec.update({"prompt_lookup_max": 4} if method == "ngram" else {})
+        required_values = {"model": "/opt/ml/draft", "prompt_lookup_max": 4}
+        spec.update({key: required_values[key] for key in SPECULATIVE_REQUIRED.get(method, ())})
         assert speculative_problems(spec) == [], method
         written = serve_json({}, spec)["speculative"]
         assert None not in written.values()
@@ -229,6 +232,58 @@ def test_the_padding_plugin_wraps_both_copy_drafters_only_when_asked(monkeypatch
     draft_padding.register()  # off: vLLM is not even imported
     wrapped = draft_padding._ngram(Proposer.propose)
     assert wrapped(Proposer(), 3, [[5], []], [10, 10], None) == [[5, 5, 5], []]
+
+
+NGRAM_GPU_PADDING = """
+import json, sys, torch
+import vllm.v1.worker.gpu_model_runner as runner
+from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
+from serving import draft_padding
+
+# pad_gpu: a row's draft is its first num_valid tokens; the rest is -1
+drafts = torch.tensor([[5, 6, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
+padded, counts = draft_padding.pad_gpu(drafts, torch.tensor([2, 0, 4], dtype=torch.int32), torch.tensor([9, 8, 7]), 4)
+
+# the wrapper: propose scatters this step's sampled tokens into token_ids, then drafts nothing for anyone
+def propose(self, k, num_tokens, token_ids, sampled_ids, sampled_counts):
+    token_ids[0, 3], token_ids[1, 5], token_ids[1, 6] = 31, 51, 61
+    return torch.full((2, k), -1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+
+token_ids = torch.zeros((2, 8), dtype=torch.int32)
+wrapped, wrapped_counts = draft_padding._ngram_gpu(propose)(
+    None, 3, torch.tensor([3, 5]), token_ids, None, torch.tensor([1, 2], dtype=torch.int32))
+
+trim_before = runner.update_scheduler_for_invalid_drafts
+draft_padding.register()  # SERVING_PAD_DRAFTS=1: after the runner's import, as in a worker
+print(json.dumps({
+    "padded": padded.tolist(), "counts": counts.tolist(), "dtype": str(padded.dtype),
+    "wrapped": wrapped.tolist(), "wrapped_counts": wrapped_counts.tolist(),
+    "trim_replaced": runner.update_scheduler_for_invalid_drafts is draft_padding._no_trim
+    and trim_before is not draft_padding._no_trim,
+    "propose_wrapped": hasattr(NgramProposerGPU.propose, draft_padding._WRAPPED),
+}))
+"""
+
+
+@pytest.mark.e2e
+def test_ngram_gpu_drafts_are_padded_on_the_device_and_the_host_trim_is_gone(tiny_venvs):
+    """ngram_gpu with pad_drafts, in the serve venv's vLLM: -1 slots filled with the draft's last token (the
+    request's last token where it drafted nothing), every count K, and the runner's per-step trim (an event sync)
+    replaced by a no-op, even though the runner module was imported first."""
+    result = subprocess.run(
+        [str(tiny_venvs["serve-cpu"]), "-c", NGRAM_GPU_PADDING],
+        cwd=ROOT,
+        env=dict(os.environ, SERVING_PAD_DRAFTS="1", PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["padded"] == [[5, 6, 6, 6], [8, 8, 8, 8], [1, 2, 3, 4]]
+    assert seen["counts"] == [4, 4, 4] and seen["dtype"] == "torch.int32"
+    assert seen["wrapped"] == [[31, 31, 31], [61, 61, 61]] and seen["wrapped_counts"] == [3, 3]
+    assert seen["trim_replaced"] and seen["propose_wrapped"]
 
 
 # ---------- silent_drafts: padded when anyone drafts, nothing at all when nobody does ----------
