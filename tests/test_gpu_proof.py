@@ -313,7 +313,7 @@ def test_the_speculation_records_validate_and_name_their_lease():
         assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
 
 
-@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent"])
+@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent", "h100-ngram-gpu"])
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
@@ -548,3 +548,45 @@ def test_silent_drafts_replay_full_one_token_graphs_and_cost_less_than_padding_o
     assert all(p < q for p, q in zip(itl(plain), itl(silent), strict=True)) and all(
         s < p for s, p in zip(itl(silent), itl(padded), strict=True)
     )
+
+
+# ---- ngram_gpu (results/gpu-proof/h100-ngram-gpu) ----
+
+
+def test_ngram_gpu_keeps_async_scheduling_and_padding_makes_its_silent_step_cheaper_but_not_plain():
+    """machine13: vLLM left async scheduling on for ngram_gpu; with pad_drafts the plugin was in the engine and every
+    step replayed one graph; on fresh prompts (nothing accepted) a padded token costs less than vLLM's trimmed one
+    and more than a plain AWQ token."""
+    folder = RESULTS.parent / "h100-ngram-gpu"
+    found = lease_records(folder)
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine13", name
+    plain, padded = found["variant-awq-broad"], found["variant-awq-broad-ngramgpu4-pad"]
+    shipped = found["variant-awq-broad-ngramgpu4"]
+    assert padded["speculative"] == {
+        "method": "ngram_gpu",
+        "k": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+        "pad_drafts": True,
+    }
+    for variant, padding in ((padded, True), (shipped, False)):
+        log = (folder / "logs" / f"machine13-{variant['variant']}-first.log").read_text()
+        assert "Asynchronous scheduling is enabled." in log and "Async scheduling not supported" not in log
+        assert ("draft padding: ngram and suffix drafts padded to K" in log) == padding
+
+    def itl(record):
+        return [c["itl_median_ms"] for c in record["probe"]["fresh"]["categories"]]
+
+    assert all(c["mean_acceptance_length"] == 1.0 for c in padded["probe"]["fresh"]["categories"])
+    assert all(p < q < r for p, q, r in zip(itl(plain), itl(padded), itl(shipped), strict=True))
+    graph_launches = {
+        name: next(
+            c["count"]
+            for c in record["profile"]["sets"]["fresh"]["breakdown"]["top_runtime"]
+            if c["name"] == "cudaGraphLaunch"
+        )
+        for name, record in (("padded", padded), ("shipped", shipped))
+    }
+    assert graph_launches["padded"] == 127 and graph_launches["shipped"] > 127 * 10  # one FULL graph vs pieces
