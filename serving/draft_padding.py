@@ -100,25 +100,26 @@ def register() -> None:
     if os.environ.get(ENV) != "1":
         return
     from vllm.logger import init_logger
+    from vllm.v1.spec_decode import ngram_proposer_gpu
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
-    for cls, wrap in ((SuffixDecodingProposer, _suffix), (NgramProposer, _ngram)):
+    wrappers = (
+        (SuffixDecodingProposer, _suffix),
+        (NgramProposer, _ngram),
+        (ngram_proposer_gpu.NgramProposerGPU, _ngram_gpu),
+    )
+    for cls, wrap in wrappers:
         if not hasattr(cls.propose, _WRAPPED):
             cls.propose = wrap(cls.propose)
-    _register_ngram_gpu()
+    _drop_ngram_gpu_trim(ngram_proposer_gpu)
     # the tests read this line to know the padding is in the engine, not only asked for
     init_logger("vllm.plugins.serving_draft_padding").info("draft padding: ngram and suffix drafts padded to K")
 
 
-def _register_ngram_gpu() -> None:
+def _drop_ngram_gpu_trim(ngram_proposer_gpu) -> None:
     import sys
 
-    from vllm.v1.spec_decode import ngram_proposer_gpu
-
-    cls = ngram_proposer_gpu.NgramProposerGPU
-    if not hasattr(cls.propose, _WRAPPED):
-        cls.propose = _ngram_gpu(cls.propose)
     # the runner imports the trim by name: replace it at its source before that import, and in the runner after it
     ngram_proposer_gpu.update_scheduler_for_invalid_drafts = _no_trim
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")

@@ -75,12 +75,11 @@ def with_defaults(config: dict, note: str = "") -> dict:
     return filled
 
 
-def variant_problems(
-    variants: dict, origin: dict | None = None, gpu_arch: str | None = None, gpus: bool = True
-) -> list[str]:
-    """Settings each valid alone that vLLM cannot serve together (or on this profile's hardware: `gpus` is
-    image.gpus): refused now, not after a long build."""
+def variant_problems(variants: dict, image: dict, origin: dict | None = None) -> list[str]:
+    """Settings each valid alone that vLLM cannot serve together, or not on the hardware the `image` section names
+    (image.gpus, image.gpu_arch): refused now, not after a long build."""
     problems = []
+    gpu_arch = image["gpu_arch"]
     capability = int(gpu_arch[len("sm_") :]) if gpu_arch else None
     for name, variant in variants.items():
         serve, speculative = variant["serve"], variant["speculative"]
@@ -90,7 +89,7 @@ def variant_problems(
             dotted, message = line.split(": ", 1)
             problems.append(f"{key}.{dotted}': {message}{note}")
         cuda_only = serve_settings.CUDA_ONLY_METHODS.get(speculative["method"])
-        if cuda_only and not gpus:
+        if cuda_only and not image["gpus"]:
             problems.append(
                 f"{key}.speculative.method': {speculative['method']} cannot serve without a GPU "
                 f"(image.gpus is false): {cuda_only}{note}"
@@ -303,7 +302,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
     """Check `config` whole and derive the pipeline from it; ConfigError lists every problem found."""
     config = with_defaults(config)
     # The catalog's own problems first: they would otherwise surface as a sweep point that differs from it.
-    problems = variant_problems(config["variants"], gpu_arch=config["image"]["gpu_arch"], gpus=config["image"]["gpus"])
+    problems = variant_problems(config["variants"], config["image"])
     problems += base_problems(config["image"])
     if problems:
         raise ConfigError(problems)
@@ -318,7 +317,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
     except sweeps.SweepError as error:
         raise ConfigError([str(error)]) from None
     generated = {name: config["variants"][name] for name in origin}
-    problems = variant_problems(generated, origin, config["image"]["gpu_arch"], config["image"]["gpus"])
+    problems = variant_problems(generated, config["image"], origin)
     problems += selection_problems(config) + missing_file_problems(config, root)
     if problems:
         raise ConfigError(problems)
