@@ -227,6 +227,22 @@ VARIANTS = {
         "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True},
         "first": "from:awq-broad",
     },
+    # tenth lease (issue 14, item 3): the padded ngram_gpu step was host-bound (3.6 ms of GPU work, 5.5-6.4 ms a
+    # token); serving/drafter_graphs.py replays its bookkeeping, matcher and padding from CUDA graphs. Beside the
+    # uncaptured padded form and AWQ broad on the same host: --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad,serve-awq-broad-ngramgpu4-pad-graph,
+    # serve-awq-broad-ngramgpu4-pad,lossless,serve-bf16-all,serve-awq-broad-ngramgpu16-pad-graph
+    "awq-broad-ngramgpu4-pad-graph": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "pad_drafts": True, "graph_drafter": True},
+        "first": "from:awq-broad",
+        "profile": True,
+    },
+    "awq-broad-ngramgpu16-pad-graph": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
+        "first": "from:awq-broad",
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -307,6 +323,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu4-pad",
     "serve-awq-broad-ngramgpu4",
     "serve-awq-broad-ngramgpu16-pad",
+    "serve-awq-broad-ngramgpu4-pad-graph",
+    "serve-awq-broad-ngramgpu16-pad-graph",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

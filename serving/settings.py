@@ -58,7 +58,7 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "silent_drafts"),
     # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.26 keeps async scheduling on for. No
     # silent_drafts: choosing "no draft" needs the drafts' counts on the host, the sync async scheduling avoids.
-    "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts"),
+    "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "graph_drafter"),
     "suffix": (
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
@@ -82,6 +82,7 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
 SPECULATIVE_PLUGIN_KEYS = {
     "pad_drafts": "SERVING_PAD_DRAFTS",  # serving/draft_padding.py
     "silent_drafts": "SERVING_SILENT_DRAFTS",  # serving/silent_drafts.py
+    "graph_drafter": "SERVING_GRAPH_DRAFTER",  # serving/drafter_graphs.py
 }
 # Every key a speculative section may hold (the schema lists exactly these).
 SPECULATIVE_KEYS = tuple(
