@@ -3,6 +3,7 @@ that wrote them runs its serve/bake/probe flow against a fake server (no GPU nee
 
 import json
 import shutil
+import statistics
 import struct
 import sys
 from pathlib import Path
@@ -313,7 +314,9 @@ def test_the_speculation_records_validate_and_name_their_lease():
         assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
 
 
-@pytest.mark.parametrize("lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent", "h100-ngram-gpu"])
+@pytest.mark.parametrize(
+    "lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent", "h100-ngram-gpu", "h100-graph-drafter"]
+)
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
     from lib.lossless import compare, failures
@@ -590,3 +593,43 @@ def test_ngram_gpu_keeps_async_scheduling_and_padding_makes_its_silent_step_chea
         for name, record in (("padded", padded), ("shipped", shipped))
     }
     assert graph_launches["padded"] == 127 and graph_launches["shipped"] > 127 * 10  # one FULL graph vs pieces
+
+
+# ---- drafter graphs (results/gpu-proof/h100-graph-drafter) ----
+
+
+def runtime_calls(record, name, set_name="fresh"):
+    calls = record["profile"]["sets"][set_name]["breakdown"]["top_runtime"]
+    return next(c["count"] for c in calls if c["name"] == name)
+
+
+def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_and_a_cheaper_token():
+    """machine14: with graph_drafter the padded ngram_gpu step replays two more graphs (bookkeeping, matcher + fill)
+    instead of ~48 eager kernel launches; each set's mean inter-token latency falls below the uncaptured padded form
+    on the same host, still above 1.3x a plain AWQ token; lossless against AWQ's reference on all nine pairs."""
+    folder = RESULTS.parent / "h100-graph-drafter"
+    found = lease_records(folder)
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine14", name
+    plain, padded = found["variant-awq-broad"], found["variant-awq-broad-ngramgpu4-pad"]
+    graphed = found["variant-awq-broad-ngramgpu4-pad-graph"]
+    assert graphed["speculative"] == {**padded["speculative"], "graph_drafter": True}
+    log = (folder / "logs" / "machine14-awq-broad-ngramgpu4-pad-graph-first.log").read_text()
+    assert "Asynchronous scheduling is enabled." in log and "failed, eager for this shape" not in log
+    for call in ("propose", "update_token_ids_ngram"):
+        assert f"drafter graphs: captured {call} for (1, ((1, 5), 'torch.int32'))" in log
+
+    steps = graphed["profile"]["sets"]["fresh"]["breakdown"]["steps"]
+    assert runtime_calls(padded, "cudaGraphLaunch") == steps - 1  # the model's FULL graph, once a decode step
+    assert runtime_calls(graphed, "cudaGraphLaunch") == steps - 1 + 2 * steps  # and the drafter's two
+    assert runtime_calls(padded, "cudaLaunchKernel") - runtime_calls(graphed, "cudaLaunchKernel") > 40 * steps
+
+    def mean_itl(record, set_name):
+        probe = record["probe"] if set_name == "repeated" else record["probe"][set_name]
+        return statistics.mean(c["itl_median_ms"] for c in probe["categories"])
+
+    for set_name in ("repeated", "varied", "fresh"):
+        assert 1.3 * mean_itl(plain, set_name) < mean_itl(graphed, set_name) < mean_itl(padded, set_name), set_name
+    check = next(c for c in found["lossless"]["checks"] if c["variant"] == graphed["variant"])
+    assert check["passed"] and len(check["rows"]) == 9
