@@ -4,6 +4,8 @@
 #   bash gpu_proof/device.sh start            unpack the bundles, start gpu_proof/driver.py detached (setsid)
 #   bash gpu_proof/device.sh restart          stop the driver and its server, start again (done steps are skipped)
 #   bash gpu_proof/device.sh wait SECONDS     follow the driver; copy results.tar.gz and driver.log to $OUT
+#   bash gpu_proof/device.sh traces           the six newest kept profiler traces to $OUT (with wait's two files,
+#                                             the eight files a call brings back)
 # The driver runs from a copy of the tree in /tmp/gp/repo, so a later call's fresh tree does not move under it.
 set -u
 STATE=${STATE:-/tmp/gp}
@@ -65,4 +67,8 @@ case "$1" in
     done
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
     grep -E '^\[|===|FAILED|ready after|median' "$STATE/driver.log" | tail -60 ;;
+  traces)
+    ls -t "$STATE"/results/profiles/*.json.gz 2>/dev/null | head -6 | while read -r trace; do
+      cp "$trace" "$OUT/" && ls -la "$OUT/$(basename "$trace")"
+    done ;;
 esac

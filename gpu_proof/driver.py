@@ -243,6 +243,22 @@ VARIANTS = {
         "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
         "first": "from:awq-broad",
     },
+    # eleventh lease (issue 14, item 3): where the captured step's remaining host time goes, phase by phase (vLLM's
+    # record_function ranges in the traces, brought back by `device.sh traces`), against a plain AWQ step; and K=16:
+    # --only environment,checkpoint,quantize-awq-w4a16-g32-broad,serve-awq-broad-all-profile,
+    # serve-awq-broad-ngramgpu4-pad-graph-traced,serve-awq-broad-ngramgpu16-pad-graph-traced
+    "awq-broad-ngramgpu4-pad-graph-traced": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "pad_drafts": True, "graph_drafter": True},
+        "first": "from:awq-broad-all-profile",
+        "profile": True,
+    },
+    "awq-broad-ngramgpu16-pad-graph-traced": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
+        "first": "from:awq-broad-all-profile",
+        "profile": True,
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -325,6 +341,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu16-pad",
     "serve-awq-broad-ngramgpu4-pad-graph",
     "serve-awq-broad-ngramgpu16-pad-graph",
+    "serve-awq-broad-ngramgpu4-pad-graph-traced",
+    "serve-awq-broad-ngramgpu16-pad-graph-traced",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
