@@ -633,3 +633,63 @@ def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_a
         assert 1.3 * mean_itl(plain, set_name) < mean_itl(graphed, set_name) < mean_itl(padded, set_name), set_name
     check = next(c for c in found["lossless"]["checks"] if c["variant"] == graphed["variant"])
     assert check["passed"] and len(check["rows"]) == 9
+
+
+def test_the_captured_step_is_host_bound_by_vllms_speculative_path_at_k4_and_k16():
+    """machine15: the captured K=4 and K=16 steps both replay the drafter's two graphs with no failed capture; a
+    step's GPU work grows with K (5 and 17 verified tokens) while the silent token stays 1.6-2.0x a plain one: the
+    host sets the pace. The operator summaries, recomputed here from nothing but their own rows' sums, put the
+    extra host time in vLLM's speculative path (index/copy/to traffic, CPU-side sums of the GDN builder)."""
+    folder = RESULTS.parent / "h100-graph-drafter-traced"
+    found = lease_records(folder, "[!h]*.json")
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] == "machine15", name
+    plain = found["variant-awq-broad-all-profile"]
+    k4, k16 = (
+        found["variant-awq-broad-ngramgpu4-pad-graph-traced"],
+        found["variant-awq-broad-ngramgpu16-pad-graph-traced"],
+    )
+    assert k16["speculative"]["k"] == 16 and k4["speculative"]["graph_drafter"] and k16["speculative"]["graph_drafter"]
+    busy = {}
+    for name, record in (("plain", plain), ("k4", k4), ("k16", k16)):
+        per_step = record["profile"]["sets"]["fresh"]["breakdown"]["per_step"]
+        busy[name] = per_step["busy_ms"]
+        if name != "plain":
+            log = (folder / "logs" / f"machine15-{record['variant']}-first.log").read_text()
+            assert log.count("drafter graphs: captured") == 4 and "failed, eager for this shape" not in log
+    assert busy["plain"] < busy["k4"] < busy["k16"]
+
+    def mean_itl(record):
+        return statistics.mean(c["itl_median_ms"] for c in record["probe"]["fresh"]["categories"])
+
+    for record in (k4, k16):
+        assert 1.3 * mean_itl(plain) < mean_itl(record) < 2.0 * mean_itl(plain)
+    for set_name in ("fresh", "repeated"):
+        ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
+        assert ops["steps"] == {"plain": 128, "speculative": 128}
+        rows = {row["op"]: row for row in ops["largest_differences"]}
+        assert rows["aten::sum"]["plain"]["calls"] == 0 and rows["aten::sum"]["speculative"]["calls"] > 15
+        top = ops["top_level_ms_per_step"]
+        assert top["speculative"] > 3 * top["plain"]
+
+
+def test_trace_ops_counts_each_threads_outermost_operators_per_decode_step():
+    from gpu_proof.trace_ops import compare, top_level_ops
+
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    def step(ts):
+        return op("execute_context_0(0)_generation_1(1)", ts, 50, cat="user_annotation")
+
+    events = [step(0), step(100), step(200)]
+    events += [op("aten::index", 10, 20), op("aten::copy_", 12, 5), op("aten::index", 110, 20), op("aten::to", 150, 8)]
+    events += [op("aten::sum", 160, 4, tid=2), op("aten::fill_", 250, 1)]  # another thread; after the last step
+    found = top_level_ops(events)
+    assert found == {"steps": 2, "ops": {"aten::index": [2, 40.0], "aten::to": [1, 8.0], "aten::sum": [1, 4.0]}}
+    plain = {"steps": 2, "ops": {"aten::index": [2, 20.0]}}
+    table = compare(plain, found)
+    assert table["top_level_ms_per_step"] == {"plain": 0.01, "speculative": 0.026}
+    assert [row["op"] for row in table["largest_differences"]] == ["aten::index", "aten::to", "aten::sum"]
+    assert table["largest_differences"][0]["speculative"] == {"calls": 1.0, "ms": 0.02}
