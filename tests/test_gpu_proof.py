@@ -23,6 +23,14 @@ def lease_records(folder: Path, pattern: str = "*.json") -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob(pattern))}
 
 
+def test_the_records_speculative_methods_are_the_settings_table_s():
+    """A GPU-proof record's method is one the pipeline serves (serving/settings.py, the one home of the methods)."""
+    from serving.settings import SPECULATIVE_METHODS
+
+    methods = SCHEMA["$defs"]["variant"]["properties"]["speculative"]["properties"]["method"]["enum"]
+    assert set(methods) <= set(SPECULATIVE_METHODS), set(methods) - set(SPECULATIVE_METHODS)
+
+
 def records() -> dict[str, dict]:
     return lease_records(RESULTS)
 
