@@ -243,8 +243,8 @@ VARIANTS = {
         "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
         "first": "from:awq-broad",
     },
-    # eleventh lease (issue 14, item 3): where the captured step's remaining host time goes, phase by phase (vLLM's
-    # record_function ranges in the traces, brought back by `device.sh traces`), against a plain AWQ step; and K=16:
+    # eleventh lease (issue 14, item 3): where the captured step's remaining host time goes, operator by operator
+    # (gpu_proof/trace_ops.py over the traces `device.sh traces` brings back), against a plain AWQ step; and K=16:
     # --only environment,checkpoint,quantize-awq-w4a16-g32-broad,serve-awq-broad-all-profile,
     # serve-awq-broad-ngramgpu4-pad-graph-traced,serve-awq-broad-ngramgpu16-pad-graph-traced
     "awq-broad-ngramgpu4-pad-graph-traced": {
