@@ -56,6 +56,9 @@ SUFFIX48_D64 = {
 }
 SUFFIX32_D48 = dict(SUFFIX48_D64, k=32, suffix_decoding_max_tree_depth=48)
 NGRAM_GPU4 = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# padded and replayed from CUDA graphs (serving/drafter_graphs.py), at K=4 and at K=16
+NGRAM_GPU4_GRAPH = {**NGRAM_GPU4, "pad_drafts": True, "graph_drafter": True}
+NGRAM_GPU16_GRAPH = {**NGRAM_GPU4_GRAPH, "k": 16, "prompt_lookup_max": 8}
 BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
@@ -234,30 +237,23 @@ VARIANTS = {
     # serve-awq-broad-ngramgpu4-pad,lossless,serve-bf16-all,serve-awq-broad-ngramgpu16-pad-graph
     "awq-broad-ngramgpu4-pad-graph": {
         "recipe": BROAD,
-        "speculative": {**NGRAM_GPU4, "pad_drafts": True, "graph_drafter": True},
+        "speculative": NGRAM_GPU4_GRAPH,
         "first": "from:awq-broad",
         "profile": True,
     },
-    "awq-broad-ngramgpu16-pad-graph": {
-        "recipe": BROAD,
-        "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
-        "first": "from:awq-broad",
-    },
+    "awq-broad-ngramgpu16-pad-graph": {"recipe": BROAD, "speculative": NGRAM_GPU16_GRAPH, "first": "from:awq-broad"},
     # eleventh lease (issue 14, item 3): where the captured step's remaining host time goes, operator by operator
     # (gpu_proof/trace_ops.py over the traces `device.sh traces` brings back), against a plain AWQ step; and K=16:
     # --only environment,checkpoint,quantize-awq-w4a16-g32-broad,serve-awq-broad-all-profile,
     # serve-awq-broad-ngramgpu4-pad-graph-traced,serve-awq-broad-ngramgpu16-pad-graph-traced
-    "awq-broad-ngramgpu4-pad-graph-traced": {
-        "recipe": BROAD,
-        "speculative": {**NGRAM_GPU4, "pad_drafts": True, "graph_drafter": True},
-        "first": "from:awq-broad-all-profile",
-        "profile": True,
-    },
-    "awq-broad-ngramgpu16-pad-graph-traced": {
-        "recipe": BROAD,
-        "speculative": {**NGRAM_GPU4, "k": 16, "prompt_lookup_max": 8, "pad_drafts": True, "graph_drafter": True},
-        "first": "from:awq-broad-all-profile",
-        "profile": True,
+    **{
+        f"awq-broad-ngramgpu{k}-pad-graph-traced": {
+            "recipe": BROAD,
+            "speculative": speculative,
+            "first": "from:awq-broad-all-profile",
+            "profile": True,
+        }
+        for k, speculative in ((4, NGRAM_GPU4_GRAPH), (16, NGRAM_GPU16_GRAPH))
     },
 }
 SPEC_DEFAULTS = {

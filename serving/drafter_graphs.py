@@ -18,6 +18,7 @@ overwrites the graph's own. A capture that fails leaves that key eager for good 
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -47,15 +48,12 @@ def cuda_capture(fn, inputs):
     return static, replay
 
 
-_POOL = []
-
-
+@functools.cache
 def _pool():
+    """One memory pool for every drafter graph: they replay one after another on one stream."""
     import torch
 
-    if not _POOL:
-        _POOL.append(torch.cuda.graph_pool_handle())
-    return _POOL[0]
+    return torch.cuda.graph_pool_handle()
 
 
 class StepGraphs:

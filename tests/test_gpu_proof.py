@@ -31,6 +31,18 @@ def test_the_records_speculative_methods_are_the_settings_table_s():
     assert set(methods) <= set(SPECULATIVE_METHODS), set(methods) - set(SPECULATIVE_METHODS)
 
 
+def assert_lease(found: dict[str, dict], *machines: str) -> None:
+    """Every record of a lease folder valid against the schema and written on one of the lease's machines."""
+    for name, data in found.items():
+        jsonschema.validate(data, SCHEMA)
+        assert data["kind"] == "session" or data["machine"] in machines, name
+
+
+def runtime_calls(record, name, set_name="fresh"):
+    calls = record["profile"]["sets"][set_name]["breakdown"]["top_runtime"]
+    return next(c["count"] for c in calls if c["name"] == name)
+
+
 def records() -> dict[str, dict]:
     return lease_records(RESULTS)
 
@@ -317,9 +329,7 @@ def spec_records() -> dict[str, dict]:
 def test_the_speculation_records_validate_and_name_their_lease():
     found = spec_records()
     assert {"session", "lossless", "variant-awq-broad", "variant-awq-broad-suffix24"} <= set(found)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] in ("machine5", "machine6"), name
+    assert_lease(found, "machine5", "machine6")
 
 
 @pytest.mark.parametrize(
@@ -418,9 +428,7 @@ def test_the_profile_records_validate_and_agree_with_their_bytes():
     group-32 scales does, and the head's bf16 GEMM left the profile for Marlin's."""
     found = profile_records()
     assert {"session", "variant-awq-broad-profile", "variant-awq-broad-head4"} <= set(found)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine7", name
+    assert_lease(found, "machine7")
     awq, head4 = found["variant-awq-broad-profile"], found["variant-awq-broad-head4"]
     rows, cols = 248320, 2560
     assert awq["weights"]["lm_head"] == rows * cols * 2
@@ -446,9 +454,7 @@ TIED_RESULTS = ROOT / "results" / "gpu-proof" / "h100-tied"
 
 def test_the_tied_records_validate_and_their_head_bytes_match_a_hand_count():
     found = lease_records(TIED_RESULTS)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] in ("machine8", "machine9"), name
+    assert_lease(found, "machine8", "machine9")
     rows, cols, kept = 248320, 2560, 131072
     awq, vocab, head8 = (
         found[f"variant-awq-broad-{name}"]["weights"] for name in ("all-profile", "head4-vocab131k", "head8-tied")
@@ -487,9 +493,7 @@ def test_a_deeper_suffix_tree_drafts_past_the_default_cap_beside_bf16_on_its_own
     """vLLM's suffix tree depth (24 by default) bounds match + draft, so K=24 accepted at most 24 tokens a step
     (h100-tied); depth 64 with K=48 accepts more than that on the repeated set. bf16 ran on the same lease."""
     found = lease_records(DEPTH_RESULTS)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine10", name
+    assert_lease(found, "machine10")
     shallow = json.loads((TIED_RESULTS / "variant-awq-broad-suffix24-pad-f4.json").read_text())
     assert "suffix_decoding_max_tree_depth" not in shallow["speculative"]
     assert all(c["mean_acceptance_length"] <= 24 for c in shallow["probe"]["categories"])
@@ -514,9 +518,7 @@ def test_the_second_host_reran_depth_64_and_put_group_128_on_marlin_by_its_own_s
     """machine11: bf16 beside the suffix runs again; group 128 served with Machete disabled uses Marlin (its GEMMs
     in the marlin family), where machine10's group 128 went to Machete (no Marlin kernel in its step)."""
     rerun = lease_records(RESULTS.parent / "h100-suffix-depth-rerun")
-    for name, data in rerun.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine11", name
+    assert_lease(rerun, "machine11")
     assert {
         "variant-bf16-all",
         "variant-awq-broad-suffix48-d64-pad-f4",
@@ -543,9 +545,7 @@ def test_silent_drafts_replay_full_one_token_graphs_and_cost_less_than_padding_o
     step to one; on fresh prompts (nothing accepted) a token costs less than with every draft padded to K, and more
     than a plain AWQ step (async scheduling stays off with suffix in vLLM 0.26)."""
     found = lease_records(RESULTS.parent / "h100-silent")
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine12", name
+    assert_lease(found, "machine12")
     silent, padded = found["variant-awq-broad-silent32-d48-f4"], found["variant-awq-broad-suffix32-d48-pad-f4"]
     plain = found["variant-awq-broad"]
     assert silent["speculative"]["silent_drafts"] is True and not silent["speculative"].get("pad_drafts")
@@ -570,9 +570,7 @@ def test_ngram_gpu_keeps_async_scheduling_and_padding_makes_its_silent_step_chea
     and more than a plain AWQ token."""
     folder = RESULTS.parent / "h100-ngram-gpu"
     found = lease_records(folder)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine13", name
+    assert_lease(found, "machine13")
     plain, padded = found["variant-awq-broad"], found["variant-awq-broad-ngramgpu4-pad"]
     shipped = found["variant-awq-broad-ngramgpu4"]
     assert padded["speculative"] == {
@@ -593,22 +591,12 @@ def test_ngram_gpu_keeps_async_scheduling_and_padding_makes_its_silent_step_chea
     assert all(c["mean_acceptance_length"] == 1.0 for c in padded["probe"]["fresh"]["categories"])
     assert all(p < q < r for p, q, r in zip(itl(plain), itl(padded), itl(shipped), strict=True))
     graph_launches = {
-        name: next(
-            c["count"]
-            for c in record["profile"]["sets"]["fresh"]["breakdown"]["top_runtime"]
-            if c["name"] == "cudaGraphLaunch"
-        )
-        for name, record in (("padded", padded), ("shipped", shipped))
+        name: runtime_calls(record, "cudaGraphLaunch") for name, record in (("padded", padded), ("shipped", shipped))
     }
     assert graph_launches["padded"] == 127 and graph_launches["shipped"] > 127 * 10  # one FULL graph vs pieces
 
 
 # ---- drafter graphs (results/gpu-proof/h100-graph-drafter) ----
-
-
-def runtime_calls(record, name, set_name="fresh"):
-    calls = record["profile"]["sets"][set_name]["breakdown"]["top_runtime"]
-    return next(c["count"] for c in calls if c["name"] == name)
 
 
 def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_and_a_cheaper_token():
@@ -617,9 +605,7 @@ def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_a
     on the same host, still above 1.3x a plain AWQ token; lossless against AWQ's reference on all nine pairs."""
     folder = RESULTS.parent / "h100-graph-drafter"
     found = lease_records(folder)
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine14", name
+    assert_lease(found, "machine14")
     plain, padded = found["variant-awq-broad"], found["variant-awq-broad-ngramgpu4-pad"]
     graphed = found["variant-awq-broad-ngramgpu4-pad-graph"]
     assert graphed["speculative"] == {**padded["speculative"], "graph_drafter": True}
@@ -650,9 +636,7 @@ def test_the_captured_step_is_host_bound_by_vllms_speculative_path_at_k4_and_k16
     extra host time in vLLM's speculative path (index/copy/to traffic, CPU-side sums of the GDN builder)."""
     folder = RESULTS.parent / "h100-graph-drafter-traced"
     found = lease_records(folder, "[!h]*.json")
-    for name, data in found.items():
-        jsonschema.validate(data, SCHEMA)
-        assert data["kind"] == "session" or data["machine"] == "machine15", name
+    assert_lease(found, "machine15")
     plain = found["variant-awq-broad-all-profile"]
     k4, k16 = (
         found["variant-awq-broad-ngramgpu4-pad-graph-traced"],
