@@ -112,16 +112,17 @@ def register() -> None:
     for cls, wrap in wrappers:
         if not hasattr(cls.propose, _WRAPPED):
             cls.propose = wrap(cls.propose)
-    _drop_ngram_gpu_trim(ngram_proposer_gpu)
+    replace_in_runner(ngram_proposer_gpu, "update_scheduler_for_invalid_drafts", _no_trim)
     # the tests read this line to know the padding is in the engine, not only asked for
     init_logger("vllm.plugins.serving_draft_padding").info("draft padding: ngram and suffix drafts padded to K")
 
 
-def _drop_ngram_gpu_trim(ngram_proposer_gpu) -> None:
+def replace_in_runner(module, name: str, replacement) -> None:
+    """`module.name` replaced by `replacement` at its source and in vLLM's GPU model runner, which imports it by
+    name: the source covers a runner imported later, the runner's own copy one imported already."""
     import sys
 
-    # the runner imports the trim by name: replace it at its source before that import, and in the runner after it
-    ngram_proposer_gpu.update_scheduler_for_invalid_drafts = _no_trim
+    setattr(module, name, replacement)
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
-        runner.update_scheduler_for_invalid_drafts = _no_trim
+        setattr(runner, name, replacement)

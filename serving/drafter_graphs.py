@@ -158,8 +158,6 @@ def wrap(cls, graphs: StepGraphs) -> None:
 def register() -> None:
     if os.environ.get(ENV) != "1":
         return
-    import sys
-
     from vllm.logger import init_logger
     from vllm.v1.spec_decode import ngram_proposer_gpu
 
@@ -168,9 +166,6 @@ def register() -> None:
     draft_padding.register()
     wrap(ngram_proposer_gpu.NgramProposerGPU, StepGraphs(log=logger.info))
     if os.environ.get(draft_padding.ENV) == "1":
-        ngram_proposer_gpu.copy_num_valid_draft_tokens = _no_count_copy
-        runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
-        if runner is not None:
-            runner.copy_num_valid_draft_tokens = _no_count_copy
+        draft_padding.replace_in_runner(ngram_proposer_gpu, "copy_num_valid_draft_tokens", _no_count_copy)
     # the tests read this line to know the graphs are in the engine, not only asked for
     logger.info("drafter graphs: ngram_gpu's bookkeeping and matcher replayed from CUDA graphs per batch shape")
