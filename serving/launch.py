@@ -29,6 +29,8 @@ CACHE_DIRS = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",  # FlashInfer appends .cache/flashinfer itself
+    # inductor's CPU instruction-set probes, remembered by serving/aot_load_fix.py once per cache, not per compile
+    "SERVING_ISA_PROBES_DIR": "isa-probes",
 }
 
 

@@ -127,10 +127,12 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
                 proc.wait()
 
 
-def snakemake(*args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run Snakemake in the project root the way a user does; output captured for assertions."""
+def snakemake(
+    *args: str, check: bool = True, timeout: float | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """Run Snakemake in the project root (or another checkout, cwd) the way a user does; output captured."""
     result = subprocess.run(
-        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
     if check and result.returncode != 0:
         raise AssertionError(

@@ -67,15 +67,16 @@ print("GATE " + json.dumps({"passed": passed, "rows": rows}))
 
 @pytest.mark.e2e
 def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
-    """The trained checkpoint with its matrices scrambled, served by the image's entrypoint on the host the way
-    the default variant is served, scored by quality_gate's own lm-eval run and verdict: it fails the thresholds the
+    """The trained checkpoint with its matrices scrambled, served by the image's entrypoint on the host with the
+    default variant's settings (eager), scored by quality_gate's own lm-eval run and verdict: it fails the thresholds the
     trained model passes. (The stage's failure path around this verdict, the record, tarball refusing it and the
     container stopped, is test_pipeline_e2e's test_gate_with_teeth_fails_and_stops_its_container.)"""
     model = tmp_path / "scrambled"
     shutil.copytree(ROOT / "weights" / TINY["model"]["name"] / "checkpoint", model)
     for shard in sorted(model.glob("*.safetensors")):  # the script leaves non-language-model tensors
         subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
-    serve = serve_json(TINY["variants"][VARIANT]["serve"], {"method": "none"})  # the gate reads answers, not speed
+    # the gate reads answers, not speed: no speculation, and eager (a compile would add ~40 s on 2 cores)
+    serve = {**serve_json(TINY["variants"][VARIANT]["serve"], {"method": "none"}), "enforce_eager": True}
     with host_server(model, serve, tmp_path / "server") as base:
         # Eight docs a task: a model guessing at chance (0.25 on four options) gets 7 of 8 right, the 0.8
         # threshold, about once in 2,600 tries per task (both must fail: ~1 run in 1,300 if it guessed).

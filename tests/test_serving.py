@@ -148,6 +148,7 @@ def test_child_env_fixes_every_path_in_vllms_compile_cache_key_under_the_cache(t
         env = child_env({"CACHE_DIR": str(tmp_path), "HOME": home})
         assert env["VLLM_CONFIG_ROOT"] == str(tmp_path / "vllm-config")
         assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+        assert env["SERVING_ISA_PROBES_DIR"] == str(tmp_path / "isa-probes")  # one per cache, not per compile
 
 
 def test_child_env_carries_middleware_settings():
@@ -340,6 +341,45 @@ def test_gpu_name_normalised_to_architecture():
     assert normalised_system(sxm, (8, 6))["hash"] != a["hash"]  # another architecture still misses
     cpu = {"device": {"name": None}, "version": {"triton": "t"}, "hash": "h"}
     assert normalised_system(cpu, None) == cpu and normalised_system(cpu, (9, 0)) == cpu
+
+
+def test_isa_probes_are_answered_from_the_cache_once_probed_there(tmp_path):
+    """A fresh process (a new wrapper) reads the answers an earlier one stored in the cache dir, False included;
+    another CPU or torch (identity), another ISA's flags or another probe's code probe again; a cache that cannot
+    be read or written probes every time and raises nothing."""
+    from types import SimpleNamespace as NS
+
+    from serving.aot_load_fix import ISA_PROBES_FILE, remembered
+
+    calls = []
+
+    def probe(isa, code):
+        calls.append((isa._arch_flags, code))
+        return code != "no"
+
+    avx512, avx2 = NS(_arch_flags="-mavx512f"), NS(_arch_flags="-mavx2")
+    cache = tmp_path / "inductor_cache"
+    cache.mkdir()
+    first = remembered(probe, lambda: str(cache), "flags-a torch 2.11")
+    assert first(avx512, "ok") is True and first(avx512, "no") is False and len(calls) == 2
+    assert len(json.loads((cache / ISA_PROBES_FILE).read_text())) == 2
+    again = remembered(probe, lambda: str(cache), "flags-a torch 2.11")
+    assert again(avx512, "ok") is True and again(avx512, "no") is False and len(calls) == 2
+    assert again(avx2, "ok") is True and len(calls) == 3  # other flags
+    assert remembered(probe, lambda: str(cache), "flags-b torch 2.11")(avx512, "ok") and len(calls) == 4
+    blind = remembered(probe, lambda: str(tmp_path / "gone"), "flags-a torch 2.11")  # nowhere to read or write
+    assert blind(avx512, "ok") and blind(avx512, "ok") and len(calls) == 6
+    assert not [p for p in cache.iterdir() if p.name != ISA_PROBES_FILE]  # no temporary file left behind
+
+
+def test_isa_probes_live_where_launch_names_else_in_inductors_cache_dir(tmp_path, monkeypatch):
+    from serving.aot_load_fix import probes_dir
+
+    where = probes_dir(lambda: str(tmp_path / "inductor"))
+    monkeypatch.delenv("SERVING_ISA_PROBES_DIR", raising=False)
+    assert where() == str(tmp_path / "inductor")
+    monkeypatch.setenv("SERVING_ISA_PROBES_DIR", str(tmp_path / "cache" / "isa-probes"))
+    assert where() == str(tmp_path / "cache" / "isa-probes") and (tmp_path / "cache" / "isa-probes").is_dir()
 
 
 def test_every_plugin_entry_point_resolves():
