@@ -5,7 +5,6 @@ import hashlib
 import http.server
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
