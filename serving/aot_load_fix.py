@@ -69,6 +69,7 @@ def remembered(probe, cache_dir, identity: str):
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{ISA_PROBES_FILE}.")
             with os.fdopen(fd, "w") as out:
                 json.dump({**known, key: answer}, out, sort_keys=True)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the bake's answers from another user
             os.replace(tmp, path)
             tmp = None
         except OSError:

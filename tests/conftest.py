@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,8 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
         "HOST": "127.0.0.1",
         "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)]),
         "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        # each server compiles into a cache of its own, but the CPU's instruction-set probes are the same for all
+        "SERVING_ISA_PROBES_DIR": str(Path(tempfile.gettempdir()) / "qwen35-serve-tests-isa-probes"),
         **(env or {}),
     }
     log_path = tmp / "server.log"

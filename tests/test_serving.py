@@ -363,6 +363,7 @@ def test_isa_probes_are_answered_from_the_cache_once_probed_there(tmp_path):
     first = remembered(probe, lambda: str(cache), "flags-a torch 2.11")
     assert first(avx512, "ok") is True and first(avx512, "no") is False and len(calls) == 2
     assert len(json.loads((cache / ISA_PROBES_FILE).read_text())) == 2
+    assert (cache / ISA_PROBES_FILE).stat().st_mode & 0o777 == 0o644  # readable by the image's server user
     again = remembered(probe, lambda: str(cache), "flags-a torch 2.11")
     assert again(avx512, "ok") is True and again(avx512, "no") is False and len(calls) == 2
     assert again(avx2, "ok") is True and len(calls) == 3  # other flags
