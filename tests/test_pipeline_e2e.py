@@ -3,6 +3,7 @@
 import hashlib
 import json
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,12 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(coldstart, ROOT / "schemas" / "coldstart.schema.yaml")
     # the second start loaded what the first compiled, and said so
     assert coldstart["cache_hit"] and coldstart["cache_hit_evidence"] and not coldstart["cache_load_failures"]
+    # the bake's answers to Inductor's CPU instruction-set probes ship in the cache, readable by the image's server
+    # user (serving/aot_load_fix.py): a start of the image does not build and load the probe libraries again
+    with tarfile.open(RESULTS / "bake_compile_cache" / "compile_cache.tar") as cache:
+        member = cache.getmember("isa-probes/isa_probes.json")
+        probes = json.load(cache.extractfile(member))
+    assert member.mode & 0o044 == 0o044 and probes and set(map(type, probes.values())) == {bool}
     serve = json.loads((RESULTS / "serve_config" / "serve.json").read_text())
     assert serve["speculative"] == {"method": "mtp", "k": TINY["variants"][VARIANT]["speculative"]["k"]}
 
