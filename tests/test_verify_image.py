@@ -549,8 +549,9 @@ def test_a_second_clone_builds_the_same_image_and_tarball(tiny_verified, tmp_pat
     again = containers.save_image(
         second["ref"], tmp_path / "again.tar.gz", second["builder"], TINY_CONFIG["image"]["compress_level"]
     )
-    assert sha256_file(again) == first_sha
-    (tmp_path / "again.tar.gz").unlink()
+    digest = sha256_file(again)
+    again.unlink()  # 6 GB: gone whatever the comparison says (pytest keeps the last runs' tmp_path)
+    assert digest == first_sha
 
 
 # ---- the GPU architecture: the bake's, refused when foreign; the label; verify_image against the config --------
