@@ -17,8 +17,7 @@ rule bake_compile_cache:
         require_cache_hit=config["image"]["require_cache_hit"],
     resources:
         gpu=GPU,
-        mem_mb=32000,
-        runtime=60,
+        **RESOURCES["bake_compile_cache"],
         host_share=50,
     log:
         "logs/bake_compile_cache/{variant}.log",

@@ -12,8 +12,7 @@ rule base_image:
         builder=config["image"]["builder"],
         reproducible=config["image"]["reproducible"],  # build_image builds with buildah: copy the base there too
     resources:
-        mem_mb=8000,
-        runtime=60,
+        **RESOURCES["base_image"],
     log:
         "logs/base_image/base_image.log",
     benchmark:
@@ -49,8 +48,7 @@ rule build_image:
         gpu_arch=config["image"]["gpu_arch"],
         allow_arch_mismatch=config["image"]["allow_arch_mismatch"],
     resources:
-        mem_mb=8000,
-        runtime=30,
+        **RESOURCES["build_image"],
         image_writes=1,
     log:
         "logs/build_image/{variant}.log",

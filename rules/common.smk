@@ -25,6 +25,8 @@ TASKS_DIR = config["quality"]["tasks_dir"]
 REFERENCE_VARIANT = config["quality"]["reference_variant"]
 # Repairs each venv needs after `pip install` (see scripts/make_venv.py).
 VENV_REPAIRS = {"serve-cpu": ["drop_cuda_media", "guard_torchvision"]}
+# Each rule's memory and wall-clock limit (`resources` in the config: what a cluster executor asks for).
+RESOURCES = config["resources"]
 # Every rule that runs the model asks for a GPU in the real profile (the SLURM executor reads `gpu`).
 GPU = 1 if config["image"]["gpus"] else 0
 # A host's share each model-running job takes (percent): the latency probe takes it all, so no timing runs

@@ -18,8 +18,7 @@ rule compare:
         variants=[dict(name=name, recipe_key=recipe_key(name), **config["variants"][name]) for name in COMPARED],
         reference=config["compare"]["reference"],
     resources:
-        mem_mb=2000,
-        runtime=10,
+        **RESOURCES["compare"],
     log:
         "logs/compare/compare.log",
     benchmark:

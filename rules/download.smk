@@ -24,8 +24,7 @@ rule download:
         # and the training settings out of download's (train_tiny has them).
         tiny={key: config["model"]["tiny"][key] for key in ("seed", "vocab_size")} if SYNTHETIC else None,
     resources:
-        mem_mb=16000,
-        runtime=60,
+        **RESOURCES["download"],
     log:
         "logs/download/download.log",
     benchmark:

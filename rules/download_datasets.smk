@@ -28,8 +28,7 @@ rule download_datasets:
         pins=lambda wildcards: config["quality"]["datasets"] if wildcards.use == "gate" else None,
         tasks_dir=lambda wildcards, input: os.path.commonpath(input.tasks) if input.tasks else None,
     resources:
-        mem_mb=16000,
-        runtime=120,
+        **RESOURCES["download_datasets"],
     log:
         "logs/download_datasets/{use}.log",
     benchmark:

@@ -12,8 +12,7 @@ rule latency_probe:
         probe=config["probe"],
     resources:
         gpu=GPU,
-        mem_mb=32000,
-        runtime=120,
+        **RESOURCES["latency_probe"],
         host_share=100,  # the whole host: nothing else that declares a share runs beside a timing
     log:
         "logs/latency_probe/{variant}.log",

@@ -29,8 +29,7 @@ rule lossless:
         # recorded, not fatal, where select chooses among compared variants (it skips this one and says why)
         fatal=lambda wildcards: FIXED or wildcards.variant not in COMPARED,
     resources:
-        mem_mb=500,
-        runtime=5,
+        **RESOURCES["lossless"],
     log:
         "logs/lossless/{variant}.log",
     benchmark:

@@ -18,8 +18,7 @@ rule lossless_reference:
         probe=config["probe"],
     resources:
         gpu=GPU,
-        mem_mb=32000,
-        runtime=60,
+        **RESOURCES["lossless_reference"],
         host_share=50,
     log:
         "logs/lossless_reference/{variant}.log",

@@ -27,8 +27,7 @@ rule quality_gate:
         ping_timeout_s=config["image"]["ping_timeout_s"],
     resources:
         gpu=GPU,
-        mem_mb=32000,
-        runtime=600,
+        **RESOURCES["quality_gate"],
         host_share=50,
     log:
         "logs/quality_gate/{variant}.log",

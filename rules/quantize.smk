@@ -28,8 +28,7 @@ rule quantize:
     threads: 4  # scaled down to --cores
     resources:
         gpu=GPU,
-        mem_mb=64000,
-        runtime=120,
+        **RESOURCES["quantize"],
         host_share=50,
     log:
         "logs/quantize/{recipe}.log",

@@ -11,8 +11,7 @@ checkpoint select:
     params:
         by=config["select"]["by"],
     resources:
-        mem_mb=1000,
-        runtime=5,
+        **RESOURCES["select"],
     log:
         "logs/select/select.log",
     benchmark:

@@ -7,8 +7,7 @@ rule serve_config:
     params:
         serve=lambda wildcards: PIPELINE.serve_json(wildcards.variant),
     resources:
-        mem_mb=500,
-        runtime=5,
+        **RESOURCES["serve_config"],
     log:
         "logs/serve_config/{variant}.log",
     benchmark:

@@ -15,8 +15,7 @@ rule submit:
         retry_wait_s=config["submit"]["retry_wait_s"],
         timeout_s=config["submit"]["timeout_s"],
     resources:
-        mem_mb=1000,
-        runtime=240,
+        **RESOURCES["submit"],
     log:
         "logs/submit/submit.log",
     benchmark:

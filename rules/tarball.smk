@@ -15,8 +15,7 @@ rule tarball:
         max_size_gb=config["image"]["max_size_gb"],
         compress_level=config["image"]["compress_level"],
     resources:
-        mem_mb=8000,
-        runtime=60,
+        **RESOURCES["tarball"],
         host_share=50,
     log:
         "logs/tarball/tarball.log",

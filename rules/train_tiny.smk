@@ -20,8 +20,7 @@ if TRAINED:
             sentence=config["probe"]["sentence"],  # the latency probe's repeated sentence, among the repeated-text examples
         threads: TINY_TRAIN["threads"]  # fixes torch's thread count: the training is deterministic for a given count
         resources:
-            mem_mb=16000,
-            runtime=60,
+            **RESOURCES["train_tiny"],
         log:
             "logs/train_tiny/train_tiny.log",
         benchmark:

@@ -7,8 +7,7 @@ rule venv:
     params:
         repairs=lambda wildcards: VENV_REPAIRS.get(wildcards.env, []),
     resources:
-        mem_mb=8000,
-        runtime=60,
+        **RESOURCES["venv"],
     log:
         "logs/venv/{env}.log",
     benchmark:

@@ -16,8 +16,7 @@ rule verify_image:
         run=PIPELINE.run_settings(),
         model_name=lambda wildcards: config["variants"][wildcards.variant]["serve"]["served_model_name"],
     resources:
-        mem_mb=8000,
-        runtime=30,
+        **RESOURCES["verify_image"],
     log:
         "logs/verify_image/{variant}.log",
     benchmark:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian 12 CPU machine (as root) needs before `snakemake` and `pytest`:
-# container tooling, graphviz for the DAG picture, the driver's Python packages, and a running Docker daemon.
+# container tooling, graphviz for the DAG picture, a single-node SLURM cluster's packages (setup/start-slurm.sh starts
+# it; tests/test_slurm.py runs the cluster profile on it), the driver's Python packages, and a running Docker daemon.
 # Stage venvs (envs/*.txt) are not made here: the DAG's `venv` rule builds them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v dot >/dev/null \
-  || ! command -v pigz >/dev/null; then
+  || ! command -v pigz >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v mariadbd >/dev/null; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io buildah debootstrap graphviz pigz >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io buildah debootstrap graphviz pigz \
+    slurm-wlm slurmdbd munge mariadb-server >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -r requirements.txt
 bash setup/start-docker.sh

@@ -259,6 +259,26 @@ def test_every_schema_key_is_described_with_a_default():
     assert not missing, missing
 
 
+def test_every_rule_takes_its_memory_and_time_limit_from_the_config():
+    """One home for what a job asks a scheduler for: the schema's `resources` section names every rule (default: the
+    real profile's size), each rule reads its own entry, no rule states a size itself."""
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    declared = set(schema["properties"]["resources"]["properties"])
+    rules, read = set(), {}
+    for path in (ROOT / "rules").glob("*.smk"):
+        text = path.read_text()
+        rules |= set(re.findall(r"^\s*(?:rule|checkpoint) (\w+):", text, re.M)) - {"all"}
+        for rule, body in re.findall(
+            r"^\s*(?:rule|checkpoint) (\w+):(.*?)(?=^\s*(?:rule|checkpoint) |\Z)", text, re.M | re.S
+        ):
+            read[rule] = re.findall(r'\*\*RESOURCES\["(\w+)"\]', body)
+            assert not re.search(r"^\s*(mem_mb|runtime)=", body, re.M), f"{path.name}: rule {rule} sizes itself"
+    assert declared == rules, declared ^ rules
+    assert {rule: names for rule, names in read.items() if names != [rule]} == {}
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())["resources"]
+    assert set(tiny) <= declared and tiny["quantize"]["mem_mb"] < 64000  # sized for the tiny model
+
+
 def test_the_real_profile_base_is_pinned_by_digest():
     base = yaml.safe_load((ROOT / "config.yaml").read_text())["image"]["base"]
     assert re.fullmatch(r"docker\.io/vllm/vllm-openai:v[\d.]+@sha256:[0-9a-f]{64}", base), base

@@ -1,0 +1,188 @@
+"""profiles/slurm against a real scheduler: a single-node SLURM cluster (setup/start-slurm.sh: Debian's slurm-wlm,
+munge, slurmdbd on MariaDB) runs the tiny profile's cheap fan-out through `snakemake --profile profiles/slurm`:
+`download`, `download_datasets` and two `quantize` recipes, each a SLURM job. The jobs must appear in `sacct` with
+the memory and time limit their rules declare (config/tiny.yaml's `resources`), leave their logs under logs/, and
+give the same bytes as a local run. The run is in a copy of the checkout, so the project's own outputs are
+untouched: the trained tiny checkpoint is copied in (train_tiny takes minutes), the venvs are linked.
+"""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY, _tiny_config, snakemake
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = _tiny_config()
+MODEL = f"weights/{CONFIG['model']['name']}"
+RECIPES = ("awq-w4a16-g32-broad", "w8a16")  # the default variant's recipe and a second one
+QUANTIZED = [f"results/quantize/{recipe}" for recipe in RECIPES]
+UNTRAINED = f"{MODEL}/untrained"
+# Two runs: the fan-out on the trained checkpoint, then download again (in one run its new checkpoint would make
+# train_tiny, minutes on 2 cores, rerun before quantize).
+FAN_OUT = ["datasets/gate/datasets.json", *[f"{q}/report.json" for q in QUANTIZED]]
+DOWNLOAD = f"{UNTRAINED}/download.json"
+RULES = ("download", "download_datasets", "quantize")
+# Status checks every few seconds instead of the executor's 40 s: the jobs here take seconds. The node has 2 CPUs,
+# quantize asks for 4 threads (what a real node has): --max-threads caps what a job asks SLURM for.
+FAST = ["--slurm-init-seconds-before-status-checks", "2", "--max-threads", str(os.cpu_count() or 2)]
+
+
+# The records (download.json, report.json) also hold how long a stage took: compared are the checkpoints.
+NOT_COMPARED = {".snakemake_timestamp", "download.json", "report.json"}
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under path, by relative name; Snakemake's directory marker and the records left out."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in NOT_COMPARED)
+    assert files, f"nothing under {path}"
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def checkout_copy(dest: Path) -> Path:
+    """The tracked files of this checkout (with uncommitted edits, file times kept), the untrained and trained
+    checkpoints, and the venvs linked."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    for name in ("checkpoint", "manifest.json", "download.json"):  # download's and train_tiny's outputs
+        for source, target in (
+            (ROOT / UNTRAINED / name, dest / UNTRAINED / name),
+            (ROOT / MODEL / name, dest / MODEL / name),
+        ):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(source, target) if source.is_dir() else shutil.copy2(source, target)
+    (dest / ".venvs").symlink_to(ROOT / ".venvs")
+    return dest
+
+
+def on_slurm(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return snakemake("--profile", "profiles/slurm", *args, *FAST, *TINY, check=check, cwd=workdir)
+
+
+def sacct_jobs(since: str) -> list[dict]:
+    fields = ["JobIDRaw", "JobName", "State", "ReqMem", "Timelimit", "Comment", "ExitCode"]
+    out = subprocess.run(
+        ["sacct", "-X", "-P", "-n", "-S", since, f"--format={','.join(fields)}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    subprocess.run(["bash", str(ROOT / "setup" / "start-slurm.sh")], check=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def local_outputs(tiny_checkpoint):
+    """The same targets built the ordinary way in the project itself (most exist already after the tiny DAG)."""
+    snakemake("--cores", "2", *FAN_OUT, DOWNLOAD, *TINY)
+    return {target: tree_digest(ROOT / target) for target in (UNTRAINED, *QUANTIZED)}
+
+
+@pytest.fixture(scope="module")
+def cluster_run(slurm_cluster, local_outputs, tmp_path_factory):
+    workdir = checkout_copy(tmp_path_factory.mktemp("slurm") / "checkout")
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    started = time.monotonic()
+    on_slurm(workdir, *FAN_OUT)
+    again = on_slurm(workdir, "-n", *FAN_OUT).stdout  # before download runs again, which makes train_tiny out of date
+    on_slurm(workdir, DOWNLOAD, "--forcerun", "download")
+    return {"workdir": workdir, "since": since, "seconds": time.monotonic() - started, "dry_run_after": again}
+
+
+def test_each_rule_ran_as_a_slurm_job_with_its_declared_resources(cluster_run):
+    jobs = sacct_jobs(cluster_run["since"])
+    by_rule = {}
+    for job in jobs:
+        rule = re.match(r"rule_(\w+?)(?:_wildcards_|$)", job["Comment"])
+        if rule:
+            by_rule.setdefault(rule.group(1), []).append(job)
+    assert sorted(by_rule) == sorted(RULES), jobs
+    assert len(by_rule["quantize"]) == len(RECIPES)
+    for rule, rule_jobs in by_rule.items():
+        declared = CONFIG["resources"][rule]
+        for job in rule_jobs:
+            assert job["State"] == "COMPLETED" and job["ExitCode"] == "0:0", job
+            assert job["ReqMem"] == f"{declared['mem_mb']}M", (rule, job)
+            hours, minutes, seconds = (int(part) for part in job["Timelimit"].split(":"))
+            assert hours * 60 + minutes == declared["runtime"] and seconds == 0, (rule, job)
+    assert sorted(job["JobIDRaw"] for job in jobs) == sorted(set(job["JobIDRaw"] for job in jobs))
+    print(f"SLURM: {len(jobs)} jobs in {cluster_run['seconds']:.0f} s")
+
+
+def test_the_cluster_gives_the_same_outputs_as_a_local_run(cluster_run, local_outputs):
+    workdir = cluster_run["workdir"]
+    for target, digest in local_outputs.items():
+        assert tree_digest(workdir / target) == digest, target
+
+
+def test_each_job_leaves_its_logs_under_logs(cluster_run):
+    logs = cluster_run["workdir"] / "logs"
+    for name in ("download/download.log", "download_datasets/gate.log", *[f"quantize/{r}.log" for r in RECIPES]):
+        assert (logs / name).stat().st_size > 0, name
+    slurm_logs = list((logs / "slurm").rglob("*.log"))  # SLURM's own output of each job (profiles/slurm: slurm-logdir)
+    assert {p.relative_to(logs / "slurm").parts[0] for p in slurm_logs} == {f"rule_{rule}" for rule in RULES}
+    assert len(slurm_logs) == 1 + 1 + len(RECIPES) and all(p.stat().st_size for p in slurm_logs), slurm_logs
+
+
+def test_a_rerun_on_the_cluster_has_nothing_to_do(cluster_run):
+    assert "Nothing to be done" in cluster_run["dry_run_after"], cluster_run["dry_run_after"][-2000:]
+
+
+# ---- failures: SLURM's reason in the message, no output a rerun would trust --------------------------------------
+
+
+def test_a_partition_that_does_not_exist_is_named(cluster_run):
+    result = on_slurm(
+        cluster_run["workdir"], DOWNLOAD, "--forcerun", "download",
+        "--default-resources", "slurm_partition=no-such-partition", check=False,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "no-such-partition" in out, out[-3000:]
+    assert not (cluster_run["workdir"] / DOWNLOAD).exists()
+
+
+def test_a_job_the_scheduler_kills_fails_the_run_with_slurms_reason(cluster_run):
+    """download asks for 50 MB and uses ~850: SLURM (OverMemoryKill, setup/start-slurm.sh) kills it, and the outputs
+    the job wrote before are removed."""
+    result = on_slurm(
+        cluster_run["workdir"], DOWNLOAD, "--forcerun", "download",
+        "--set-resources", "download:mem_mb=50", check=False,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    # The executor reports the state (FAILED); SLURM's own log, which the profile shows, says why.
+    assert result.returncode != 0 and "SLURM status is: 'FAILED'" in out, out[-3000:]
+    assert "Exceeded job memory limit" in out, out[-3000:]
+    assert not (cluster_run["workdir"] / DOWNLOAD).exists()
+
+
+def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
+    """SLURM_CONF naming a controller nobody runs: sbatch's own error ends the run."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=nowhere\nSlurmctldHost=localhost(127.0.0.2)\nSlurmctldPort=1\nMessageTimeout=2\n")
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    result = subprocess.run(
+        [
+            "python3", "-m", "snakemake", "--profile", "profiles/slurm", *FAST,
+            DOWNLOAD, "--forcerun", "download", *TINY,
+        ],
+        cwd=cluster_run["workdir"], env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "Unable to contact slurm controller" in out, out[-3000:]
+    assert not (cluster_run["workdir"] / DOWNLOAD).exists()
