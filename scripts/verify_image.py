@@ -15,6 +15,7 @@ archive first when the daemon lacks that ID), so what answers is the archive's i
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib.containers import docker_answers, image_exists, run, run_container
@@ -164,7 +165,18 @@ def smoke_image(archive: str | Path, image_id: str, mode: str, run_settings: dic
 
 def main(job) -> None:
     image = load_image_record(job.input.image)
-    record = verify_archive(job.input.tarball, image["ref"], image["labels"], image["id"])
+    params = job.params
+    with ThreadPoolExecutor(1) as pool:
+        # Reading the whole archive and starting its image overlap (the start waits on the server, not this process).
+        # The smoke runs image.json's ID, which the check proves the archive's config hashes to; with both failing,
+        # the archive's problem is the one reported.
+        checking = pool.submit(verify_archive, job.input.tarball, image["ref"], image["labels"], image["id"])
+        try:
+            smoke = smoke_image(job.input.tarball, image["id"], params.verify_run, dict(params.run), params.model_name)
+        except StageError:
+            checking.result()
+            raise
+        record = checking.result()
     arch_problems = gpu_arch_problems(record["labels"], job.params.gpu_arch, job.params.allow_arch_mismatch)
     if arch_problems:
         raise StageError(f"{job.input.tarball} failed verification:\n  - " + "\n  - ".join(arch_problems))
@@ -179,10 +191,7 @@ def main(job) -> None:
         f"in {record['seconds']} s",
         flush=True,
     )
-    params = job.params
-    record["smoke"] = smoke_image(
-        job.input.tarball, record["image_id"], params.verify_run, dict(params.run), params.model_name
-    )
+    record["smoke"] = smoke
     if record["smoke"]["ran"]:
         print(
             f"smoke test: /ping after {record['smoke']['ping_s']} s; "
