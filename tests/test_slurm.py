@@ -152,7 +152,7 @@ def test_a_partition_that_does_not_exist_is_named(cluster_run):
         "--default-resources", "slurm_partition=no-such-partition", check=False,
     )  # fmt: skip
     out = result.stdout + result.stderr
-    assert result.returncode != 0 and "no-such-partition" in out, out[-3000:]
+    assert result.returncode != 0 and "invalid partition specified: no-such-partition" in out, out[-3000:]
     assert not (cluster_run["workdir"] / DOWNLOAD).exists()
 
 
