@@ -1,6 +1,7 @@
 """The config schema (schemas/config.schema.yaml), home of every config default."""
 
 import copy
+import functools
 from pathlib import Path
 
 import yaml
@@ -8,8 +9,16 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
 
+@functools.cache
+def _parsed() -> dict:
+    # Parsed once a process: every `snakemake` run checks the config against it several times (sweep points too),
+    # and pure-Python YAML parsing was half of a dry run's 2 s. libyaml's loader where PyYAML has it.
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def load() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    """The schema, a copy of its own for each caller."""
+    return copy.deepcopy(_parsed())
 
 
 def _defaults(properties: dict) -> dict:
