@@ -2,7 +2,8 @@
 munge, slurmdbd on MariaDB) runs the tiny profile's cheap fan-out through `snakemake --profile profiles/slurm`:
 `download`, `download_datasets` and two `quantize` recipes, each a SLURM job. The jobs must appear in `sacct` with
 the memory and time limit their rules declare (config/tiny.yaml's `resources`), leave their logs under logs/, and
-give the same bytes as a local run. The run is in a copy of the checkout, so the project's own outputs are
+give the same bytes as a local run; a missing partition, a memory kill, a time-limit kill and no controller each
+fail the run with SLURM's words. The run is in a copy of the checkout, so the project's own outputs are
 untouched: the trained tiny checkpoint is copied in (train_tiny takes minutes), the venvs are linked.
 """
 
@@ -190,3 +191,18 @@ def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
     assert result.returncode != 0, out[-3000:]
     assert "Unable to contact slurm controller" in out, out[-3000:]
     assert not (cluster_run["workdir"] / DOWNLOAD).exists()
+
+
+def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(cluster_run):
+    """train_tiny (minutes on any CPU) given 1 minute: slurmctld checks time limits every 30 s, so SLURM ends it
+    60-90 s in (the slowest test here; last, because the trained checkpoint it replaces is then gone)."""
+    trained = f"{MODEL}/download.json"
+    result = on_slurm(
+        cluster_run["workdir"], trained, "--forcerun", "train_tiny",
+        "--set-resources", "train_tiny:runtime=1", check=False,
+    )  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
+    assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
+    assert not (cluster_run["workdir"] / trained).exists()
+    assert not (cluster_run["workdir"] / MODEL / "checkpoint").exists()
