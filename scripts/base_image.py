@@ -18,9 +18,25 @@ from lib.stage import StageError, write_json
 
 SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# triton is the GPU compiler (~1 GB, unused by vLLM's CPU backend); torch's C++ headers serve no one
-# Triton has no CPU backend here. torch/include stays: inductor compiles C++ against it at start-up.
-SITE_EXCLUDE = ("triton", "triton-*.dist-info")
+# Left out of the CPU image (0.64 GB of triton, 0.82 GB of CUDA libraries): triton is the GPU compiler, and it
+# has no CPU backend here. PyPI's torch is the CUDA build, so `import torch` links cuBLAS, cuFFT, NCCL, cuDNN's
+# loader and the rest even on a CPU (they stay); the files below are only ever dlopen'ed by CUDA work (cuDNN's
+# engines, NVRTC's alternative ABI, multi-GPU cuSOLVER, profiler and device-side NVSHMEM, CUDA linalg) or are
+# static archives and headers: none is mapped by a CPU server (checked in /proc/<pid>/maps of the tiny one).
+# torch/include stays: inductor compiles C++ against it at start-up.
+SITE_EXCLUDE = (
+    "triton",
+    "triton-*.dist-info",
+    "nvidia/*/include",
+    "nvidia/cudnn/lib/libcudnn_*.so.*",
+    "nvidia/cu13/lib/libnvrtc.alt.so.*",
+    "nvidia/cu13/lib/libnvrtc-builtins.alt.so.*",
+    "nvidia/cu13/lib/libcusolverMg.so.*",
+    "nvidia/cu13/lib/libnvperf_*.so",
+    "nvidia/cu13/lib/*.a",
+    "nvidia/nvshmem/lib/libnvshmem_device.*",
+    "torch/lib/libtorch_cuda_linalg.so",
+)
 SMOKE_TEST = "import torch, vllm; print(vllm.__version__, torch.__version__)"
 
 

