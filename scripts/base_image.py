@@ -1,6 +1,6 @@
 """Build a local Python base image holding the CPU serving environment (tiny profile only).
 
-No registry is reachable on the tiny host, so the base is a Debian minbase rootfs from debootstrap
+No registry is reachable on the tiny host, so the base is a Debian minbase rootfs from mmdebstrap
 with the serve-cpu venv's site-packages copied in and put on PYTHONPATH. The real profile uses a
 pinned vLLM image instead and skips this rule.
 """
@@ -55,8 +55,8 @@ def _mounts_under(path: Path) -> list[str]:
 
 
 def remove_rootfs(path: Path) -> None:
-    """rm -rf that first unmounts what debootstrap may have left mounted (it bind-mounts host /dev
-    nodes inside containers): deleting through a live bind mount would delete the host's files."""
+    """rm -rf that first unmounts what the bootstrap may have left mounted (it mounts /dev, /proc and /sys in the
+    rootfs while it installs): deleting through a live bind mount would delete the host's files."""
     if not path.exists():
         return
     for point in _mounts_under(path):
@@ -66,13 +66,16 @@ def remove_rootfs(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def debootstrap(rootfs: Path, suite: str, mirror: str, packages: list[str]) -> None:
-    cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs), mirror]
+def bootstrap_rootfs(rootfs: Path, suite: str, mirror: str, packages: list[str]) -> None:
+    """A Debian minbase rootfs with `packages`. mmdebstrap, not debootstrap: apt resolves and installs in one pass
+    and leaves no package cache (22 s against debootstrap's 50-75 s on 2 cores)."""
+    if shutil.which("mmdebstrap") is None:
+        raise StageError("mmdebstrap is not installed (apt-get install mmdebstrap; setup/install.sh does)")
+    cmd = ["mmdebstrap", "--variant=minbase", f"--include={','.join(packages)}", suite, str(rootfs), mirror]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        log = rootfs / "debootstrap" / "debootstrap.log"
-        tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else result.stderr.splitlines()[-20:]
-        raise StageError(f"debootstrap {suite} from {mirror} failed (exit {result.returncode}):\n" + "\n".join(tail))
+        tail = (result.stderr or result.stdout).strip().splitlines()[-20:]
+        raise StageError(f"mmdebstrap {suite} from {mirror} failed (exit {result.returncode}):\n" + "\n".join(tail))
 
 
 def _excluded(rel: str, patterns) -> bool:
@@ -148,8 +151,8 @@ def main(job) -> None:
     work = Path(tempfile.mkdtemp(prefix="base-rootfs-", dir=out.parent))
     rootfs = work / "rootfs"
     try:
-        debootstrap(rootfs, params.suite, params.mirror, list(params.packages))
-        print(f"debootstrap {params.suite}: {time.monotonic() - started:.0f} s", flush=True)
+        bootstrap_rootfs(rootfs, params.suite, params.mirror, list(params.packages))
+        print(f"mmdebstrap {params.suite}: {time.monotonic() - started:.0f} s", flush=True)
         py = site.parent.name  # python3.X: the venv's C extensions are built for this minor version
         if not (rootfs / "usr" / "lib" / py).is_dir():
             found = sorted(p.name for p in (rootfs / "usr" / "lib").glob("python3.*"))

@@ -5,10 +5,10 @@
 # Stage venvs (envs/*.txt) are not made here: the DAG's `venv` rule builds them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v dot >/dev/null \
+if ! command -v dockerd >/dev/null || ! command -v mmdebstrap >/dev/null || ! command -v dot >/dev/null \
   || ! command -v pigz >/dev/null || ! command -v slurmdbd >/dev/null || ! command -v mariadbd >/dev/null; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io buildah debootstrap graphviz pigz \
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io buildah mmdebstrap graphviz pigz \
     slurm-wlm slurmdbd munge mariadb-server >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -r requirements.txt

@@ -429,3 +429,13 @@ def test_failure_summary_surfaces_the_root_cause_above_the_tail(monkeypatch):
     summary = box.failure_summary(tail=5).splitlines()
     assert summary[1].startswith("torch._inductor.exc.InductorError: InvalidCxxCompiler")
     assert summary[-5:] == ["  File x, line 1"] * 5
+
+
+@pytest.mark.e2e  # root and mmdebstrap (setup/install.sh); apt gives up on the mirror after ~7 s
+def test_the_base_rootfs_fails_naming_the_mirror_and_the_missing_tool(tmp_path, monkeypatch):
+    with pytest.raises(StageError, match=r"mmdebstrap bookworm from http://127.0.0.1:9/debian failed") as failed:
+        base_image.bootstrap_rootfs(tmp_path / "rootfs", "bookworm", "http://127.0.0.1:9/debian", ["python3"])
+    assert "127.0.0.1" in str(failed.value).split("failed", 1)[1], failed.value  # apt's own words follow
+    monkeypatch.setattr(base_image.shutil, "which", lambda name: None)
+    with pytest.raises(StageError, match="apt-get install mmdebstrap"):
+        base_image.bootstrap_rootfs(tmp_path / "rootfs", "bookworm", "http://deb.debian.org/debian", ["python3"])
