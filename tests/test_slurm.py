@@ -75,6 +75,16 @@ def on_slurm(workdir: Path, *args: str, check: bool = True) -> subprocess.Comple
     return snakemake("--profile", "profiles/slurm", *args, *FAST, *TINY, check=check, cwd=workdir)
 
 
+def failing_with_resource(workdir: Path, target: str, rule: str, resource: str) -> str:
+    """Make target with rule forced and one of its resources set (`mem_mb=50`) so that SLURM ends the job: the run
+    must fail and leave no target. Returns the run's output."""
+    result = on_slurm(workdir, target, "--forcerun", rule, "--set-resources", f"{rule}:{resource}", check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert not (workdir / target).exists()
+    return out
+
+
 def sacct_jobs(since: str) -> list[dict]:
     fields = ["JobIDRaw", "JobName", "State", "ReqMem", "Timelimit", "Comment", "ExitCode"]
     out = subprocess.run(
@@ -164,15 +174,10 @@ def test_a_partition_that_does_not_exist_is_named(cluster_run):
 def test_a_job_the_scheduler_kills_fails_the_run_with_slurms_reason(cluster_run):
     """download asks for 50 MB and uses ~850: SLURM (OverMemoryKill, setup/start-slurm.sh) kills it, and the outputs
     the job wrote before are removed."""
-    result = on_slurm(
-        cluster_run["workdir"], DOWNLOAD, "--forcerun", "download",
-        "--set-resources", "download:mem_mb=50", check=False,
-    )  # fmt: skip
-    out = result.stdout + result.stderr
+    out = failing_with_resource(cluster_run["workdir"], DOWNLOAD, "download", "mem_mb=50")
     # The executor reports the state (FAILED); SLURM's own log, which the profile shows, says why.
-    assert result.returncode != 0 and "SLURM status is: 'FAILED'" in out, out[-3000:]
+    assert "SLURM status is: 'FAILED'" in out, out[-3000:]
     assert "Exceeded job memory limit" in out, out[-3000:]
-    assert not (cluster_run["workdir"] / DOWNLOAD).exists()
 
 
 def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
@@ -197,12 +202,7 @@ def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(cluster_run)
     """train_tiny (minutes on any CPU) given 1 minute: slurmctld checks time limits every 30 s, so SLURM ends it
     60-90 s in (the slowest test here; last, because the trained checkpoint it replaces is then gone)."""
     trained = f"{MODEL}/download.json"
-    result = on_slurm(
-        cluster_run["workdir"], trained, "--forcerun", "train_tiny",
-        "--set-resources", "train_tiny:runtime=1", check=False,
-    )  # fmt: skip
-    out = result.stdout + result.stderr
-    assert result.returncode != 0 and "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
+    out = failing_with_resource(cluster_run["workdir"], trained, "train_tiny", "runtime=1")
+    assert "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
     assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
-    assert not (cluster_run["workdir"] / trained).exists()
     assert not (cluster_run["workdir"] / MODEL / "checkpoint").exists()
