@@ -255,6 +255,22 @@ VARIANTS = {
         }
         for k, speculative in ((4, NGRAM_GPU4_GRAPH), (16, NGRAM_GPU16_GRAPH))
     },
+    # twelfth lease (issue 14, item 3): the GDN metadata of an all-speculative step built from slices
+    # (serving/gdn_spec_metadata.py, on by default) against vLLM's own build (SERVING_GDN_SPEC_METADATA=0), on the
+    # captured padded ngram_gpu step, beside AWQ broad; then padded suffix K=32 d48 with it, and bf16:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-ngramgpu4-gdn-traced,serve-awq-broad-ngramgpu4-vllmgdn-traced,lossless,
+    # serve-awq-broad-suffix32-d48-pad-f4,serve-bf16-all
+    **{
+        f"awq-broad-ngramgpu4-{name}-traced": {
+            "recipe": BROAD,
+            "speculative": NGRAM_GPU4_GRAPH,
+            "first": "from:awq-broad",
+            "profile": True,
+            "env": env,
+        }
+        for name, env in (("gdn", {}), ("vllmgdn", {"SERVING_GDN_SPEC_METADATA": "0"}))
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -339,6 +355,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu16-pad-graph",
     "serve-awq-broad-ngramgpu4-pad-graph-traced",
     "serve-awq-broad-ngramgpu16-pad-graph-traced",
+    "serve-awq-broad-ngramgpu4-gdn-traced",
+    "serve-awq-broad-ngramgpu4-vllmgdn-traced",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

@@ -352,3 +352,95 @@ print("ok")
 def test_gdn_index_fix_makes_a_one_element_strided_index_dense():
     result = subprocess.run([str(SERVE_PY), "-c", DENSE_CHECK, str(ROOT)], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+# vLLM 0.26's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
+# vLLM's build and serving.gdn_spec_metadata's, on two builders stepped through the same sequence of batches
+GDN_SPEC_METADATA = r"""
+import dataclasses, json, sys, torch
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends import gdn_attn
+from serving import gdn_spec_metadata
+
+K, MAX_REQS = 4, 8
+
+def builder():
+    b = object.__new__(gdn_attn.GDNAttentionMetadataBuilder)
+    b.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="none"))
+    b.kv_cache_spec, b.gdn_prefill_backend = None, "triton"
+    b.num_spec, b.use_spec_decode, b.use_full_cuda_graph = K, True, True
+    b.decode_cudagraph_max_bs = MAX_REQS * (K + 1)
+    n = b.decode_cudagraph_max_bs
+    empty = lambda *shape, dtype=torch.int32: torch.full(shape, -7, dtype=dtype)  # noqa: E731
+    b.spec_state_indices_tensor, b.non_spec_state_indices_tensor = empty(n, K + 1), empty(n)
+    b.spec_sequence_masks = torch.zeros(n, dtype=torch.bool)
+    b.spec_token_indx, b.non_spec_token_indx = empty(n * (K + 1)), empty(n * (K + 1))
+    b.spec_query_start_loc, b.non_spec_query_start_loc = empty(n + 1), empty(n + 1)
+    b.num_accepted_tokens = empty(n)
+    return b
+
+def batch(query_lens, drafts, seed):
+    gen = torch.Generator().manual_seed(seed)
+    reqs = len(query_lens)
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    metadata = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32) + 40, num_reqs=reqs,
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=200,
+        block_table_tensor=torch.randint(1, 500, (reqs, K + 1), generator=gen, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64))
+    accepted = torch.randint(1, K + 2, (reqs,), generator=gen, dtype=torch.int32)
+    return metadata, accepted, torch.tensor(drafts, dtype=torch.int32)
+
+def plain(v):
+    if isinstance(v, torch.Tensor):
+        return [list(v.shape), str(v.dtype), v.tolist()]
+    if isinstance(v, dict):
+        return {str(k): plain(x) for k, x in v.items()}
+    return v
+
+def fields(m):
+    return {f.name: plain(getattr(m, f.name)) for f in dataclasses.fields(m)}
+
+# (query lens, draft counts): padded drafts at batch 1, three requests with uneven drafts, padded at batch 2, a
+# plain decode beside a drafted one, no drafts at all, a prefill beside drafts, a padded request at the back (vLLM's
+# build writes a False into the mask buffer), then the batch of 2 again: its mask must be refilled, not trusted
+STEPS = [([5], [4]), ([5], [4]), ([5, 3, 1], [4, 2, 0]), ([5, 5], [4, 4]), ([5, 1], [4, -1]), ([1], [0]),
+         ([5, 9], [4, -1]), ([5, 0], [4, -1]), ([5, 5], [4, 4]), ([5], [4])]
+vllm_builder, fast_builder = builder(), builder()
+vllm_build = gdn_attn.GDNAttentionMetadataBuilder.build
+fast = gdn_spec_metadata.fast_build(
+    vllm_build, gdn_attn.GDNAttentionMetadata, lambda b, m: m.block_table_tensor)
+report = []
+for seed, (query_lens, drafts) in enumerate(STEPS):
+    took = gdn_spec_metadata.all_spec_batch(fast_builder, *batch(query_lens, drafts, seed)) is not None
+    expected = fields(vllm_build(vllm_builder, 0, *batch(query_lens, drafts, seed)))
+    last = fast(fast_builder, 0, *batch(query_lens, drafts, seed))
+    got = fields(last)
+    report.append({"drafts": drafts, "fast": took, "equal": expected == got,
+                   "differ": sorted(k for k in expected if expected[k] != got[k])})
+# what a FULL graph replays: the fast path's tensors live in the builder's persistent buffers
+shared = {name: getattr(last, name).data_ptr() == getattr(fast_builder, name).data_ptr()
+          for name in ("spec_state_indices_tensor", "spec_sequence_masks", "spec_query_start_loc",
+                       "num_accepted_tokens", "spec_token_indx")}
+gdn_spec_metadata.register()
+gdn_spec_metadata.register()  # twice: still one wrapper
+wrapped = getattr(gdn_attn.GDNAttentionMetadataBuilder.build, gdn_spec_metadata._WRAPPED, None)
+print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build}))
+"""
+
+
+@pytest.mark.e2e
+def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
+    """serving.gdn_spec_metadata against vLLM 0.26's own GDN builder, batch after batch: the same metadata, field by
+    field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, and the same
+    persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them."""
+    result = subprocess.run([str(SERVE_PY), "-c", GDN_SPEC_METADATA, str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [step["fast"] for step in seen["steps"]] == [True] * 4 + [False] * 4 + [True] * 2
+    assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
+    assert all(step["equal"] for step in seen["steps"]) and all(seen["buffers"].values()), seen
+    assert seen["registered_once"]

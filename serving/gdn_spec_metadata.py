@@ -1,0 +1,130 @@
+"""vLLM general plugin (entry point in _dist/): the GDN metadata of a verify step in which every request carries
+drafts, built with slices instead of the general path's masks, syncs and index gathers.
+
+Why it exists: on an H100 a captured speculative step (padded ngram_gpu, drafter graphs) spent 8.3 ms of profiled
+host time against 1.7 ms for a plain step; the largest block after the drafter was vLLM 0.26's GDN metadata builder
+in its speculative branch (results/gpu-proof/h100-graph-drafter-traced, docs/gpu-proof.md), run once per GDN
+KV-cache group (three on Qwen3.5-4B) with the same inputs but the block table: each run pins the draft-count mask
+and copies it to the GPU, makes six `.item()`s on CPU tensors, gathers the block table and the accepted counts
+through a CPU boolean mask (an index copy to the GPU each), and builds a fresh arange, before copying all of it into
+the builder's persistent CUDA-graph buffers.
+
+When every request of the batch is a speculative decode (each draft count >= 0, some > 0; what padded drafts give at
+every step) and the batch fits the FULL graph, the general path's mask is all True, so every masked gather is a
+slice and the token index is 0..T-1. This path writes the same persistent buffers with three copies (block table
+columns, query starts, accepted counts) and refills the all-True mask and the token index only when the batch shape
+changed or the general path wrote them since. Any other batch (prefills, plain decodes, padded requests, no drafts,
+no FULL graphs) goes to vLLM's own build unchanged. tests/test_lossless.py compares the two field by field on
+vLLM's own builder.
+
+SERVING_GDN_SPEC_METADATA=0 leaves vLLM's build alone (the GPU proof measures the step both ways).
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "SERVING_GDN_SPEC_METADATA"
+_WRAPPED = "_serving_gdn_spec_metadata"
+_FILLED = "_serving_gdn_filled"  # (requests, tokens) whose mask and token index the persistent buffers hold
+
+
+def all_spec_batch(builder, metadata, num_accepted_tokens, num_decode_draft_tokens_cpu):
+    """(requests, tokens) when the batch takes the fast path, else None (see the module's doc)."""
+    if not (builder.use_spec_decode and builder.use_full_cuda_graph):
+        return None
+    if num_decode_draft_tokens_cpu is None or num_accepted_tokens is None:
+        return None
+    drafts = num_decode_draft_tokens_cpu.tolist()
+    requests = metadata.num_reqs
+    if len(drafts) != requests or not drafts or min(drafts) < 0 or sum(drafts) == 0:
+        return None
+    tokens = int(metadata.query_start_loc_cpu[requests])
+    # a request with d drafts verifies d + 1 tokens, at most K + 1
+    if tokens != requests + sum(drafts) or max(drafts) > builder.num_spec:
+        return None
+    if requests > builder.decode_cudagraph_max_bs or tokens > builder.decode_cudagraph_max_bs:
+        return None
+    return requests, tokens
+
+
+def build_all_spec(builder, metadata, num_accepted_tokens, requests: int, tokens: int, metadata_cls, block_table):
+    """The metadata vLLM's build returns for an all-speculative batch on FULL graphs, in its persistent buffers."""
+    import torch
+
+    width = builder.num_spec + 1
+    state_indices = builder.spec_state_indices_tensor[:requests]
+    state_indices.copy_(block_table[:requests, :width], non_blocking=True)
+    query_start_loc = builder.spec_query_start_loc[: requests + 1]
+    query_start_loc.copy_(metadata.query_start_loc[: requests + 1], non_blocking=True)
+    accepted = builder.num_accepted_tokens[:requests]
+    accepted.copy_(num_accepted_tokens[:requests], non_blocking=True)
+    if getattr(builder, _FILLED, None) != (requests, tokens):
+        builder.spec_sequence_masks[:requests].fill_(True)
+        builder.spec_token_indx[:tokens].copy_(
+            torch.arange(tokens, dtype=builder.spec_token_indx.dtype, device=builder.spec_token_indx.device)
+        )
+        setattr(builder, _FILLED, (requests, tokens))
+    return metadata_cls(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=0,
+        num_decode_tokens=0,
+        num_spec_decodes=requests,
+        num_spec_decode_tokens=tokens,
+        num_actual_tokens=metadata.num_actual_tokens,
+        spec_query_start_loc=query_start_loc,
+        spec_state_indices_tensor=state_indices,
+        spec_sequence_masks=builder.spec_sequence_masks[:requests],
+        spec_token_indx=builder.spec_token_indx[:tokens],
+        non_spec_token_indx=builder.non_spec_token_indx[:0],
+        num_accepted_tokens=accepted,
+    )
+
+
+def fast_build(original, metadata_cls, block_table_for, log=None):
+    def build(
+        self,
+        common_prefix_len,
+        common_attn_metadata,
+        num_accepted_tokens=None,
+        num_decode_draft_tokens_cpu=None,
+        fast_build=False,
+    ):
+        batch = all_spec_batch(self, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu)
+        if batch is None:
+            setattr(self, _FILLED, None)  # the general path may rewrite the mask and token index buffers
+            return original(
+                self, common_prefix_len, common_attn_metadata, num_accepted_tokens, num_decode_draft_tokens_cpu,
+                fast_build,
+            )  # fmt: skip
+        block_table = block_table_for(self, common_attn_metadata)
+        if log is not None and not getattr(build, "_logged", False):
+            build._logged = True  # the tests and the GPU proof read this line to know the path is taken
+            log(f"gdn spec metadata: all-speculative batch of {batch[0]} built from slices")
+        return build_all_spec(self, common_attn_metadata, num_accepted_tokens, *batch, metadata_cls, block_table)
+
+    setattr(build, _WRAPPED, original)
+    return build
+
+
+def register() -> None:
+    if os.environ.get(ENV) == "0":
+        return
+    from vllm.logger import init_logger
+    from vllm.v1.attention.backends import gdn_attn
+    from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+
+    def block_table_for(builder, metadata):
+        # as vLLM's build reads it (a gather of the last blocks in mamba_cache_mode "align")
+        return mamba_get_block_table_tensor(
+            metadata.block_table_tensor,
+            metadata.seq_lens,
+            builder.kv_cache_spec,
+            builder.vllm_config.cache_config.mamba_cache_mode,
+        )
+
+    cls = gdn_attn.GDNAttentionMetadataBuilder
+    if not hasattr(cls.build, _WRAPPED):
+        logger = init_logger("vllm.plugins.serving_gdn_spec_metadata")
+        cls.build = fast_build(cls.build, gdn_attn.GDNAttentionMetadata, block_table_for, logger.info)
