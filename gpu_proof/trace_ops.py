@@ -1,9 +1,10 @@
 """Where a decode step's host time goes: the top-level PyTorch operators (not nested in another) of a torch-profiler
-trace, per decode step, for two traces side by side (a plain step and a speculative one). Decode steps are vLLM's
+trace, per decode step, for two traces side by side (a plain step and a speculative one, or one step before and
+after a change: LABEL_A/LABEL_B name the two columns, "plain" and "speculative" by default). Decode steps are vLLM's
 `execute_context_0(0)_generation_*` ranges; what lies between two of them (scheduling, input preparation, sampling)
 counts toward the step that follows.
 
-    python3 gpu_proof/trace_ops.py PLAIN.json.gz SPECULATIVE.json.gz > ops.json
+    python3 gpu_proof/trace_ops.py PLAIN.json.gz SPECULATIVE.json.gz [LABEL_A LABEL_B] > ops.json
 """
 
 from __future__ import annotations
@@ -43,32 +44,34 @@ def top_level_ops(events: list[dict]) -> dict:
     return {"steps": len(decode) - 1, "ops": dict(ops)}
 
 
-def compare(plain: dict, speculative: dict, top: int = 25) -> dict:
-    """Per-step calls and milliseconds of each operator in both, the largest differences first."""
+def compare(plain: dict, speculative: dict, top: int = 25, labels=("plain", "speculative")) -> dict:
+    """Per-step calls and milliseconds of each operator in both, the largest differences (either way) first."""
 
     def per_step(found, name):
         calls, us = found["ops"].get(name, (0, 0.0))
         return {"calls": round(calls / found["steps"], 1), "ms": round(us / found["steps"] / 1000, 3)}
 
+    first, second = labels
     rows = [
-        {"op": name, "plain": per_step(plain, name), "speculative": per_step(speculative, name)}
+        {"op": name, first: per_step(plain, name), second: per_step(speculative, name)}
         for name in set(plain["ops"]) | set(speculative["ops"])
     ]
-    rows.sort(key=lambda row: row["speculative"]["ms"] - row["plain"]["ms"], reverse=True)
+    rows.sort(key=lambda row: abs(row[second]["ms"] - row[first]["ms"]), reverse=True)
 
     def total(found):
         return round(sum(us for _, us in found["ops"].values()) / found["steps"] / 1000, 3)
 
     return {
-        "steps": {"plain": plain["steps"], "speculative": speculative["steps"]},
-        "top_level_ms_per_step": {"plain": total(plain), "speculative": total(speculative)},
+        "steps": {first: plain["steps"], second: speculative["steps"]},
+        "top_level_ms_per_step": {first: total(plain), second: total(speculative)},
         "largest_differences": rows[:top],
     }
 
 
 def main() -> None:
     plain, speculative = (top_level_ops(load(path)) for path in sys.argv[1:3])
-    print(json.dumps(compare(plain, speculative), indent=2))
+    labels = tuple(sys.argv[3:5]) if len(sys.argv) >= 5 else ("plain", "speculative")
+    print(json.dumps(compare(plain, speculative, labels=labels), indent=2))
 
 
 if __name__ == "__main__":

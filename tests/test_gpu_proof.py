@@ -745,3 +745,56 @@ def test_trace_ops_counts_each_threads_outermost_operators_per_decode_step():
     assert table["top_level_ms_per_step"] == {"plain": 0.01, "speculative": 0.026}
     assert [row["op"] for row in table["largest_differences"]] == ["aten::index", "aten::to", "aten::sum"]
     assert table["largest_differences"][0]["speculative"] == {"calls": 1.0, "ms": 0.02}
+
+
+def test_gdn_metadata_from_slices_section_is_its_records():
+    """machine16: the slices' log line only where the plugin is on; the docs' table is the records' medians, speedups
+    over bf16 of the host, fresh mean ITL against AWQ broad's and GPU busy time; the per-set cost of a silent token
+    and the operator summaries' claims (the GDN builder's CPU sums and syncs gone) recomputed."""
+    folder = RESULTS.parent / "h100-gdn-metadata"
+    found = lease_records(folder, "[!h]*.json")
+    assert_lease(found, "machine16")
+    bf16, plain = found["variant-bf16-all"], found["variant-awq-broad"]
+    slices, vllm_build = (found[f"variant-awq-broad-ngramgpu4-{name}-traced"] for name in ("gdn", "vllmgdn"))
+    assert slices["speculative"] == vllm_build["speculative"] and slices["speculative"]["graph_drafter"]
+    assert vllm_build["serve_env"]["SERVING_GDN_SPEC_METADATA"] == "0" and "SERVING_GDN_SPEC_METADATA" not in (
+        slices["serve_env"]
+    )
+    for record, count in ((slices, 1), (vllm_build, 0)):
+        log = (folder / "logs" / f"machine16-{record['variant']}-first.log").read_text()
+        assert log.count("gdn spec metadata: all-speculative batch") == count
+
+    section = "# GDN metadata from slices"
+    rows = {
+        "bf16": bf16,
+        "AWQ broad": plain,
+        "AWQ + ngram_gpu K=4, padded, graphs, vLLM's GDN build": vllm_build,
+        "AWQ + ngram_gpu K=4, padded, graphs, GDN from slices": slices,
+    }
+    for label, record in rows.items():
+        cells = doc_row(section, label)
+        for cell, set_name in zip(cells, SETS, strict=False):
+            assert cell.startswith(medians(record, set_name)), (label, set_name, cell)
+            speedup = statistics.mean(
+                b["median_ms"] / c["median_ms"]
+                for b, c in zip(set_categories(bf16, set_name), set_categories(record, set_name), strict=True)
+            )
+            assert "x" not in cell or f"{speedup:.2f}x" in cell, (label, set_name, cell)
+        ratio = "" if record in (bf16, plain) else f" ({mean_itl(record) / mean_itl(plain):.2f}x)"
+        assert cells[3] == f"{mean_itl(record):.2f} ms{ratio}", label
+        if record.get("profile"):
+            assert cells[4] == f"{record['profile']['sets']['fresh']['breakdown']['per_step']['busy_ms']:.2f} ms"
+
+    def cost(record):
+        ratios = [mean_itl(record, s) / mean_itl(plain, s) for s in SETS]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+    text = GPU_PROOF_DOC.read_text()
+    assert f"now costs {cost(slices)} a plain AWQ token" in text and f"against {cost(vllm_build)} with vLLM" in text
+    for set_name in ("fresh", "repeated"):
+        ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
+        assert ops["steps"] == {"vllm_build": 128, "slices": 128}
+        top = ops["top_level_ms_per_step"]
+        assert f"{top['vllm_build']:.2f} → {top['slices']:.2f} ms on the {set_name} set" in text
+        by_op = {row["op"]: row for row in ops["largest_differences"]}
+        assert by_op["aten::sum"]["vllm_build"]["calls"] > 15 >= 1 >= by_op["aten::sum"]["slices"]["calls"]
