@@ -256,7 +256,8 @@ VARIANTS = {
         for k, speculative in ((4, NGRAM_GPU4_GRAPH), (16, NGRAM_GPU16_GRAPH))
     },
     # twelfth lease (issue 14, item 3): the GDN metadata of an all-speculative step built from slices
-    # (serving/gdn_spec_metadata.py, on by default) against vLLM's own build (SERVING_GDN_SPEC_METADATA=0), on the
+    # (serving/gdn_spec_metadata.py, on by default) against vLLM's own build (SERVING_GDN_SPEC_METADATA=0; both
+    # without spec_decode_indices, which came after), on the
     # captured padded ngram_gpu step, beside AWQ broad; then padded suffix K=32 d48 with it, and bf16:
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-ngramgpu4-gdn-traced,serve-awq-broad-ngramgpu4-vllmgdn-traced,lossless,
@@ -269,7 +270,20 @@ VARIANTS = {
             "profile": True,
             "env": env,
         }
-        for name, env in (("gdn", {}), ("vllmgdn", {"SERVING_GDN_SPEC_METADATA": "0"}))
+        for name, env in (
+            ("gdn", {"SERVING_SPEC_DECODE_INDICES": "0"}),
+            ("vllmgdn", {"SERVING_GDN_SPEC_METADATA": "0", "SERVING_SPEC_DECODE_INDICES": "0"}),
+        )
+    },
+    # thirteenth lease (issue 14, item 3): the verify step's indices kept per batch shape as well
+    # (serving/spec_decode_indices.py, on by default) against the GDN slices alone, beside AWQ broad:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-ngramgpu4-idx-traced,serve-awq-broad-ngramgpu4-gdn-traced,lossless,serve-bf16-all
+    "awq-broad-ngramgpu4-idx-traced": {
+        "recipe": BROAD,
+        "speculative": NGRAM_GPU4_GRAPH,
+        "first": "from:awq-broad",
+        "profile": True,
     },
 }
 SPEC_DEFAULTS = {
@@ -357,6 +371,7 @@ STEPS = [
     "serve-awq-broad-ngramgpu16-pad-graph-traced",
     "serve-awq-broad-ngramgpu4-gdn-traced",
     "serve-awq-broad-ngramgpu4-vllmgdn-traced",
+    "serve-awq-broad-ngramgpu4-idx-traced",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

@@ -444,3 +444,58 @@ def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
     assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
     assert all(step["equal"] for step in seen["steps"]) and all(seen["buffers"].values()), seen
     assert seen["registered_once"]
+
+
+# vLLM 0.26's own _calc_spec_decode_metadata on a runner-like object, against serving.spec_decode_indices' kept
+# indices, over a sequence of steps whose input ids change
+SPEC_DECODE_INDICES = r"""
+import dataclasses, json, sys, numpy as np, torch
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from serving import spec_decode_indices
+
+vllm_calc = GPUModelRunner._calc_spec_decode_metadata
+kept_calc = spec_decode_indices.kept_indices(vllm_calc)
+
+def runner():
+    r = SimpleNamespace(device=torch.device("cpu"), arange_np=np.arange(1000), _arange_scratch=np.empty(1000, np.int64),
+                        input_ids=SimpleNamespace(gpu=torch.zeros(1000, dtype=torch.int32)))
+    r._get_cumsum_and_arange = lambda *a, **k: GPUModelRunner._get_cumsum_and_arange(r, *a, **k)
+    return r
+
+def plain(m):
+    values = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in values.items()} | {"max": m.max_spec_len}
+
+# (draft counts, scheduled tokens): batch 1 padded (twice), a prefill beside a drafted request, batch 2 uneven, batch 1
+# again, batch 2 uneven again
+STEPS = [([4], [5]), ([4], [5]), ([4, 0], [5, 37]), ([4, 2], [5, 3]), ([4], [5]), ([4, 2], [5, 3])]
+vllm_runner, kept_runner = runner(), runner()
+report = []
+for seed, (drafts, scheduled) in enumerate(STEPS):
+    ids = torch.randint(0, 5000, (1000,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    vllm_runner.input_ids.gpu.copy_(ids)
+    kept_runner.input_ids.gpu.copy_(ids)
+    args = (np.array(drafts, dtype=np.int32), np.cumsum(scheduled, dtype=np.int32))
+    expected, got = plain(vllm_calc(vllm_runner, *args)), plain(kept_calc(kept_runner, *args))
+    report.append({"key": spec_decode_indices.verify_only_key(*args) is not None, "equal": expected == got,
+                   "differ": sorted(k for k in expected if expected[k] != got[k])})
+spec_decode_indices.register()
+spec_decode_indices.register()  # twice: still one wrapper
+wrapped = getattr(GPUModelRunner._calc_spec_decode_metadata, spec_decode_indices._WRAPPED, None)
+print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_decode_indices._KEPT]),
+                  "registered_once": wrapped is vllm_calc}))
+"""
+
+
+@pytest.mark.e2e
+def test_kept_spec_decode_indices_equal_vllms_step_by_step():
+    """serving.spec_decode_indices against vLLM 0.26's own runner code: the same indices and draft token ids at every
+    step (input ids change each step), kept for verify-only batches (two shapes here) and left to vLLM otherwise."""
+    result = subprocess.run([str(SERVE_PY), "-c", SPEC_DECODE_INDICES, str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [step["key"] for step in seen["steps"]] == [True, True, False, True, True, True]
+    assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
+    assert all(step["equal"] for step in seen["steps"]) and seen["kept_shapes"] == 2 and seen["registered_once"]
