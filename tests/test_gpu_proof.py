@@ -757,8 +757,9 @@ def test_gdn_metadata_from_slices_section_is_its_records():
     bf16, plain = found["variant-bf16-all"], found["variant-awq-broad"]
     slices, vllm_build = (found[f"variant-awq-broad-ngramgpu4-{name}-traced"] for name in ("gdn", "vllmgdn"))
     assert slices["speculative"] == vllm_build["speculative"] and slices["speculative"]["graph_drafter"]
-    assert vllm_build["serve_env"]["SERVING_GDN_SPEC_METADATA"] == "0" and "SERVING_GDN_SPEC_METADATA" not in (
-        slices["serve_env"]
+    assert (
+        vllm_build["serve_env"]["SERVING_GDN_SPEC_METADATA"] == "0"
+        and "SERVING_GDN_SPEC_METADATA" not in (slices["serve_env"])
     )
     for record, count in ((slices, 1), (vllm_build, 0)):
         log = (folder / "logs" / f"machine16-{record['variant']}-first.log").read_text()
@@ -798,3 +799,35 @@ def test_gdn_metadata_from_slices_section_is_its_records():
         assert f"{top['vllm_build']:.2f} → {top['slices']:.2f} ms on the {set_name} set" in text
         by_op = {row["op"]: row for row in ops["largest_differences"]}
         assert by_op["aten::sum"]["vllm_build"]["calls"] > 15 >= 1 >= by_op["aten::sum"]["slices"]["calls"]
+
+
+def test_kept_spec_decode_indices_section_is_its_records():
+    """machine17: both plugins' log lines where on, the docs' table (medians, per-set mean ITL, the ratio to AWQ
+    broad's) recomputed from the records, and the pins the kept indices remove counted in both traces' summaries."""
+    folder = RESULTS.parent / "h100-spec-indices"
+    found = lease_records(folder, "[!h]*.json")
+    assert_lease(found, "machine17")
+    plain = found["variant-awq-broad"]
+    kept, slices = (found[f"variant-awq-broad-ngramgpu4-{name}-traced"] for name in ("idx", "gdn"))
+    assert (
+        slices["serve_env"]["SERVING_SPEC_DECODE_INDICES"] == "0"
+        and "SERVING_SPEC_DECODE_INDICES" not in (kept["serve_env"])
+    )
+    section = "## The verify step's indices kept per batch shape"
+    for label, record in (
+        ("AWQ broad", plain),
+        ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices", slices),
+        ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices, kept indices", kept),
+    ):
+        log = (folder / "logs" / f"machine17-{record['variant']}-first.log").read_text()
+        assert log.count("gdn spec metadata: all-speculative batch") == (record is not plain)
+        cells = doc_row(section, label)
+        assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
+        assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
+        ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
+        assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
+    for set_name in ("fresh", "repeated"):
+        ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
+        assert ops["steps"] == {"gdn_slices": 128, "kept_indices": 128}
+        pins = next(row for row in ops["largest_differences"] if row["op"] == "aten::pin_memory")
+        assert pins["gdn_slices"]["calls"] == 5.0 and pins["kept_indices"]["calls"] == 0.0
