@@ -39,6 +39,8 @@ from lib.decode_bytes import draft_passes, part_bytes, step_bytes  # noqa: E402
 from lib.probe import probe, warm_up  # noqa: E402
 from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
+from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
+from serving.spec_decode_indices import ENV as KEPT_INDICES_OFF  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
 SITE_LLMC = os.environ.get("SITE_LLMC", "/tmp/site-llmcompressor")
@@ -271,8 +273,8 @@ VARIANTS = {
             "env": env,
         }
         for name, env in (
-            ("gdn", {"SERVING_SPEC_DECODE_INDICES": "0"}),
-            ("vllmgdn", {"SERVING_GDN_SPEC_METADATA": "0", "SERVING_SPEC_DECODE_INDICES": "0"}),
+            ("gdn", {KEPT_INDICES_OFF: "0"}),
+            ("vllmgdn", {GDN_SLICES_OFF: "0", KEPT_INDICES_OFF: "0"}),
         )
     },
     # thirteenth lease (issue 14, item 3): the verify step's indices kept per batch shape as well
