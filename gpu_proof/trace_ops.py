@@ -15,6 +15,7 @@ import sys
 from collections import defaultdict
 
 DECODE = "execute_context_0(0)_generation_"
+LABELS = ("plain", "speculative")  # the two columns' names unless the command line gives others
 
 
 def load(path: str) -> list[dict]:
@@ -44,7 +45,7 @@ def top_level_ops(events: list[dict]) -> dict:
     return {"steps": len(decode) - 1, "ops": dict(ops)}
 
 
-def compare(plain: dict, speculative: dict, top: int = 25, labels=("plain", "speculative")) -> dict:
+def compare(plain: dict, speculative: dict, top: int = 25, labels=LABELS) -> dict:
     """Per-step calls and milliseconds of each operator in both, the largest differences (either way) first."""
 
     def per_step(found, name):
@@ -70,7 +71,7 @@ def compare(plain: dict, speculative: dict, top: int = 25, labels=("plain", "spe
 
 def main() -> None:
     plain, speculative = (top_level_ops(load(path)) for path in sys.argv[1:3])
-    labels = tuple(sys.argv[3:5]) if len(sys.argv) >= 5 else ("plain", "speculative")
+    labels = tuple(sys.argv[3:5]) if len(sys.argv) >= 5 else LABELS
     print(json.dumps(compare(plain, speculative, labels=labels), indent=2))
 
 

@@ -37,11 +37,12 @@ def all_spec_batch(builder, metadata, num_accepted_tokens, num_decode_draft_toke
         return None
     drafts = num_decode_draft_tokens_cpu.tolist()
     requests = metadata.num_reqs
-    if len(drafts) != requests or not drafts or min(drafts) < 0 or sum(drafts) == 0:
+    if len(drafts) != requests or not drafts or min(drafts) < 0:
         return None
+    drafted = sum(drafts)
     tokens = int(metadata.query_start_loc_cpu[requests])
     # a request with d drafts verifies d + 1 tokens, at most K + 1
-    if tokens != requests + sum(drafts) or max(drafts) > builder.num_spec:
+    if drafted == 0 or tokens != requests + drafted or max(drafts) > builder.num_spec:
         return None
     if requests > builder.decode_cudagraph_max_bs or tokens > builder.decode_cudagraph_max_bs:
         return None
@@ -50,8 +51,6 @@ def all_spec_batch(builder, metadata, num_accepted_tokens, num_decode_draft_toke
 
 def build_all_spec(builder, metadata, num_accepted_tokens, requests: int, tokens: int, metadata_cls, block_table):
     """The metadata vLLM's build returns for an all-speculative batch on FULL graphs, in its persistent buffers."""
-    import torch
-
     width = builder.num_spec + 1
     state_indices = builder.spec_state_indices_tensor[:requests]
     state_indices.copy_(block_table[:requests, :width], non_blocking=True)
@@ -60,6 +59,8 @@ def build_all_spec(builder, metadata, num_accepted_tokens, requests: int, tokens
     accepted = builder.num_accepted_tokens[:requests]
     accepted.copy_(num_accepted_tokens[:requests], non_blocking=True)
     if getattr(builder, _FILLED, None) != (requests, tokens):
+        import torch  # here, not per step: only when the batch shape changes
+
         builder.spec_sequence_masks[:requests].fill_(True)
         builder.spec_token_indx[:tokens].copy_(
             torch.arange(tokens, dtype=builder.spec_token_indx.dtype, device=builder.spec_token_indx.device)

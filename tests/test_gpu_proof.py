@@ -623,6 +623,20 @@ def medians(record, set_name) -> str:
     return " / ".join(str(round(c["median_ms"])) for c in set_categories(record, set_name))
 
 
+def set_cells(section: str, label: str, record, bf16) -> list[str]:
+    """The docs row `label` of `section`, its per-set cells checked against `record`: medians, and the speedup over
+    `bf16` of the same host (mean over categories) where a cell gives one. Returns the row's cells."""
+    cells = doc_row(section, label)
+    for cell, set_name in zip(cells, SETS, strict=False):
+        assert cell.startswith(medians(record, set_name)), (label, set_name, cell)
+        speedup = statistics.mean(
+            b["median_ms"] / c["median_ms"]
+            for b, c in zip(set_categories(bf16, set_name), set_categories(record, set_name), strict=True)
+        )
+        assert "x" not in cell or f"{speedup:.2f}x" in cell, (label, set_name, cell)
+    return cells
+
+
 def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_and_a_cheaper_token():
     """machine14: with graph_drafter the padded ngram_gpu step replays two more graphs (bookkeeping, matcher + fill)
     instead of ~48 eager kernel launches (what the latencies came to: the docs test below); lossless against AWQ's
@@ -659,14 +673,7 @@ def test_the_drafter_graphs_section_of_the_docs_is_its_records():
     }
     section = "# Drafter graphs: ngram_gpu's step captured"
     for label, record in rows.items():
-        cells = doc_row(section, label)
-        for cell, set_name in zip(cells, SETS, strict=False):
-            assert cell.startswith(medians(record, set_name)), (label, set_name, cell)
-            speedup = statistics.mean(
-                b["median_ms"] / c["median_ms"]
-                for b, c in zip(set_categories(bf16, set_name), set_categories(record, set_name), strict=True)
-            )
-            assert "x" not in cell or f"{speedup:.2f}x" in cell, (label, set_name, cell)
+        cells = set_cells(section, label, record, bf16)
         fresh_itl = [c["itl_median_ms"] for c in set_categories(record, "fresh")]
         assert cells[3] == f"{min(fresh_itl):.1f}-{max(fresh_itl):.1f}", label
 
@@ -773,14 +780,7 @@ def test_gdn_metadata_from_slices_section_is_its_records():
         "AWQ + ngram_gpu K=4, padded, graphs, GDN from slices": slices,
     }
     for label, record in rows.items():
-        cells = doc_row(section, label)
-        for cell, set_name in zip(cells, SETS, strict=False):
-            assert cell.startswith(medians(record, set_name)), (label, set_name, cell)
-            speedup = statistics.mean(
-                b["median_ms"] / c["median_ms"]
-                for b, c in zip(set_categories(bf16, set_name), set_categories(record, set_name), strict=True)
-            )
-            assert "x" not in cell or f"{speedup:.2f}x" in cell, (label, set_name, cell)
+        cells = set_cells(section, label, record, bf16)
         ratio = "" if record in (bf16, plain) else f" ({mean_itl(record) / mean_itl(plain):.2f}x)"
         assert cells[3] == f"{mean_itl(record):.2f} ms{ratio}", label
         if record.get("profile"):
