@@ -12,4 +12,5 @@ if ! command -v dockerd >/dev/null || ! command -v mmdebstrap >/dev/null || ! co
     slurm-wlm slurmdbd munge mariadb-server >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -r requirements.txt
+bash setup/start-slurm.sh --forget-stopped
 bash setup/start-docker.sh

@@ -28,6 +28,18 @@ wait_for() {  # $1 = what, $2.. = command that succeeds once it is up
 
 node_up() { sinfo -h -o %T 2>/dev/null | grep -qvE '^(down|drain|fail|unknown|not_responding)'; }
 
+# --forget-stopped (setup/install.sh): this script's configuration of a cluster whose controller no longer runs (the
+# machine restarted) is moved aside, nothing is started. With it in place every SLURM client command waits ~9 s for
+# the missing controller, and snakemake-executor-plugin-slurm runs `scontrol show config` whenever snakemake starts:
+# every snakemake call, SLURM or not, paid those 9 s. The next start writes the configuration again.
+if [ "${1:-}" = --forget-stopped ]; then
+  if grep -qF "$MARKER" "$CONF" 2>/dev/null && ! pgrep -x slurmctld >/dev/null; then
+    mv "$CONF" "$CONF.stopped"
+    echo "moved $CONF aside: its controller does not run (setup/start-slurm.sh starts one again)"
+  fi
+  exit 0
+fi
+
 # 1. The configuration (every SLURM command reads it): one node with this machine's CPUs and memory
 node=$(slurmd -C | head -n 1)  # NodeName=<host> CPUs=... RealMemory=...
 gres_types="" gres="" gres_conf=""
