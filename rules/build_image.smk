@@ -11,9 +11,6 @@ rule base_image:
         tag=f"docker.io/library/{config['image']['name']}-base:{config['envs']['serve']}",
         builder=config["image"]["builder"],
         reproducible=config["image"]["reproducible"],  # build_image builds with buildah: copy the base there too
-    # No core of its own: it moves bytes (Debian packages, a 5 GB rootfs into Docker and buildah) and waits on the
-    # network and the disk, so on a 2-core machine it runs beside train_tiny instead of before it (~3 min).
-    threads: 0
     resources:
         **RESOURCES["base_image"],
     log:
