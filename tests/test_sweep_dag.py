@@ -39,8 +39,8 @@ def test_fixed_selection_plans_the_one_variant_only():
 
 def test_fastest_selection_runs_the_sweep_sharing_quantized_checkpoints():
     jobs, variants, out = forced_plan(*SWEEP)
-    # CI's sweep: tiny-k {1, 2}, two variants of one recipe (tiny-awq-k1 is tiny-awq-mtp1)
-    assert variants == {"tiny-awq-mtp1", "tiny-awq-k2"}
+    # CI's sweep: tiny-k {2, 1}, two variants of one recipe (tiny-awq-k2 is tiny-awq-mtp2, tiny-awq-k1 tiny-awq-mtp1)
+    assert variants == {"tiny-awq-mtp2", "tiny-awq-mtp1"}
     assert jobs["latency_probe"] == 2 and jobs["quality_gate"] == 2
     assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
     assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}

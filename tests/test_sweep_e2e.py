@@ -1,8 +1,9 @@
 """The tiny sweep, run as the README says: AWQ W4A16 with MTP K in {1, 2}, compared, checked lossless, the fastest
 shipped.
 
-It reuses the default run's outputs (tiny-awq-mtp1 and its quantized checkpoint are sweep points), so it builds
-and measures one more variant. It replaces image.tar.gz with the selected variant's, so conftest runs it last.
+It reuses the default run's outputs (tiny-awq-mtp2, its quantized checkpoint and its lossless reference are sweep
+points), so it builds and measures one more variant, K=1. It replaces image.tar.gz with the selected variant's
+(when K=1 wins), so conftest runs it last.
 """
 
 import json
@@ -15,7 +16,7 @@ from lib.stage import validate_json
 pytestmark = pytest.mark.e2e
 
 SWEEP = TINY_SWEEP  # the sweep runs once, in conftest's session fixture tiny_sweep
-VARIANTS = {"tiny-awq-mtp1", "tiny-awq-k2"}
+VARIANTS = {"tiny-awq-mtp1", "tiny-awq-mtp2"}
 RESULTS = ROOT / "results"
 
 
@@ -28,8 +29,8 @@ def test_summary_covers_every_variant_with_both_speedups(tiny_sweep):
     for row in rows.values():
         assert row["mean_speedup_vs_baseline"] > 0
     assert rows["tiny-awq-mtp1"]["mean_acceptance_length"] > 1.5  # the trained MTP head accepts
-    assert rows["tiny-awq-k2"]["mean_acceptance_length"] > rows["tiny-awq-mtp1"]["mean_acceptance_length"]
-    assert [row["speculative"]["k"] for row in (rows["tiny-awq-mtp1"], rows["tiny-awq-k2"])] == [1, 2]
+    assert rows["tiny-awq-mtp2"]["mean_acceptance_length"] > rows["tiny-awq-mtp1"]["mean_acceptance_length"]
+    assert [row["speculative"]["k"] for row in (rows["tiny-awq-mtp1"], rows["tiny-awq-mtp2"])] == [1, 2]
     csv_header = (RESULTS / "summary.csv").read_text().splitlines()[0]
     assert "short_speedup_vs_baseline" in csv_header
     table = (RESULTS / "summary.md").read_text()
@@ -42,14 +43,14 @@ def test_summary_covers_every_variant_with_both_speedups(tiny_sweep):
 
 def test_mtp_is_lossless_against_the_same_weights_without_speculation(tiny_sweep):
     """Greedy ids of every prompt set and category equal those of the same weights and serve settings with
-    speculation off (near ties allowed): one reference run, tiny-awq-mtp1's image, serves both K."""
-    for name in ("tiny-awq-mtp1", "tiny-awq-k2"):
+    speculation off (near ties allowed): one reference run, the default tiny-awq-mtp2's image, serves both K."""
+    for name in ("tiny-awq-mtp2", "tiny-awq-mtp1"):
         record = json.loads((RESULTS / name / "lossless" / "lossless.json").read_text())
         validate_json(record, ROOT / "schemas" / "lossless.schema.yaml")
         assert record["passed"] and record["reference"].endswith("speculation off"), record
         assert {row["set"] for row in record["rows"]} == {"repeated", "varied", "fresh"}
         assert all(row["tokens"] for row in record["rows"])
-    assert not (RESULTS / "tiny-awq-k2" / "lossless" / "reference.json").exists()
+    assert not (RESULTS / "tiny-awq-mtp1" / "lossless" / "reference.json").exists()
 
 
 def test_variants_share_the_quantized_checkpoint_of_their_recipe(tiny_sweep):
