@@ -40,6 +40,7 @@ from lib.probe import probe, warm_up  # noqa: E402
 from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
+from serving.greedy_rejection import ENV as GREEDY_REJECTION_OFF  # noqa: E402
 from serving.spec_decode_indices import ENV as KEPT_INDICES_OFF  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -287,6 +288,21 @@ VARIANTS = {
         "first": "from:awq-broad",
         "profile": True,
     },
+    # fourteenth lease (issue 14, item 3): the all-greedy rejection sampler as argmaxes of the raw logits
+    # (serving/greedy_rejection.py, on by default) against vLLM's general path (SERVING_GREEDY_REJECTION=0), both
+    # with the GDN slices and the kept indices, beside AWQ broad:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-ngramgpu4-greedy-traced,serve-awq-broad-ngramgpu4-vllmsampler-traced,lossless,serve-bf16-all
+    **{
+        f"awq-broad-ngramgpu4-{name}-traced": {
+            "recipe": BROAD,
+            "speculative": NGRAM_GPU4_GRAPH,
+            "first": "from:awq-broad",
+            "profile": True,
+            "env": env,
+        }
+        for name, env in (("greedy", {}), ("vllmsampler", {GREEDY_REJECTION_OFF: "0"}))
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -374,6 +390,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu4-gdn-traced",
     "serve-awq-broad-ngramgpu4-vllmgdn-traced",
     "serve-awq-broad-ngramgpu4-idx-traced",
+    "serve-awq-broad-ngramgpu4-greedy-traced",
+    "serve-awq-broad-ngramgpu4-vllmsampler-traced",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

@@ -499,3 +499,122 @@ def test_kept_spec_decode_indices_equal_vllms_step_by_step():
     assert [step["key"] for step in seen["steps"]] == [True, True, False, True, True, True]
     assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
     assert all(step["equal"] for step in seen["steps"]) and seen["kept_shapes"] == 2 and seen["registered_once"]
+
+
+# vLLM 0.26's own RejectionSampler.forward against serving.greedy_rejection's, batch by batch: greedy batches in
+# which the argmax of the raw logits decides (the plugin's path) and batches that must stay on vLLM's path
+GREEDY_REJECTION = r"""
+import json, sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from vllm.v1.sample import rejection_sampler
+import vllm.utils.cpu_triton_utils as cpu_tl
+rejection_sampler.rejection_greedy_sample_kernel = cpu_tl.rejection_greedy_sample_kernel  # as vLLM's CPU runner does
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from serving import greedy_rejection
+
+VOCAB = 512
+vllm_forward = rejection_sampler.RejectionSampler.forward
+plugin_forward = greedy_rejection.greedy_forward(vllm_forward)
+sampler = rejection_sampler.RejectionSampler(Sampler())
+
+def sampling(batch, **changes):
+    fields = dict(temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+                  max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+                  frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+                  repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+                  allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    return SamplingMetadata(**(fields | changes))
+
+def batch(drafts_per_request, accepted, seed, ties=False):
+    # logits rows per request: its drafts' targets, then its bonus; the first accepted[i] drafts are their targets'
+    # argmax, the others are not
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(d + 1 for d in drafts_per_request)
+    logits = torch.randn(rows, VOCAB, generator=g).to(torch.bfloat16)
+    if ties:  # two equal maxima in every row: the first index must win on both paths
+        top = logits.float().amax(dim=-1) + 1
+        logits[:, 7], logits[:, 300] = top, top
+    argmax = logits.float().argmax(dim=-1)
+    drafts, targets, bonus, start = [], [], [], 0
+    for d, a in zip(drafts_per_request, accepted):
+        drafts.append([int(argmax[start + j]) if j < a else (int(argmax[start + j]) + 1) % VOCAB for j in range(d)])
+        targets += list(range(start, start + d))
+        bonus.append(start + d)
+        start += d + 1
+    counts = [len(r) for r in drafts]
+    metadata = SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(sum(drafts, []), dtype=torch.int32),
+        num_draft_tokens=counts,
+        cu_num_draft_tokens=torch.tensor(np.cumsum(counts), dtype=torch.int32),
+        cu_num_sampled_tokens=torch.tensor(np.cumsum([c + 1 for c in counts]), dtype=torch.int32),
+        target_logits_indices=torch.tensor(targets, dtype=torch.int32),
+        bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
+        logits_indices=torch.arange(rows, dtype=torch.int32),
+    )
+    return metadata, logits
+
+def processor(cls, **state):
+    p = object.__new__(cls)
+    p.__dict__.update(state)
+    return p
+
+CASES = [  # (name, drafts per request, accepted per request, sampling changes)
+    ("one request, nothing accepted", [4], [0], {}),
+    ("one request, two accepted", [4], [2], {}),
+    ("one request, all accepted: bonus", [4], [4], {}),
+    ("three requests, uneven drafts", [4, 0, 2], [1, 0, 2], {}),
+    ("ties", [3, 3], [3, 1], {"ties": True}),
+    ("idle min-tokens and logit-bias processors", [4], [3], {"logitsprocs": LogitsProcessors(
+        [processor(MinTokensLogitsProcessor, min_toks={}), processor(LogitBiasLogitsProcessor, biases={})])}),
+    ("logprobs asked: vLLM's path", [4, 2], [2, 2], {"max_num_logprobs": 0}),
+]
+report = []
+for seed, (name, drafts, accepted, changes) in enumerate(CASES):
+    ties = changes.pop("ties", False)
+    metadata, logits = batch(drafts, accepted, seed, ties)
+    meta = sampling(len(drafts), **changes)
+    expected = vllm_forward(sampler, metadata, None, logits.clone(), meta)
+    got = plugin_forward(sampler, metadata, None, logits.clone(), meta)
+    report.append({"case": name, "fast": greedy_rejection.argmax_is_raw(sampler, meta),
+                   "equal": torch.equal(expected.sampled_token_ids, got.sampled_token_ids),
+                   "ids": got.sampled_token_ids.tolist(),
+                   "logprobs": [x.logprobs_tensors is not None for x in (expected, got)]})
+decisions = {
+    "active min tokens": sampling(1, logitsprocs=LogitsProcessors(
+        [processor(MinTokensLogitsProcessor, min_toks={0: (5, [], {2})})])),
+    "active logit bias": sampling(1, logitsprocs=LogitsProcessors(
+        [processor(LogitBiasLogitsProcessor, biases={0: {3: 1.0}})])),
+    "penalties": sampling(1, no_penalties=False),
+    "bad words": sampling(1, bad_words_token_ids={0: [[5]]}),
+    "allowed tokens": sampling(1, allowed_token_ids_mask=torch.zeros(1, VOCAB, dtype=torch.bool)),
+    "not greedy": sampling(1, all_greedy=False),
+    "token logprobs": sampling(1, logprob_token_ids={0: [1]}),
+}
+greedy_rejection.register()
+greedy_rejection.register()  # twice: still one wrapper
+wrapped = getattr(rejection_sampler.RejectionSampler.forward, greedy_rejection._WRAPPED, None)
+fast = {name: greedy_rejection.argmax_is_raw(sampler, meta) for name, meta in decisions.items()}
+print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is vllm_forward}))
+"""
+
+
+@pytest.mark.e2e
+def test_greedy_rejection_equals_vllms_rejection_sampler():
+    """serving.greedy_rejection against vLLM 0.26's own RejectionSampler.forward: the same output ids for greedy batches
+    with none, some and all drafts accepted, uneven drafts, exact ties and idle built-in processors; a batch that asks
+    for logprobs, and every setting that can move an argmax, stays on vLLM's path."""
+    result = subprocess.run([str(SERVE_PY), "-c", GREEDY_REJECTION, str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    batches = {row["case"]: row for row in seen["batches"]}
+    assert all(row["equal"] for row in batches.values()), batches
+    assert [row["fast"] for row in seen["batches"]] == [True] * 6 + [False]
+    assert batches["one request, nothing accepted"]["ids"][0][1:] == [-1] * 4  # the recovered token only
+    assert -1 not in batches["one request, all accepted: bonus"]["ids"][0]
+    assert batches["logprobs asked: vLLM's path"]["logprobs"] == [True, True]
+    assert not any(seen["fast"].values()), seen["fast"]
+    assert seen["registered_once"]
