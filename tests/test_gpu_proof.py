@@ -831,3 +831,38 @@ def test_kept_spec_decode_indices_section_is_its_records():
         assert ops["steps"] == {"gdn_slices": 128, "kept_indices": 128}
         pins = next(row for row in ops["largest_differences"] if row["op"] == "aten::pin_memory")
         assert pins["gdn_slices"]["calls"] == 5.0 and pins["kept_indices"]["calls"] == 0.0
+
+
+def test_greedy_rejection_section_is_its_records():
+    """machine18: the docs' table (medians, per-set mean ITL, the ratio to AWQ broad's) recomputed from the records,
+    vLLM's sampler switched off by the plugin's own variable in one record only, the operators the plugin removes
+    counted in both traces' summaries, and the lossless pairs each form passed."""
+    from serving.greedy_rejection import ENV
+
+    folder = RESULTS.parent / "h100-greedy-rejection"
+    found = lease_records(folder, "[!h]*.json")
+    assert_lease(found, "machine18")
+    plain, bf16 = found["variant-awq-broad"], found["variant-bf16-all"]
+    greedy, vllm = (found[f"variant-awq-broad-ngramgpu4-{name}-traced"] for name in ("greedy", "vllmsampler"))
+    assert vllm["serve_env"][ENV] == "0" and ENV not in greedy["serve_env"]
+    section = "## The greedy rejection sampler as argmaxes"
+    for label, record in (
+        ("bf16", bf16),
+        ("AWQ broad", plain),
+        ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices, kept indices, vLLM's rejection sampler", vllm),
+        ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices, kept indices, greedy argmaxes", greedy),
+    ):
+        cells = doc_row(section, label)
+        assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
+        assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
+        ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
+        assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
+    for set_name in ("fresh", "repeated"):
+        ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
+        assert ops["steps"] == {"vllm_sampler": 128, "greedy_argmax": 128}
+        by_op = {row["op"]: row for row in ops["largest_differences"]}
+        # the bonus tokens' two float32 copies and the target rows' copy, and the clone of those
+        assert by_op["aten::to"]["vllm_sampler"]["calls"] - by_op["aten::to"]["greedy_argmax"]["calls"] == 4.0
+        assert by_op["aten::clone"]["vllm_sampler"]["calls"] - by_op["aten::clone"]["greedy_argmax"]["calls"] == 1.0
+    passed = {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
+    assert passed == {greedy["variant"]: 8, vllm["variant"]: 6}
