@@ -126,7 +126,9 @@ def variant_override(tmp_path: Path, **changes) -> str:
 @pytest.mark.e2e
 def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
     assert planned_jobs() == {}
-    jobs = planned_jobs(variant_override(tmp_path, speculative__k=2))
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    shipped_k = tiny["variants"][tiny["variant"]]["speculative"]["k"]
+    jobs = planned_jobs(variant_override(tmp_path, speculative__k=shipped_k + 1))
     # serve_config writes the new serve.json; quantize is not planned
     assert set(jobs) == {"serve_config", *FROM_BAKE_ON}, jobs
 
