@@ -66,6 +66,23 @@ BROAD = "recipes/awq-w4a16-g32-broad.yaml"
 HEAD4, HEAD8 = "recipes/awq-w4a16-g32-broad-head4.yaml", "recipes/awq-w4a16-g32-broad-head8.yaml"
 VOCAB131K = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
 G128 = "recipes/awq-w4a16-g128-broad.yaml"
+
+
+def ngramgpu4_traced(**env_by_name: dict[str, str]) -> dict[str, dict]:
+    """The captured padded ngram_gpu K=4 on AWQ broad, profiled, once per plugin switch setting (the server env):
+    awq-broad-ngramgpu4-<name>-traced."""
+    return {
+        f"awq-broad-ngramgpu4-{name}-traced": {
+            "recipe": BROAD,
+            "speculative": NGRAM_GPU4_GRAPH,
+            "first": "from:awq-broad",
+            "profile": True,
+            "env": env,
+        }
+        for name, env in env_by_name.items()
+    }
+
+
 # name -> recipe (None: serve the source checkpoint, which is what recipes/bf16.yaml copies), the speculative
 # section (config.yaml's layout), how the first start finds its cache (empty, seeded with bf16's baked kernel
 # caches, or from:<variant>, that variant's whole baked cache), whether to bake it (then restart from the baked
@@ -265,44 +282,21 @@ VARIANTS = {
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-ngramgpu4-gdn-traced,serve-awq-broad-ngramgpu4-vllmgdn-traced,lossless,
     # serve-awq-broad-suffix32-d48-pad-f4,serve-bf16-all
-    **{
-        f"awq-broad-ngramgpu4-{name}-traced": {
-            "recipe": BROAD,
-            "speculative": NGRAM_GPU4_GRAPH,
-            "first": "from:awq-broad",
-            "profile": True,
-            "env": env,
-        }
-        for name, env in (
-            ("gdn", {KEPT_INDICES_OFF: "0"}),
-            ("vllmgdn", {GDN_SLICES_OFF: "0", KEPT_INDICES_OFF: "0"}),
-        )
-    },
+    **ngramgpu4_traced(
+        gdn={KEPT_INDICES_OFF: "0"},
+        vllmgdn={GDN_SLICES_OFF: "0", KEPT_INDICES_OFF: "0"},
+    ),
     # thirteenth lease (issue 14, item 3): the verify step's indices kept per batch shape as well
     # (serving/spec_decode_indices.py, on by default) against the GDN slices alone, beside AWQ broad:
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-ngramgpu4-idx-traced,serve-awq-broad-ngramgpu4-gdn-traced,lossless,serve-bf16-all
-    "awq-broad-ngramgpu4-idx-traced": {
-        "recipe": BROAD,
-        "speculative": NGRAM_GPU4_GRAPH,
-        "first": "from:awq-broad",
-        "profile": True,
-    },
+    **ngramgpu4_traced(idx={}),
     # fourteenth lease (issue 14, item 3): the all-greedy rejection sampler as argmaxes of the raw logits
     # (serving/greedy_rejection.py, on by default) against vLLM's general path (SERVING_GREEDY_REJECTION=0), both
     # with the GDN slices and the kept indices, beside AWQ broad:
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-ngramgpu4-greedy-traced,serve-awq-broad-ngramgpu4-vllmsampler-traced,lossless,serve-bf16-all
-    **{
-        f"awq-broad-ngramgpu4-{name}-traced": {
-            "recipe": BROAD,
-            "speculative": NGRAM_GPU4_GRAPH,
-            "first": "from:awq-broad",
-            "profile": True,
-            "env": env,
-        }
-        for name, env in (("greedy", {}), ("vllmsampler", {GREEDY_REJECTION_OFF: "0"}))
-    },
+    **ngramgpu4_traced(greedy={}, vllmsampler={GREEDY_REJECTION_OFF: "0"}),
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section

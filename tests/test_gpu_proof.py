@@ -637,6 +637,16 @@ def set_cells(section: str, label: str, record, bf16) -> list[str]:
     return cells
 
 
+def itl_cells(section: str, label: str, record, plain) -> None:
+    """The docs row `label` of `section` against `record`: per-set medians, per-set mean ITL, and its ratio to
+    `plain`'s (AWQ broad of the same host; "-" in plain's own row)."""
+    cells = doc_row(section, label)
+    assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
+    assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
+    ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
+    assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
+
+
 def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_and_a_cheaper_token():
     """machine14: with graph_drafter the padded ngram_gpu step replays two more graphs (bookkeeping, matcher + fill)
     instead of ~48 eager kernel launches (what the latencies came to: the docs test below); lossless against AWQ's
@@ -821,11 +831,7 @@ def test_kept_spec_decode_indices_section_is_its_records():
     ):
         log = (folder / "logs" / f"machine17-{record['variant']}-first.log").read_text()
         assert log.count("gdn spec metadata: all-speculative batch") == (record is not plain)
-        cells = doc_row(section, label)
-        assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
-        assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
-        ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
-        assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
+        itl_cells(section, label, record, plain)
     for set_name in ("fresh", "repeated"):
         ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
         assert ops["steps"] == {"gdn_slices": 128, "kept_indices": 128}
@@ -852,11 +858,7 @@ def test_greedy_rejection_section_is_its_records():
         ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices, kept indices, vLLM's rejection sampler", vllm),
         ("AWQ + ngram_gpu K=4, padded, graphs, GDN slices, kept indices, greedy argmaxes", greedy),
     ):
-        cells = doc_row(section, label)
-        assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
-        assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
-        ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
-        assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
+        itl_cells(section, label, record, plain)
     for set_name in ("fresh", "repeated"):
         ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
         assert ops["steps"] == {"vllm_sampler": 128, "greedy_argmax": 128}
