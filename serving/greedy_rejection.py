@@ -18,22 +18,26 @@ SERVING_GREEDY_REJECTION=0 leaves vLLM's code alone.
 
 from __future__ import annotations
 
+import functools
 import os
 
 ENV = "SERVING_GREEDY_REJECTION"
 _WRAPPED = "_serving_greedy_rejection"
 
 
+@functools.cache
+def _builtin_state() -> dict:
+    """vLLM's two built-in processors that can move an argmax, each with the attribute that holds its requests."""
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+
+    return {MinTokensLogitsProcessor: "min_toks", LogitBiasLogitsProcessor: "biases"}
+
+
 def _idle(processor) -> bool:
     """A processor that can move an argmax, with nothing to do in this batch (only vLLM's two built-in ones are
     known; any other sends the batch to vLLM's path)."""
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
-
-    if type(processor) is MinTokensLogitsProcessor:
-        return not processor.min_toks
-    if type(processor) is LogitBiasLogitsProcessor:
-        return not processor.biases
-    return False
+    state = _builtin_state().get(type(processor))
+    return state is not None and not getattr(processor, state)
 
 
 def argmax_is_raw(rejection_sampler, sampling_metadata) -> bool:
@@ -52,13 +56,14 @@ def argmax_is_raw(rejection_sampler, sampling_metadata) -> bool:
 
 
 def greedy_forward(original):
+    # once, at registration: not on every step
+    import torch
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample import rejection_sampler
+
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if not argmax_is_raw(self, sampling_metadata):
             return original(self, metadata, draft_probs, logits, sampling_metadata)
-        import torch
-        from vllm.v1.outputs import SamplerOutput
-        from vllm.v1.sample import rejection_sampler
-
         assert metadata.max_spec_len <= rejection_sampler.MAX_SPEC_LEN
         # [batch, 1] int32, as the Sampler returns them
         bonus = logits[metadata.bonus_logits_indices].argmax(dim=-1).to(torch.int32).unsqueeze(-1)
