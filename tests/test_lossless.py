@@ -250,15 +250,17 @@ def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
 
 
 @pytest.mark.e2e
-def test_a_lossy_server_is_caught(tiny_run, tmp_path):
-    """The shipped variant (MTP K=2) served from its quantized checkpoint with tests/lossless_canary flipping
-    accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state corruption looks like from
-    outside), probed the way the DAG probes it: the check names its first flipped token against the DAG's own
-    reference run (the same image, speculation off). The honest server is the DAG's: its check passed."""
+def test_a_lossy_server_is_caught(tiny_run):
+    """The shipped variant's own image (MTP K=2, its baked compile cache: a warm start) run with tests/lossless_canary
+    mounted and switched on, flipping accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state
+    corruption looks like from outside), probed the way the DAG probes it: the check names its first flipped token
+    against the DAG's own reference run (the same image, speculation off). The honest server is the DAG's: its check
+    passed."""
+    from lib.containers import run, run_container
     from lib.probe import run_set, same_prompt
     from serving.settings import serve_json
 
-    tiny, variant, model, settings = default_variant(short_only=True)
+    tiny, variant, _, settings = default_variant(short_only=True)
     spec = tiny["variants"][variant]["speculative"]
     results = ROOT / "results" / variant
     honest = json.loads((results / "lossless" / "lossless.json").read_text())
@@ -267,9 +269,14 @@ def test_a_lossy_server_is_caught(tiny_run, tmp_path):
     assert short_repeated(probed)["categories"][0]["mean_acceptance_length"] > 1.5  # drafts accepted: canary has work
     reference = short_repeated(json.loads((results / "lossless" / "reference.json").read_text()))
 
-    serve = serve_json(tiny["variants"][variant]["serve"], spec)
-    with host_server(model, serve, tmp_path, pythonpath=[str(CANARY_DIR)], env={"LOSSLESS_CANARY_FLIP": "1"}) as base:
-        name = serve["served_model_name"]
+    image = json.loads((results / "build_image" / "image.json").read_text())["ref"]
+    image_env = json.loads(run(["docker", "image", "inspect", "-f", "{{json .Config.Env}}", image]))
+    image_path = next(e.split("=", 1)[1] for e in image_env if e.startswith("PYTHONPATH="))
+    canary = "/opt/lossless-canary"  # a vLLM general plugin, found through its dist-info on PYTHONPATH
+    env = {"PYTHONPATH": f"{canary}:{image_path}", "LOSSLESS_CANARY_FLIP": "1"}
+    with run_container(image, volumes=[f"{CANARY_DIR}:{canary}:ro"], env=env, name_prefix="lossy") as container:
+        container.wait_ready(tiny["image"]["ping_timeout_s"])
+        base, name = container.base_url, serve_json(tiny["variants"][variant]["serve"], spec)["served_model_name"]
         lossy = run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
     result = lossless.check(lossy, reference, spec, "reference")
     assert not result["passed"], result

@@ -128,10 +128,25 @@ def dry_run_with(tmp_path, overlay: dict, *extra: str):
         ({"variants": {"quantize": {"recipe": "recipes/bf16.yaml"}}}, "'quantize' is reserved"),
     ],
 )
-def test_bad_sweep_config_is_refused_naming_the_key(tmp_path, overlay, words):
+def test_bad_sweep_config_is_refused_naming_the_key(overlay, words):
+    """What rules/common.smk loads: config/tiny.yaml with the overlay merged in as --configfile merges it (the first
+    case also through snakemake itself, below)."""
+    from snakemake.utils import update_config
+
+    from lib import config as pipeline_config
+
+    config = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    update_config(config, overlay)
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    assert words in str(caught.value)
+
+
+def test_snakemake_refuses_a_bad_sweep_before_planning(tmp_path):
+    overlay = {"sweeps": {"tiny-k": {"prefix": "tiny-awq", "base": "tiny-awq-mtp1", "axes": {"speculative.k": [0]}}}}
     result = dry_run_with(tmp_path, overlay)
     out = result.stdout + result.stderr
-    assert result.returncode != 0 and words in out, out[-3000:]
+    assert result.returncode != 0 and "config key 'variants.tiny-awq-k0.speculative.k': method mtp needs" in out, out
     assert "Job stats" not in out
 
 
