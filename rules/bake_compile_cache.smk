@@ -14,7 +14,6 @@ rule bake_compile_cache:
         run=PIPELINE.run_settings(),
         categories=config["probe"]["categories"],
         sentence=config["probe"]["sentence"],
-        require_cache_hit=config["image"]["require_cache_hit"],
     resources:
         gpu=GPU,
         **RESOURCES["bake_compile_cache"],

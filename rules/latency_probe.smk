@@ -10,6 +10,7 @@ rule latency_probe:
         run=PIPELINE.run_settings(),
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         probe=config["probe"],
+        require_cache_hit=config["image"]["require_cache_hit"],
     resources:
         gpu=GPU,
         **RESOURCES["latency_probe"],

@@ -4,7 +4,8 @@ import json
 from pathlib import Path
 
 from lib.probe import probe, prompt_sets
-from lib.stage import validate_json, write_json
+from lib.stage import StageError, validate_json, write_json
+from lib.vllm_logs import cache_evidence
 
 SET_LABELS = {"repeated": "repeated sentence (competition)", "varied": "varied text", "fresh": "fresh prompts"}
 
@@ -57,9 +58,23 @@ def plot(result: dict, title: str, path) -> None:
     plt.close(fig)
 
 
+def compile_cache_verdict(start_log: str, require_hit: bool) -> dict:
+    """What the built image's vLLM said about its baked compile cache on this start. With require_hit, no
+    "Directly load" line, or a reload failure, fails the stage: the cache bake_compile_cache baked is dead weight."""
+    evidence = cache_evidence(start_log)
+    verdict = {"hit": bool(evidence["hits"]) and not evidence["misses"], "evidence": evidence["hits"]}
+    verdict["load_failures"] = evidence["misses"]
+    if require_hit and not verdict["hit"]:
+        raise StageError(
+            "the image did not load the compile cache bake_compile_cache baked into it "
+            f"(vLLM said: {evidence['misses'] or 'no Directly load line'}): every start compiles again and the "
+            "cache is dead weight. Set image.require_cache_hit: false to ship it anyway."
+        )
+    return verdict
+
+
 def main(job) -> None:
     from lib.containers import container_bandwidth, run_container
-    from lib.vllm_logs import cache_evidence
 
     image = json.loads(Path(job.input.image).read_text())
     run = job.params.run
@@ -67,14 +82,9 @@ def main(job) -> None:
         image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe"
     ) as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
-        evidence = cache_evidence(container.logs(tail=100000))
+        compile_cache = compile_cache_verdict(container.logs(tail=100000), job.params.require_cache_hit)
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
         bandwidth = container_bandwidth(container)  # after the probe: it must not share the device with a request
-    compile_cache = {
-        "hit": bool(evidence["hits"]) and not evidence["misses"],
-        "evidence": evidence["hits"],
-        "load_failures": evidence["misses"],
-    }
     result.update(
         image=image["ref"],
         image_id=image["id"],

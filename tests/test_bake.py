@@ -1,4 +1,5 @@
-"""The bake's pure parts: reading vLLM's cache verdict, the cold-start record, the deterministic cache tar."""
+"""The bake's pure parts: the cold-start record, the deterministic cache tar; and reading vLLM's cache verdict on the
+built image's start (latency_probe, which fails a variant whose image does not load its baked cache)."""
 
 import io
 import json
@@ -8,8 +9,9 @@ import pytest
 
 from bake_compile_cache import coldstart_record
 from conftest import ROOT
+from latency_probe import compile_cache_verdict
 from lib.cache_tar import deterministic_tar
-from lib.stage import validate_json
+from lib.stage import StageError, validate_json
 from lib.vllm_logs import cache_evidence
 
 HIT = (
@@ -29,17 +31,26 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "arch": "s
 def test_a_direct_load_is_a_hit():
     evidence = cache_evidence(f"noise\n{HIT}\nmore noise\n")
     assert evidence == {"hits": [HIT[HIT.index("Directly") :]], "misses": []}
-    record = coldstart_record(80.4, 45.2, evidence, 200.0, PACKED, "base", H100)
-    validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
-    assert record["cache_hit"] and record["saved_s"] == 35.2
+    verdict = compile_cache_verdict(f"noise\n{HIT}\nmore noise\n", require_hit=True)
+    assert verdict == {"hit": True, "evidence": evidence["hits"], "load_failures": []}
 
 
 @pytest.mark.parametrize("log", [MISS, f"{HIT}\n{MISS}", "no word about the cache"])
-def test_a_reload_failure_or_silence_is_no_hit(log):
-    record = coldstart_record(80.0, 79.0, cache_evidence(log), 200.0, PACKED, "base", CPU)
+def test_a_reload_failure_or_silence_is_no_hit_and_fails_the_probe_when_a_hit_is_required(log):
+    verdict = compile_cache_verdict(log, require_hit=False)
+    assert verdict["hit"] is False
+    assert bool(verdict["load_failures"]) == ("load failure" in log)
+    expected = "Compiling model again" if "load failure" in log else "no Directly load line"
+    with pytest.raises(StageError, match=f"did not load the compile cache.*{expected}.*require_cache_hit: false"):
+        compile_cache_verdict(log, require_hit=True)
+
+
+def test_the_coldstart_record_is_schema_valid():
+    record = coldstart_record(80.44, 200.0, PACKED, "base", CPU)
     validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
-    assert record["cache_hit"] is False
-    assert bool(record["cache_load_failures"]) == ("load failure" in log)
+    assert record["cold_start_empty_cache_s"] == 80.4 and record["cache_files"] == PACKED["files"]
+    with pytest.raises(StageError, match="bake_s"):
+        validate_json({k: v for k, v in record.items() if k != "bake_s"}, ROOT / "schemas" / "coldstart.schema.yaml")
 
 
 def test_the_per_graph_inductor_cache_counts_too():
@@ -78,9 +89,7 @@ class FakeContainer:
 
 
 def test_the_record_names_the_gpu_and_the_schema_checks_it():
-    from lib.stage import StageError
-
-    record = coldstart_record(80.0, 40.0, cache_evidence(HIT), 200.0, PACKED, "base", H100)
+    record = coldstart_record(80.0, 200.0, PACKED, "base", H100)
     assert record["gpu"] == H100
     schema = ROOT / "schemas" / "coldstart.schema.yaml"
     for bad in ({**H100, "arch": "hopper"}, {**H100, "compute_capability": "nine"}):
@@ -92,7 +101,6 @@ def test_the_record_names_the_gpu_and_the_schema_checks_it():
 
 def test_the_gpu_is_read_in_the_container_nvidia_smi_first_then_torch():
     from lib import containers
-    from lib.stage import StageError
 
     smi = FakeContainer({"nvidia-smi": (0, "NVIDIA A10G, 8.6\n")})
     assert containers.container_gpu(smi, gpus=True) == {
@@ -116,7 +124,6 @@ def test_the_gpu_is_read_in_the_container_nvidia_smi_first_then_torch():
 
 def test_the_memory_bandwidth_is_measured_in_the_container_or_the_stage_says_why_not():
     from lib import containers
-    from lib.stage import StageError
 
     measured = '{"device": "NVIDIA A10G", "gbps": 512.3, "buffer_bytes": 268435456, "repeats": 50, "threads": 8}'
     good = FakeContainer({"python3": (0, "a warning first\n" + measured + "\n")})

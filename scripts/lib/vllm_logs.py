@@ -1,4 +1,4 @@
-"""What vLLM's log says about its compile cache (the bake proves a hit with it; the probe records it)."""
+"""What vLLM's log says about its compile cache (latency_probe proves the image's hit with it)."""
 
 import re
 
