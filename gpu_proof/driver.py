@@ -297,6 +297,11 @@ VARIANTS = {
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-ngramgpu4-greedy-traced,serve-awq-broad-ngramgpu4-vllmsampler-traced,lossless,serve-bf16-all
     **ngramgpu4_traced(greedy={}, vllmsampler={GREEDY_REJECTION_OFF: "0"}),
+    # fifteenth lease (issue 14, items 3 and 7): the copy drafter that wins the competition set, padded suffix K=32
+    # depth 48, and its silent form, now with every plugin on (GDN slices, kept indices, greedy argmaxes: each acts
+    # on a step whose every request carries a padded draft), beside AWQ broad and bf16 on one host:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
+    # serve-awq-broad-suffix32-d48-pad-f4,serve-awq-broad-silent32-d48-f4,lossless,serve-bf16-all
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
