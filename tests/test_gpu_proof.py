@@ -333,7 +333,16 @@ def test_the_speculation_records_validate_and_name_their_lease():
 
 
 @pytest.mark.parametrize(
-    "lease", ["h100-spec", "h100-tied", "h100-suffix-depth", "h100-silent", "h100-ngram-gpu", "h100-graph-drafter"]
+    "lease",
+    [
+        "h100-spec",
+        "h100-tied",
+        "h100-suffix-depth",
+        "h100-silent",
+        "h100-ngram-gpu",
+        "h100-graph-drafter",
+        "h100-suffix-plugins",
+    ],
 )
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
     """Recomputed from the variant records alone: the stored verdicts are the check's, not written by hand."""
@@ -637,11 +646,15 @@ def set_cells(section: str, label: str, record, bf16) -> list[str]:
     return cells
 
 
-def itl_cells(section: str, label: str, record, plain) -> None:
-    """The docs row `label` of `section` against `record`: per-set medians, per-set mean ITL, and its ratio to
-    `plain`'s (AWQ broad of the same host; "-" in plain's own row)."""
-    cells = doc_row(section, label)
-    assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
+def itl_cells(section: str, label: str, record, plain, bf16=None) -> None:
+    """The docs row `label` of `section` against `record`: per-set medians (and with `bf16` the speedup over it, as
+    set_cells checks), per-set mean ITL, and its ratio to `plain`'s (AWQ broad of the same host; "-" in plain's own
+    row)."""
+    if bf16 is None:
+        cells = doc_row(section, label)
+        assert cells[:3] == [medians(record, set_name) for set_name in SETS], label
+    else:
+        cells = set_cells(section, label, record, bf16)
     assert cells[3] == " / ".join(f"{mean_itl(record, s):.2f}" for s in SETS) + " ms", label
     ratios = " / ".join(f"{mean_itl(record, s) / mean_itl(plain, s):.2f}" for s in SETS)
     assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
@@ -868,3 +881,32 @@ def test_greedy_rejection_section_is_its_records():
         assert by_op["aten::clone"]["vllm_sampler"]["calls"] - by_op["aten::clone"]["greedy_argmax"]["calls"] == 1.0
     passed = {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
     assert passed == {greedy["variant"]: 8, vllm["variant"]: 6}
+
+
+def test_suffix_with_every_plugin_section_is_its_records():
+    """machine19: padded and silent suffix K=32 depth 48 with the plugins on by default (no plugin switched off in
+    any record), the docs' table (medians, speedup over bf16, per-set mean ITL, ratio to AWQ broad's) recomputed from
+    the records, acceptance where the docs claim it, and the lossless pairs each form passed."""
+    folder = RESULTS.parent / "h100-suffix-plugins"
+    found = lease_records(folder)
+    assert_lease(found, "machine19")
+    plain, bf16 = found["variant-awq-broad"], found["variant-bf16-all"]
+    padded, silent = (
+        found[f"variant-awq-broad-{name}32-d48{form}-f4"] for name, form in (("suffix", "-pad"), ("silent", ""))
+    )
+    assert padded["speculative"]["pad_drafts"] and silent["speculative"]["silent_drafts"]
+    assert all(not any(key.startswith("SERVING_") for key in r["serve_env"]) for r in (padded, silent))
+    section = "# Suffix decoding with every plugin"
+    for label, record in (
+        ("bf16", bf16),
+        ("AWQ broad", plain),
+        ("AWQ + suffix K=32, depth 48, padded, every plugin", padded),
+        ("AWQ + suffix K=32, depth 48, silent, every plugin", silent),
+    ):
+        itl_cells(section, label, record, plain, bf16)
+    accepted = [c["mean_acceptance_length"] for c in set_categories(padded, "repeated")]
+    assert min(accepted) >= 25.8 and all(c["mean_acceptance_length"] == 1.0 for c in set_categories(padded, "fresh"))
+    log = (folder / "logs" / f"machine19-{padded['variant']}-first.log").read_text()
+    assert "gdn spec metadata: all-speculative batch of 8 built from slices" in log
+    passed = {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
+    assert passed == {padded["variant"]: 5, silent["variant"]: 7}
