@@ -62,8 +62,11 @@ def compile_cache_verdict(start_log: str, require_hit: bool) -> dict:
     """What the built image's vLLM said about its baked compile cache on this start. With require_hit, no
     "Directly load" line, or a reload failure, fails the stage: the cache bake_compile_cache baked is dead weight."""
     evidence = cache_evidence(start_log)
-    verdict = {"hit": bool(evidence["hits"]) and not evidence["misses"], "evidence": evidence["hits"]}
-    verdict["load_failures"] = evidence["misses"]
+    verdict = {
+        "hit": bool(evidence["hits"]) and not evidence["misses"],
+        "evidence": evidence["hits"],
+        "load_failures": evidence["misses"],
+    }
     if require_hit and not verdict["hit"]:
         raise StageError(
             "the image did not load the compile cache bake_compile_cache baked into it "

@@ -660,6 +660,11 @@ def itl_cells(section: str, label: str, record, plain, bf16=None) -> None:
     assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
 
 
+def lossless_pairs_passed(found) -> dict[str, int]:
+    """How many set/category pairs each checked variant of a lease's lossless record passed."""
+    return {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
+
+
 def test_drafter_graphs_turn_ngram_gpus_eager_launches_into_two_graph_launches_and_a_cheaper_token():
     """machine14: with graph_drafter the padded ngram_gpu step replays two more graphs (bookkeeping, matcher + fill)
     instead of ~48 eager kernel launches (what the latencies came to: the docs test below); lossless against AWQ's
@@ -879,8 +884,7 @@ def test_greedy_rejection_section_is_its_records():
         # the bonus tokens' two float32 copies and the target rows' copy, and the clone of those
         assert by_op["aten::to"]["vllm_sampler"]["calls"] - by_op["aten::to"]["greedy_argmax"]["calls"] == 4.0
         assert by_op["aten::clone"]["vllm_sampler"]["calls"] - by_op["aten::clone"]["greedy_argmax"]["calls"] == 1.0
-    passed = {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
-    assert passed == {greedy["variant"]: 8, vllm["variant"]: 6}
+    assert lossless_pairs_passed(found) == {greedy["variant"]: 8, vllm["variant"]: 6}
 
 
 def test_suffix_with_every_plugin_section_is_its_records():
@@ -891,9 +895,7 @@ def test_suffix_with_every_plugin_section_is_its_records():
     found = lease_records(folder)
     assert_lease(found, "machine19")
     plain, bf16 = found["variant-awq-broad"], found["variant-bf16-all"]
-    padded, silent = (
-        found[f"variant-awq-broad-{name}32-d48{form}-f4"] for name, form in (("suffix", "-pad"), ("silent", ""))
-    )
+    padded, silent = found["variant-awq-broad-suffix32-d48-pad-f4"], found["variant-awq-broad-silent32-d48-f4"]
     assert padded["speculative"]["pad_drafts"] and silent["speculative"]["silent_drafts"]
     assert all(not any(key.startswith("SERVING_") for key in r["serve_env"]) for r in (padded, silent))
     section = "# Suffix decoding with every plugin"
@@ -908,5 +910,4 @@ def test_suffix_with_every_plugin_section_is_its_records():
     assert min(accepted) >= 25.8 and all(c["mean_acceptance_length"] == 1.0 for c in set_categories(padded, "fresh"))
     log = (folder / "logs" / f"machine19-{padded['variant']}-first.log").read_text()
     assert "gdn spec metadata: all-speculative batch of 8 built from slices" in log
-    passed = {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
-    assert passed == {padded["variant"]: 5, silent["variant"]: 7}
+    assert lossless_pairs_passed(found) == {padded["variant"]: 5, silent["variant"]: 7}
