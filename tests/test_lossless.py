@@ -8,6 +8,7 @@ accepted draft tokens) and shows the check failing on a real server's ids.
 
 import copy
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -212,6 +213,49 @@ def test_reference_differs_from_the_variant_in_speculation_only():
     off = lossless_reference.reference_serve(serve)
     assert serve["speculative"] == {"method": "mtp", "k": 2} and off["speculative"] == {"method": "none"}
     assert dict(off, speculative=None) == dict(serve, speculative=None)  # nothing else changed
+
+
+@pytest.mark.parametrize(
+    ("speculative", "gpus", "cpus", "env"),
+    [
+        ({"method": "mtp", "k": 2}, False, {0, 1}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}),  # the gate's auto leaves 1
+        ({"method": "suffix", "k": 4}, False, {7, 2, 5}, {"VLLM_CPU_OMP_THREADS_BIND": "7"}),  # the last allowed CPU
+        ({"method": "mtp", "k": 2}, False, {3}, {}),  # one CPU: nothing to split
+        ({"method": "mtp", "k": 2}, True, {0, 1}, {}),  # a GPU server: its CPU threads do not compute
+        ({"method": "none"}, False, {0, 1}, {}),  # the baked configuration itself: keep the cache hit
+    ],
+)
+def test_the_reference_computes_on_the_cpu_the_gates_server_leaves_free(speculative, gpus, cpus, env):
+    import lossless_reference
+
+    assert lossless_reference.reference_cpu_env(speculative, gpus, cpus) == env
+
+
+def test_vllms_binding_report_reaches_the_stage_log():
+    import lossless_reference
+
+    log = """(EngineCore pid=35) INFO 11-26 08:28:22 [ompmultiprocessing.py:185] OpenMP thread binding info: 
+(EngineCore pid=35) 	VLLM_CPU_OMP_THREADS_BIND='1', auto_setup=False, skip_setup=False
+(EngineCore pid=35) 	local_world_size=1, reserve_cpu_num=1
+(EngineCore pid=35) 	local_rank=0, core ids=[1]
+(EngineCore pid=35) 	reserved_cpus=[]
+(APIServer pid=1) INFO:     Started server process [1]"""
+    assert lossless_reference.omp_binding_lines(log) == [
+        "VLLM_CPU_OMP_THREADS_BIND='1', auto_setup=False, skip_setup=False",
+        "core ids=[1]",
+        "reserved_cpus=[]",
+    ]
+
+
+@pytest.mark.e2e
+def test_the_dags_reference_ran_on_the_cpu_the_gate_left_free(tiny_run):
+    """The tiny DAG's reference (MTP variant, a CPU host) bound its worker to the last allowed CPU, as vLLM says."""
+    import yaml
+
+    variant = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())["variant"]
+    log = (ROOT / "logs" / "lossless_reference" / f"{variant}.log").read_text()
+    last = max(os.sched_getaffinity(0))
+    assert f"core ids=[{last}]" in log, log[-3000:]
 
 
 def test_the_dag_checks_before_select_and_tarball():
