@@ -234,7 +234,7 @@ def test_the_reference_computes_on_the_cpu_the_gates_server_leaves_free(speculat
 def test_vllms_binding_report_reaches_the_stage_log():
     import lossless_reference
 
-    log = """(EngineCore pid=35) INFO 11-26 08:28:22 [ompmultiprocessing.py:185] OpenMP thread binding info: 
+    log = """(EngineCore pid=35) INFO 11-26 08:28:22 [ompmultiprocessing.py:185] OpenMP thread binding info:
 (EngineCore pid=35) 	VLLM_CPU_OMP_THREADS_BIND='1', auto_setup=False, skip_setup=False
 (EngineCore pid=35) 	local_world_size=1, reserve_cpu_num=1
 (EngineCore pid=35) 	local_rank=0, core ids=[1]
