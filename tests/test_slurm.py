@@ -161,6 +161,18 @@ def test_a_rerun_on_the_cluster_has_nothing_to_do(cluster_run):
 # ---- failures: SLURM's reason in the message, no output a rerun would trust --------------------------------------
 
 
+def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(cluster_run):
+    """train_tiny (minutes on any CPU) given 1 minute: slurmctld checks time limits every 30 s, so SLURM ends it
+    60-90 s in (the slowest test here). The first of the failures: it trains from the untrained checkpoint the
+    fan-out left, which each one after it removes (they force `download`), so no download job runs first (~35 s with
+    the executor's status checks on 2 cores). The trained checkpoint is gone after it; nothing below needs it."""
+    trained = f"{MODEL}/download.json"
+    out = failing_with_resource(cluster_run["workdir"], trained, "train_tiny", "runtime=1")
+    assert "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
+    assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
+    assert not (cluster_run["workdir"] / MODEL / "checkpoint").exists()
+
+
 def test_a_partition_that_does_not_exist_is_named(cluster_run):
     result = on_slurm(
         cluster_run["workdir"], DOWNLOAD, "--forcerun", "download",
@@ -196,13 +208,3 @@ def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
     assert result.returncode != 0, out[-3000:]
     assert "Unable to contact slurm controller" in out, out[-3000:]
     assert not (cluster_run["workdir"] / DOWNLOAD).exists()
-
-
-def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(cluster_run):
-    """train_tiny (minutes on any CPU) given 1 minute: slurmctld checks time limits every 30 s, so SLURM ends it
-    60-90 s in (the slowest test here; last, because the trained checkpoint it replaces is then gone)."""
-    trained = f"{MODEL}/download.json"
-    out = failing_with_resource(cluster_run["workdir"], trained, "train_tiny", "runtime=1")
-    assert "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
-    assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
-    assert not (cluster_run["workdir"] / MODEL / "checkpoint").exists()
