@@ -50,7 +50,43 @@ def pytest_collection_modifyitems(session, config, items):
             "the sweep replaces image.tar.gz: only modules in conftest.LAST may use tiny_sweep:"
             "\n  " + "\n  ".join(early)
         )
-    items.sort(key=lambda item: item.path.name in LAST)  # stable: the rest keep their order
+    # The quick tests first, while the stage venvs build in the background (pytest_collection_finish); then the e2e
+    # ones, LAST's at the end. Stable: each group keeps its order.
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None, item.path.name in LAST))
+
+
+VENVS = ("compress", "serve-cpu", "eval")
+VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
+# The venvs' build when this session started it in the background: {"process": Popen, "log": Path}.
+_background_venvs: dict = {}
+
+
+def pytest_collection_finish(session):
+    """A session with a test that needs the stage venvs starts their build now, beside the quick tests, which run
+    first: its downloads and bytecode compiling (~3 min on 2 cores) overlap them instead of following them. Nothing
+    that test measures runs then; tiny_venvs waits for the build."""
+    if session.config.option.collectonly or not any(
+        "tiny_venvs" in getattr(item, "fixturenames", ()) for item in session.items
+    ):
+        return
+    log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-venvs-")) / "snakemake.log"
+    with open(log_path, "w") as log:
+        _background_venvs.update(
+            process=subprocess.Popen(
+                [sys.executable, "-m", "snakemake", "--cores", "2", *VENV_TARGETS, *TINY],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ),
+            log=log_path,
+        )
+
+
+def pytest_sessionfinish(session):
+    process = _background_venvs.get("process")
+    if process is not None and process.poll() is None:  # the session ended before any test needed the venvs
+        process.terminate()
+        process.wait(60)
 
 
 TINY = ["--configfile", "config/tiny.yaml"]
@@ -147,14 +183,18 @@ def snakemake(
 
 @pytest.fixture(scope="session")
 def tiny_venvs():
-    """The stage venvs, made by the pipeline's own `venv` rule (a no-op when they are up to date)."""
-    targets = [f".venvs/{name}/pip-freeze.txt" for name in ("compress", "serve-cpu", "eval")]
-    snakemake("--cores", "2", *targets, *TINY)
-    return {name: ROOT / ".venvs" / name / "bin" / "python" for name in ("compress", "serve-cpu", "eval")}
+    """The stage venvs, made by the pipeline's own `venv` rule (a no-op when they are up to date): the build this
+    session started in the background, waited for, then checked by a run of its own."""
+    process = _background_venvs.pop("process", None)
+    if process is not None and process.wait() != 0:
+        log = _background_venvs["log"].read_text()
+        raise AssertionError(f"the stage venvs' build failed ({process.returncode}):\n{log[-10000:]}")
+    snakemake("--cores", "2", *VENV_TARGETS, *TINY)
+    return {name: ROOT / ".venvs" / name / "bin" / "python" for name in VENVS}
 
 
 @pytest.fixture(scope="session")
-def tiny_run():
+def tiny_run(tiny_venvs):
     """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification). Run once per
     session: every e2e module reads its outputs instead of running stages again."""
     result = snakemake("--cores", "2", *TINY)
