@@ -41,7 +41,7 @@ def reference_cpu_env(speculative: dict, gpus: bool, cpus: set[int] | None = Non
     the one the gate's automatic binding leaves free. Nothing on a GPU, on a one-CPU host, or for a variant that does
     not speculate: its reference is the baked configuration, and a binding would cost it the cache hit."""
     cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    if gpus or speculative.get("method", "none") == "none" or len(cpus) < 2:
+    if gpus or speculative["method"] == "none" or len(cpus) < 2:
         return {}
     return {OMP_BIND_ENV: str(cpus[-1])}
 
