@@ -63,8 +63,8 @@ _background_venvs: dict = {}
 
 def pytest_collection_finish(session):
     """A session with a test that needs the stage venvs starts their build now, beside the quick tests, which run
-    first: its downloads and bytecode compiling (~3 min on 2 cores) overlap them instead of following them. Nothing
-    that test measures runs then; tiny_venvs waits for the build."""
+    first: its downloads and bytecode compiling (~3 min on 2 cores) overlap them instead of following them. No timed
+    stage runs then; tiny_venvs waits for the build."""
     if session.config.option.collectonly or not any(
         "tiny_venvs" in getattr(item, "fixturenames", ()) for item in session.items
     ):
