@@ -11,19 +11,19 @@ speculation on, so this start compiles: slower, not different.
 It runs beside the quality gate (both wait for the probe only). On a CPU host vLLM's worker binds its OpenMP threads
 automatically to every allowed CPU but the last, which it leaves to the server's own processes, so two servers
 started alike compute on the same CPUs while the last one idles. The reference's worker is bound to that last CPU
-instead (reference_cpu_env): on 2 cores the pair took 225 s instead of 297 s (2026-11-26, AVX2-only EPYC), greedy ids
-unchanged. Only because this start compiles anyway: the binding is part of vLLM's compile-cache key, and the gate's
-server, which loads the baked cache, keeps the automatic binding.
+instead (reference_cpu_env): on 2 cores the pair took 225-229 s instead of 297 s (2026-11-26, AVX2-only EPYCs),
+greedy ids unchanged. Only because this start compiles anyway: the binding is part of vLLM's compile-cache key, and
+the gate's server, which loads the baked cache, keeps the automatic binding.
 """
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
 from lib.probe import probe
 from lib.stage import write_json
+from lib.vllm_logs import omp_binding_lines
 
 IMAGE_SERVE_JSON = "/opt/ml/serve.json"  # where the image's entrypoint reads its settings (serving/launch.py)
 
@@ -44,11 +44,6 @@ def reference_cpu_env(speculative: dict, gpus: bool, cpus: set[int] | None = Non
     if gpus or speculative["method"] == "none" or len(cpus) < 2:
         return {}
     return {OMP_BIND_ENV: str(cpus[-1])}
-
-
-def omp_binding_lines(server_log: str) -> list[str]:
-    """vLLM's own account of where its CPU worker's threads run (ompmultiprocessing.py), for the stage log."""
-    return re.findall(r"VLLM_CPU_OMP_THREADS_BIND=.*|core ids=.*|reserved_cpus=.*", server_log)
 
 
 def main(job) -> None:

@@ -232,7 +232,7 @@ def test_the_reference_computes_on_the_cpu_the_gates_server_leaves_free(speculat
 
 
 def test_vllms_binding_report_reaches_the_stage_log():
-    import lossless_reference
+    from lib.vllm_logs import omp_binding_lines
 
     log = """(EngineCore pid=35) INFO 11-26 08:28:22 [ompmultiprocessing.py:185] OpenMP thread binding info:
 (EngineCore pid=35) 	VLLM_CPU_OMP_THREADS_BIND='1', auto_setup=False, skip_setup=False
@@ -240,7 +240,7 @@ def test_vllms_binding_report_reaches_the_stage_log():
 (EngineCore pid=35) 	local_rank=0, core ids=[1]
 (EngineCore pid=35) 	reserved_cpus=[]
 (APIServer pid=1) INFO:     Started server process [1]"""
-    assert lossless_reference.omp_binding_lines(log) == [
+    assert omp_binding_lines(log) == [
         "VLLM_CPU_OMP_THREADS_BIND='1', auto_setup=False, skip_setup=False",
         "core ids=[1]",
         "reserved_cpus=[]",

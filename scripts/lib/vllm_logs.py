@@ -1,4 +1,5 @@
-"""What vLLM's log says about its compile cache (latency_probe proves the image's hit with it)."""
+"""What vLLM's log says about its compile cache (latency_probe proves the image's hit with it) and about where its CPU
+worker's threads run (lossless_reference records it)."""
 
 import re
 
@@ -13,3 +14,12 @@ def cache_evidence(log_text: str) -> dict:
         "hits": [m.group(0) for m in CACHE_HIT.finditer(log_text)][:8],
         "misses": [m.group(0) for m in CACHE_MISS.finditer(log_text)][:8],
     }
+
+
+# ompmultiprocessing.py's "OpenMP thread binding info" block, one value a line.
+OMP_BINDING = re.compile(r"VLLM_CPU_OMP_THREADS_BIND=.*|core ids=.*|reserved_cpus=.*")
+
+
+def omp_binding_lines(log_text: str) -> list[str]:
+    """vLLM's own account of where its CPU worker's OpenMP threads run."""
+    return OMP_BINDING.findall(log_text)
