@@ -313,6 +313,8 @@ def main(job) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from serving.avx2_fp32 import HalfProductsInFp32
+
     if getattr(job, "threads", None):
         torch.set_num_threads(job.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -361,49 +363,53 @@ def main(job) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab, loaded, pruned_dir = None, None, out_dir.with_name(f".{out_dir.name}.pruned")
-    try:
-        if prune:
-            vocab, loaded = prune_checkpoint(
-                source_dir, pruned_dir, kept, architecture, job.input.heldout, heldout, bounds
+    # bf16 products of CPU tensors in fp32 (serving/avx2_fp32.py says why): on an AVX2-only CPU PyTorch has no
+    # fast bf16 GEMM or conv, and AWQ's scale search runs the layers many times; accelerator work is untouched
+    with HalfProductsInFp32():
+        try:
+            if prune:
+                vocab, loaded = prune_checkpoint(
+                    source_dir, pruned_dir, kept, architecture, job.input.heldout, heldout, bounds
+                )
+                model_dir = pruned_dir
+                tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+                heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
+                if dataset is not None:
+                    dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
+            source_stats = build_checkpoint(
+                model_dir,
+                recipe,
+                architecture,
+                tmp,
+                dataset=dataset,
+                tokenizer=tokenizer,
+                max_seq_length=max_seq_length,
+                heldout=heldout,
+                seed=seed,
+                untie_head=untie,
+                loaded=loaded,
             )
-            model_dir = pruned_dir
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
-            if dataset is not None:
-                dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
-        source_stats = build_checkpoint(
-            model_dir,
-            recipe,
-            architecture,
-            tmp,
-            dataset=dataset,
-            tokenizer=tokenizer,
-            max_seq_length=max_seq_length,
-            heldout=heldout,
-            seed=seed,
-            untie_head=untie,
-            loaded=loaded,
-        )
-        loaded = None
-        qconfig = _quantization_config(tmp)
-        if recipe["quantize"] != bool(qconfig):
-            raise StageError(f"{tmp}/config.json {'lacks' if recipe['quantize'] else 'has'} a quantization_config")
-        checks = check_output(model_dir, tmp, targeted, expected_bytes, head_quantized=HEAD_MODULE in targeted)
-        heldout_stats = compare_stats(source_stats, next_token_stats(load_model(tmp, architecture, "written"), heldout))
-        heldout_stats.update(
-            path=str(job.input.heldout),
-            min_top1_agreement=bounds["min_top1_agreement"],
-            max_ppl_ratio=bounds["max_ppl_ratio"],
-        )
-        print(f"held-out: {heldout_stats}", flush=True)
-        check_heldout(heldout_stats, bounds["min_top1_agreement"], bounds["max_ppl_ratio"])
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(pruned_dir, ignore_errors=True)
+            loaded = None
+            qconfig = _quantization_config(tmp)
+            if recipe["quantize"] != bool(qconfig):
+                raise StageError(f"{tmp}/config.json {'lacks' if recipe['quantize'] else 'has'} a quantization_config")
+            checks = check_output(model_dir, tmp, targeted, expected_bytes, head_quantized=HEAD_MODULE in targeted)
+            written = load_model(tmp, architecture, "written")
+            heldout_stats = compare_stats(source_stats, next_token_stats(written, heldout))
+            heldout_stats.update(
+                path=str(job.input.heldout),
+                min_top1_agreement=bounds["min_top1_agreement"],
+                max_ppl_ratio=bounds["max_ppl_ratio"],
+            )
+            print(f"held-out: {heldout_stats}", flush=True)
+            check_heldout(heldout_stats, bounds["min_top1_agreement"], bounds["max_ppl_ratio"])
+            shutil.rmtree(out_dir, ignore_errors=True)
+            tmp.rename(out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(pruned_dir, ignore_errors=True)
     manifest = write_manifest(out_dir, job.output.manifest)
     source_bytes, output_bytes = _dir_bytes(source_dir), _dir_bytes(out_dir)
     parts = part_bytes(out_dir)

@@ -1,13 +1,8 @@
 """Write a variant's serve.json: the settings the rule resolved through serving/settings.py, checked again by the
 same table the image's entrypoint uses, so a file the image would refuse is never written."""
 
-import sys
-from pathlib import Path
-
 from lib.stage import StageError, write_json
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serving.settings import SettingsError, serve_json  # noqa: E402
+from serving.settings import SettingsError, serve_json
 
 
 def main(job) -> None:

@@ -10,7 +10,9 @@ that build the products are computed in fp32 from the same bf16 values and round
 kernels accumulate in fp32 as well); activations, caches and the GDN kernels stay bf16. The tiny model (2
 cores, MTP K=2, eager) answered the short / medium / long requests in 4.5 / 17.2 / 24.7 s before and
 1.9 / 9.7 / 13.9 s after, with the same text. Where `_C` (AVX-512) is loaded nothing changes and nothing is
-logged. serving/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way.
+logged. serving/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way, and
+the quantize stage runs transformers' modules (llmcompressor's calibration, the held-out guard) under
+`HalfProductsInFp32` on every CPU: AWQ's scale search spent 42 % of its time in the GDN layers' bf16 conv1d there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import types
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # Where the CPU GDN layers call F.conv1d (prefill, decode, and the speculative path).
 CONV_MODULES = (
@@ -25,6 +28,7 @@ CONV_MODULES = (
     "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
 )
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+FP32_PRODUCTS = (torch.nn.functional.linear, torch.nn.functional.conv1d)  # what HalfProductsInFp32 reroutes
 
 
 def avx2_build() -> bool:
@@ -46,6 +50,21 @@ def conv1d(input, weight, bias=None, *args, **kwargs):
         return torch.nn.functional.conv1d(input, weight, bias, *args, **kwargs)
     bias = None if bias is None else bias.float()
     return torch.nn.functional.conv1d(input.float(), weight.float(), bias, *args, **kwargs).to(input.dtype)
+
+
+class HalfProductsInFp32(TorchFunctionMode):
+    """Within it, F.linear and F.conv1d of half-precision CPU tensors are computed in fp32 and returned in the
+    input's dtype, whoever calls them (transformers' modules, llmcompressor's hooks); accelerator tensors and
+    everything else pass through untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in FP32_PRODUCTS or args[0].device.type != "cpu" or args[0].dtype not in HALF_DTYPES:
+            return func(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            x, weight, *rest = args
+            return linear_fp32(x, weight.float(), rest[0] if rest else kwargs.get("bias"))
+        return conv1d(*args, **kwargs)  # the mode is off inside this call: conv1d's own F.conv1d is torch's
 
 
 class FunctionalWithFp32Conv(types.ModuleType):

@@ -783,6 +783,53 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
     assert result.returncode == 3 and "does not load with transformers" in result.stdout, result.stderr[-2000:]
 
 
+HALF_PRODUCTS = """
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from serving.avx2_fp32 import HalfProductsInFp32
+
+class KernelDtypes(TorchDispatchMode):  # the dtypes each aten kernel was given
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen.append((func.__name__.split(".")[0], {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+        return func(*args, **(kwargs or {}))
+
+torch.manual_seed(0)
+linear, conv = torch.nn.Linear(96, 48).bfloat16(), torch.nn.Conv1d(64, 64, 4, groups=64, padding=3).bfloat16()
+x, seq = torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(2, 64, 9, dtype=torch.bfloat16)
+w32, b32, cw32, cb32 = linear.weight.float(), linear.bias.float(), conv.weight.float(), conv.bias.float()
+seen = []
+with torch.no_grad(), KernelDtypes(), HalfProductsInFp32():
+    y, out = linear(x), conv(seq)
+    kw = F.conv1d(seq, conv.weight, bias=None, padding=3, groups=64)  # as transformers' GDN calls it
+    mm = torch.matmul(x, linear.weight.T)  # only linear and conv1d are rerouted
+    y32 = F.linear(x.float(), w32, b32)  # fp32 work is torch's own
+products = [(name, dtypes) for name, dtypes in seen if name in ("addmm", "mm", "convolution")]
+assert products == [("addmm", {torch.float32}), ("convolution", {torch.float32}), ("convolution", {torch.float32}),
+                    ("mm", {torch.bfloat16}), ("addmm", {torch.float32})], products
+assert y.dtype == out.dtype == kw.dtype == torch.bfloat16
+assert torch.equal(y, F.linear(x.float(), w32, b32).bfloat16()) and torch.equal(y32, F.linear(x.float(), w32, b32))
+assert torch.equal(out, F.conv1d(seq.float(), cw32, cb32, padding=3, groups=64).bfloat16())
+assert torch.equal(kw, F.conv1d(seq.float(), cw32, None, padding=3, groups=64).bfloat16())
+print("ok")
+"""
+
+
+@pytest.mark.e2e
+def test_calibration_computes_half_precision_products_in_fp32(tiny_venvs):
+    """quantize runs transformers' layers under serving/avx2_fp32.py's HalfProductsInFp32: a bf16 linear layer and
+    depthwise convolution reach their kernels in fp32 and come back rounded to bf16; other ops stay as called."""
+    result = subprocess.run(
+        [str(tiny_venvs["compress"]), "-c", HALF_PRODUCTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 # ---- vocabulary pruning on the tiny checkpoint, through the stage script ----
 
 ROUND_TRIP = """

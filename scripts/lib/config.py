@@ -11,18 +11,14 @@ import copy
 import hashlib
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
 
-from lib import sweeps
+from lib import ROOT, sweeps
 from lib.schema import SCHEMA_PATH, load as schema
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from serving import settings as serve_settings  # noqa: E402
+from serving import settings as serve_settings
 
 # Folders under results/ that are not variants.
 RESERVED_NAMES = {"base_image", "quantize", "plots"}
