@@ -130,6 +130,14 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "serve.json").write_text(json.dumps(serve))
+    # vLLM inspects each model class in a subprocess that imports vLLM (~17 s a class, two with MTP, on 2 AVX2
+    # cores) and caches the answer under the cache root keyed by the model module's hash: the same for every server
+    # of this venv, as the image's baked cache holds it for its containers
+    shared_modelinfos = Path(tempfile.gettempdir()) / "qwen35-serve-tests-modelinfos"
+    shared_modelinfos.mkdir(exist_ok=True)
+    (tmp / "cache").mkdir(exist_ok=True)
+    if not (tmp / "cache" / "modelinfos").exists():
+        (tmp / "cache" / "modelinfos").symlink_to(shared_modelinfos)
     port = free_port()
     server_env = {
         **os.environ,
