@@ -1,9 +1,7 @@
 """Export the gated image as image.tar.gz (a gzipped `docker save` archive) plus its sha256.
 
-The archive is verified (lib/docker_archive.py, no daemon) as it is written, its bytes read on their way to the
-file beside `docker save` (on 2 cores the check after the save took 28 of tarball's 97 s), and before its .sha256
-is written: one that fails is never moved into place, so image.tar.gz never stands as a finished output
-unverified.
+The archive is verified (lib/docker_archive.py, no daemon) before its .sha256 is written: one that fails
+is deleted, so image.tar.gz never stands as a finished output unverified.
 """
 
 import json
@@ -67,18 +65,16 @@ def main(job) -> None:
             f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
             "rerun with `-R build_image`"
         )
-    # checked as it streams to the file (save_image keeps no file that fails); the archive's config is the
-    # image's own (docker save, and buildah's docker-archive of an OCI image, keep its bytes), so its digest is
-    # the built image's ID
-    record = save_image(
-        image["ref"],
-        out,
-        image["builder"],
-        int(job.params.compress_level),
-        check=lambda stream: verify_archive(out, image["ref"], image["labels"], image["id"], stream=stream),
-    )
-    print(f"{out}: written and verified in {record['seconds']} s", flush=True)
+    save_image(image["ref"], out, image["builder"], int(job.params.compress_level))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
+    # the archive's config is the image's own (docker save, and buildah's docker-archive of an OCI image, keep
+    # its bytes), so its digest is the built image's ID
+    try:
+        record = verify_archive(out, image["ref"], image["labels"], image["id"])
+    except StageError:
+        out.unlink(missing_ok=True)
+        raise
+    print(f"{out}: verified in {record['seconds']} s", flush=True)
     digest = write_sha256(out, Path(job.output.sha256), record["archive_sha256"])
     print(f"{out}: {size / 1e9:.2f} GB, sha256 {digest}, {time.monotonic() - started:.0f} s")
 

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -409,66 +409,39 @@ def gzip_command(compress_level: int) -> list[str]:
     return [pigz, "-n", f"-{int(compress_level)}", "-p", str(max(2, os.cpu_count() or 2))]
 
 
-class _CopyingReader:
-    """A read-only stream over `source` that also writes every byte it hands out to `sink`."""
-
-    def __init__(self, source, sink):
-        self.source, self.sink = source, sink
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.source.read(n)
-        self.sink.write(data)
-        return data
-
-
-def save_image(
-    ref: str, out_path: str | Path, builder: str = "docker", compress_level: int = 1, check=None
-) -> Path | object:
+def save_image(ref: str, out_path: str | Path, builder: str = "docker", compress_level: int = 1) -> Path:
     """Write a gzipped docker-archive (loadable by `docker load`) of ref to out_path (gzip_command: identical images
     give identical bytes). Written to a .partial file first: an interrupted save never leaves a file a rerun would
-    trust. `check(stream)`, when given, reads the compressed bytes as they are written, beside the save instead of
-    after it, and must read them to the end; out_path is kept only when it returns, and its answer is returned."""
+    trust."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
     raw = out_path.with_name(out_path.name + ".tar.partial")
     compress = gzip_command(compress_level)
-    answer = out_path
     try:
-        if builder != "docker":
-            raw.unlink(missing_ok=True)
-            run(["buildah", "push", ref, f"docker-archive:{raw}:{ref}"], builder="buildah", what=f"buildah push {ref}")
-        with open(partial, "wb") as sink, ExitStack() as stack:
-            save = None
+        with open(partial, "wb") as sink:
             if builder == "docker":
                 save = subprocess.Popen(["docker", "save", ref], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                source = save.stdout
-            else:
-                source = stack.enter_context(open(raw, "rb"))
-            gzip = subprocess.Popen(compress, stdin=source, stdout=subprocess.PIPE if check else sink)
-            if save:
+                gzip = subprocess.Popen(compress, stdin=save.stdout, stdout=sink)
                 save.stdout.close()  # the compressor owns the pipe now: docker save sees EPIPE if it dies
-            problem = None
-            if check:
-                copying = _CopyingReader(gzip.stdout, sink)
-                try:
-                    answer = check(copying)
-                except StageError as error:
-                    problem = error
-                while copying.read(1 << 20):  # to the end, so that a failed save is reported as one
-                    pass
-                gzip.stdout.close()
-            if save:
                 save_err = save.stderr.read().decode(errors="replace")
                 if save.wait() != 0:
                     gzip.wait()
                     raise StageError(f"docker save {ref} failed: {save_err.strip()[-2000:]}")
-            if gzip.wait() != 0:
-                raise StageError(f"compressing {ref} failed (disk full?)")
-            if problem:
-                raise problem
+                if gzip.wait() != 0:
+                    raise StageError(f"compressing {ref} failed (disk full?)")
+            else:
+                raw.unlink(missing_ok=True)
+                run(
+                    ["buildah", "push", ref, f"docker-archive:{raw}:{ref}"],
+                    builder="buildah",
+                    what=f"buildah push {ref}",
+                )
+                with open(raw, "rb") as source:
+                    if subprocess.run(compress, stdin=source, stdout=sink).returncode != 0:
+                        raise StageError(f"compressing {ref} failed (disk full?)")
         partial.replace(out_path)
     finally:
         partial.unlink(missing_ok=True)
         raw.unlink(missing_ok=True)
-    return answer
+    return out_path

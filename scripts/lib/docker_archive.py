@@ -6,8 +6,8 @@ entrypoint, labels, rootfs.diff_ids) and one uncompressed tar per layer, named b
 manifest may come last, every member is hashed as it streams by and every tar-looking member is listed, and
 the checks run once the pass is over: the 3 GB layer is never held in memory or written to disk.
 
-tarball checks the archive with verify_archive as it writes it (the bytes on their way to the file; its .sha256 is
-written only after); the verify_image stage checks it again as it lies on disk.
+tarball checks the archive it has just written with verify_archive (before its .sha256 exists); the
+verify_image stage checks it again as it lies on disk.
 """
 
 import hashlib
@@ -15,7 +15,6 @@ import json
 import re
 import tarfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from lib.stage import StageError
@@ -94,12 +93,11 @@ def _scan_layer(stream: _Hashing) -> dict:
     return found
 
 
-def read_archive(path: str | Path, stream=None) -> tuple[dict, dict, dict]:
-    """One pass over the gzip at path, or over `stream` (its bytes as they are written; path only names it):
-    (sha256/size of every member, contents of small non-tar members, layer scans), plus the archive's own sha256
-    and sizes under the key None of the first dict."""
+def read_archive(path: str | Path) -> tuple[dict, dict, dict]:
+    """One pass over the gzip: (sha256/size of every member, contents of small non-tar members, layer scans),
+    plus the archive's own sha256 and sizes under the key None of the first dict."""
     members, small, layers = {}, {}, {}
-    with nullcontext(stream) if stream else open(path, "rb") as raw_file:
+    with open(path, "rb") as raw_file:
         raw = _Hashing(raw_file)
         try:
             with tarfile.open(fileobj=raw, mode="r|gz", bufsize=_BUF) as archive:
@@ -159,12 +157,11 @@ def _json(small: dict, name: str, what: str, errors: list[str]):
 
 
 def verify_archive(
-    path: str | Path, expected_ref: str, expected_labels: dict[str, str], image_id: str | None = None, stream=None
+    path: str | Path, expected_ref: str, expected_labels: dict[str, str], image_id: str | None = None
 ) -> dict:
-    """Check the archive (read from `stream` when given, see read_archive); return its record, or raise
-    StageError listing every check that failed."""
+    """Check the archive; return its record, or raise StageError listing every check that failed."""
     started = time.monotonic()
-    members, small, layers = read_archive(path, stream)
+    members, small, layers = read_archive(path)
     errors: list[str] = []
     record = {"archive": str(path), "archive_sha256": members[None]["sha256"], "archive_bytes": members[None]["bytes"]}
     manifest = _json(small, "manifest.json", "manifest", errors)
