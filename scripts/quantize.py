@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from importlib import metadata
 from pathlib import Path
 
@@ -363,9 +364,10 @@ def main(job) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab, loaded, pruned_dir = None, None, out_dir.with_name(f".{out_dir.name}.pruned")
-    # bf16 products of CPU tensors in fp32 (serving/avx2_fp32.py says why): on an AVX2-only CPU PyTorch has no
-    # fast bf16 GEMM or conv, and AWQ's scale search runs the layers many times; accelerator work is untouched
-    with HalfProductsInFp32():
+    # bf16 products in fp32 where the layers run on the CPU (serving/avx2_fp32.py says why): on an AVX2-only CPU
+    # PyTorch has no fast bf16 GEMM or conv, and AWQ's scale search runs the layers many times. With an accelerator
+    # the mode stays off: it would pass every op through Python for nothing.
+    with HalfProductsInFp32() if default_device() == "cpu" else nullcontext():
         try:
             if prune:
                 vocab, loaded = prune_checkpoint(
