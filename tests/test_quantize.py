@@ -759,6 +759,18 @@ def test_stage_refuses_a_bad_recipe_before_loading_anything(tiny_venvs, tiny_che
     assert not (tmp_path / "out" / "model").exists()
 
 
+def run_in_compress_venv(tiny_venvs, code: str) -> subprocess.CompletedProcess:
+    """`python -c code` in the compress venv, from the project root with scripts/ (lib) importable."""
+    return subprocess.run(
+        [str(tiny_venvs["compress"]), "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+
+
 @pytest.mark.e2e
 def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
     import shutil
@@ -772,14 +784,7 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
         f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
         "except StageError as e: print(e); sys.exit(3)\n"
     )
-    result = subprocess.run(
-        [str(tiny_venvs["compress"]), "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
-        timeout=300,
-    )
+    result = run_in_compress_venv(tiny_venvs, code)
     assert result.returncode == 3 and "does not load with transformers" in result.stdout, result.stderr[-2000:]
 
 
@@ -819,14 +824,7 @@ print("ok")
 def test_calibration_computes_half_precision_products_in_fp32(tiny_venvs):
     """quantize runs transformers' layers under serving/avx2_fp32.py's HalfProductsInFp32: a bf16 linear layer and
     depthwise convolution reach their kernels in fp32 and come back rounded to bf16; other ops stay as called."""
-    result = subprocess.run(
-        [str(tiny_venvs["compress"]), "-c", HALF_PRODUCTS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"},
-        timeout=300,
-    )
+    result = run_in_compress_venv(tiny_venvs, HALF_PRODUCTS)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
