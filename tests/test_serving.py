@@ -484,6 +484,25 @@ if fp32:  # a bf16 linear layer and a bf16 depthwise convolution, computed in fp
     ref = torch.nn.functional.conv1d(conv_in.float(), conv_w.float(), None, groups=64).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
     assert gdn_attention.F.silu is torch.nn.functional.silu  # everything else is torch's own
+    # the GDN prefill of packed sequences with their own states, against vLLM's kernel (which keeps some
+    # intermediates in bf16, hence a tolerance of bf16's rounding)
+    lens, kv_heads, v_heads, dim = [70, 1, 130], 2, 4, 32
+    tokens, seqs = sum(lens), len(lens)
+    q, k = (torch.randn(1, tokens, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, tokens, v_heads, dim, dtype=torch.bfloat16)
+    g, beta = -torch.rand(1, tokens, v_heads) * 0.3, torch.rand(1, tokens, v_heads, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 70, 71, 201], dtype=torch.int32)
+    state = torch.randn(seqs, v_heads, dim, dim) * 0.1
+    rule = dict(query=q, key=k, value=v, g=g, beta=beta, output_final_state=True, cu_seqlens=cu, head_first=False,
+                use_qk_l2norm_in_kernel=True)
+    assert gdn_attention.ops.chunk_gated_delta_rule_cpu is fp32_plugin.chunk_gated_delta_rule_fp32
+    out, final = gdn_attention.ops.chunk_gated_delta_rule_cpu(initial_state=state.clone(), **rule)
+    ref_out, ref_final = torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, g, beta, state.clone(), True, cu, False, True)
+    assert out.dtype == ref_out.dtype and final.dtype == ref_final.dtype and final.shape == (seqs, v_heads, dim, dim)
+    assert (out.float() - ref_out.float()).abs().max() < 0.02 * ref_out.float().abs().max(), "prefill output"
+    assert (final - ref_final).abs().max() < 0.02 * ref_final.abs().max(), "final states"
+else:
+    assert gdn_attention.ops.chunk_gated_delta_rule_cpu.__module__ == "vllm._custom_ops"
 if patched:  # the patched kernel on a layer as vLLM leaves it after loading computes the dense matmul
     torch.manual_seed(0)
     out, inp, g = 64, 96, 32
