@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from conftest import ROOT, SERVE_JSON, SERVE_PY, host_server
 
 sys.path.insert(0, str(ROOT))
 
+from serving import fork_start  # noqa: E402
 from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
 from serving.settings import SERVE  # noqa: E402
@@ -403,6 +405,108 @@ def test_every_plugin_entry_point_resolves():
         assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, target
 
 
+# ---------- fork start (serving/fork_start.py) ----------
+
+
+def test_fork_start_replays_the_openmp_binding_vllm_sets_for_a_spawned_worker():
+    calls = {}
+
+    def replay(environ, cpus_now=frozenset({0, 1, 2, 3})):
+        calls.clear()
+        done = fork_start.replay_binding(
+            environ,
+            lambda n: calls.__setitem__("threads", n),
+            lambda cpus: calls.__setitem__("cpus", cpus),
+            lambda: calls.get("cpus", cpus_now),
+        )
+        return done, dict(calls)
+
+    # vLLM's CPU platform preloads torch's libgomp, so OMPProcessManager writes GOMP_CPU_AFFINITY
+    assert replay({"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "1 2"}) == (
+        ["cpus [1, 2]", "2 OpenMP threads"],
+        {"cpus": {1, 2}, "threads": 2},
+    )
+    # without the preload: OMP_PLACES with OMP_PROC_BIND; the count defaults to one per CPU bound to
+    assert replay({"OMP_PLACES": "{0,3}", "OMP_PROC_BIND": "TRUE"})[1] == {"cpus": {0, 3}, "threads": 2}
+    # places without binding bind nothing; nothing set: the runtime's default, a thread per CPU the process has
+    assert replay({"OMP_PLACES": "{0,3}"})[1] == {"threads": 4}
+    assert replay({"OMP_NUM_THREADS": "0", "GOMP_CPU_AFFINITY": "0-3"})[1] == {"threads": 4}  # forms vLLM never writes
+    assert fork_start.places_cpus("{0,1,2}") == {0, 1, 2}
+    assert fork_start.places_cpus("cores") is None and fork_start.places_cpus("{a}") is None
+
+
+def test_fork_start_forks_only_from_a_process_kept_on_one_openmp_thread():
+    gomp = "/venv/torch/lib/libgomp.so.1"
+    refusal = fork_start.fork_refusal
+    assert refusal({"LD_PRELOAD": gomp}, True, 1, {gomp}) is None
+    assert "SERVING_FORK_START=0" in refusal({"SERVING_FORK_START": "0"}, True, 1, set())
+    # a spawned engine core (vLLM's own path) never set one thread; a parent that raised the count may have a pool
+    assert "did not run on one OpenMP thread" in refusal({}, False, 1, set())
+    assert "runs 2 OpenMP threads" in refusal({}, True, 2, set())
+    assert "KMP_AFFINITY" in refusal({"LD_PRELOAD": "/opt/intel/libiomp5.so"}, True, 1, set())
+    assert "not the OpenMP runtime loaded here" in refusal({"LD_PRELOAD": "/usr/lib/libgomp.so.1"}, True, 1, {gomp})
+    api_server = type("Main", (), {"__spec__": type("Spec", (), {"name": fork_start.API_SERVER})()})
+    assert fork_start._is_api_server(api_server)
+    assert not fork_start._is_api_server(type("Main", (), {"__spec__": None})) and not fork_start._is_api_server(None)
+
+
+def test_fork_start_closes_inherited_network_sockets_and_keeps_unix_ones():
+    listening = socket.create_server(("127.0.0.1", 0))
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))  # how vLLM holds its HTTP port until the engine is up
+    pair = socket.socketpair()
+    r, w = os.pipe()
+    fds = [listening.fileno(), bound.fileno(), pair[0].fileno(), r]
+    try:
+        assert fork_start.close_network_sockets(fds) == fds[:2]
+        for closed in fds[:2]:
+            with pytest.raises(OSError):
+                os.fstat(closed)
+        pair[0].sendall(b"x")
+        assert pair[1].recv(1) == b"x" and os.fstat(r)
+    finally:
+        listening.detach(), bound.detach()
+        for obj in (*pair,):
+            obj.close()
+        os.close(r), os.close(w)
+
+
+FORK_AFTER_POOL = r"""
+import os, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from serving.fork_start import fork_refusal
+torch.set_num_threads(2)
+if sys.argv[2] == "pool":
+    (torch.ones(4_000_000) * 2).sum()  # a parallel region: GNU OpenMP starts its thread pool here
+print(fork_refusal({}, True, torch.get_num_threads(), set()), flush=True)
+pid = os.fork()
+if pid == 0:
+    (torch.ones(4_000_000) * 3).sum()
+    os._exit(0)
+for _ in range(50):  # the child takes well under a second when it works
+    if os.waitpid(pid, os.WNOHANG)[0]:
+        print("child finished"); break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9); print("child hung")
+"""
+
+
+@pytest.mark.e2e
+def test_a_child_forked_after_an_openmp_thread_pool_hangs_and_fork_start_refuses_that_parent():
+    """Why fork_start keeps its parents on one OpenMP thread: with torch's GNU OpenMP, a child forked after a
+    parallel region waits forever at its own first one."""
+    runs = {}
+    for parent in ("no-pool", "pool"):
+        r = subprocess.run(
+            [str(SERVE_PY), "-c", FORK_AFTER_POOL, str(ROOT), parent], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[parent] = r.stdout.split("\n")
+    assert runs["pool"][1] == "child hung" and runs["no-pool"][1] == "child finished", runs
+    assert "runs 2 OpenMP threads" in runs["pool"][0] and "runs 2 OpenMP threads" in runs["no-pool"][0]
+
+
 # ---------- int4 dequant (needs the serve-cpu venv) ----------
 
 DEQUANT_CHECK = r"""
@@ -706,7 +810,7 @@ def test_metrics_and_plugin(server):
     port, variant, log = server
     status, text = http(port, "/metrics")
     assert status == 200 and "vllm:" in text
-    if variant.startswith("mtp"):  # the draft model really proposed tokens
+    if "mtp" in variant:  # the draft model really proposed tokens
         drafted = [ln for ln in text.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens_total")]
         assert drafted and float(drafted[0].split()[-1]) > 0, drafted
     if variant.startswith("w4a16"):
@@ -714,6 +818,36 @@ def test_metrics_and_plugin(server):
         fell_back = "int4 fallback: no cpu_gemm_wna16" in log.read_text()
         assert fell_back == (not serve_venv_has_int4_gemm()), fell_back
         assert "Using CPUWNA16LinearKernel" in log.read_text()  # vLLM's own int4 kernel class either way
+
+
+def _tcp_inodes(port: int) -> set[str]:
+    """Socket inodes of this machine's TCP sockets on `port` (local address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+@pytest.mark.e2e
+def test_engine_core_and_worker_are_forked_bound_and_hold_no_server_port(server):
+    port, _, log = server
+    text = log.read_text()
+    assert "fork start: the engine core is forked, not spawned" in text
+    assert "fork start: the worker is forked, not spawned" in text
+    bound = re.search(r"fork start: VllmWorker-0 bound to cpus \[([\d, ]+)\], (\d+) OpenMP threads", text)
+    assert bound, text[-3000:]
+    cpus = {int(x) for x in bound.group(1).split(",")}
+    # vLLM keeps a CPU for the engine core where it can, and the worker really runs on the CPUs the log names
+    assert len(cpus) == max(1, len(os.sched_getaffinity(0)) - 1) == int(bound.group(2))
+    worker = int(re.search(r"\(Worker pid=(\d+)\)", text).group(1))
+    assert os.sched_getaffinity(worker) == cpus
+    held = {os.readlink(f"/proc/{worker}/fd/{fd}") for fd in os.listdir(f"/proc/{worker}/fd")}
+    assert not {f"socket:[{inode}]" for inode in _tcp_inodes(port)} & held  # the HTTP port stays the API server's
+    status, _ = http(port, "/ping")
+    assert status == 200
 
 
 def test_rewrite_leaves_a_malformed_chat_template_kwargs_to_vllm():
