@@ -13,8 +13,8 @@ What spawn gave that a fork must keep:
   the CPUs become its affinity, which its OpenMP threads inherit (on one CPU, the tiny profile's worker on two
   cores, that is the runtime's own binding; on several, the threads share them instead of taking one each), and
   the thread count becomes OMP_NUM_THREADS (else one per CPU, the runtime's default).
-- A child whose OpenMP runtime works. GNU OpenMP keeps its thread pool across a fork only in the parent: a child
-  forked after the parent ran a parallel region on more than one thread hangs at its own first one. So the API
+- A child whose OpenMP runtime works. GNU OpenMP's thread pool does not survive a fork: a child forked after its
+  parent ran a parallel region on more than one thread hangs at its own first one. So the API
   server, which does no model work, runs on one OpenMP thread from the moment this plugin loads (right after its
   imports, which run no parallel region); the engine core it forks inherits that and does no model work either;
   and a process forks only while it still runs one OpenMP thread and is that API server or a child forked from
