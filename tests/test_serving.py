@@ -465,10 +465,12 @@ def test_fork_start_closes_inherited_network_sockets_and_keeps_unix_ones():
         pair[0].sendall(b"x")
         assert pair[1].recv(1) == b"x" and os.fstat(r)
     finally:
-        listening.detach(), bound.detach()
-        for obj in (*pair,):
-            obj.close()
-        os.close(r), os.close(w)
+        for closed_by_the_call in (listening, bound):
+            closed_by_the_call.detach()  # their descriptors are gone; closing again could hit a reused number
+        for end in pair:
+            end.close()
+        os.close(r)
+        os.close(w)
 
 
 FORK_AFTER_POOL = r"""
