@@ -32,11 +32,12 @@ import signal
 import socket
 import sys
 
+from serving.launch import API_SERVER_MODULE
+
 _LOGGER = "vllm.plugins.serving_fork_start"
 # OpenMP runtimes that vLLM binds through KMP_AFFINITY, which they read only when they load
 INTEL_OPENMP = ("libiomp", "libomp")
 BINDING_KEYWORDS = ("true", "close", "spread", "master", "primary")
-API_SERVER = "vllm.entrypoints.openai.api_server"
 _single_threaded = {"since_start": False}  # set in the API server; a forked child inherits it
 
 
@@ -130,11 +131,6 @@ class _ForkedProcess(multiprocessing.context.ForkProcess):
         super().run()
 
 
-class _EngineCoreProcess(_ForkedProcess):
-    """The engine core, forked: it keeps its parent's single OpenMP thread (it does no model work), so it may
-    fork its worker in turn."""
-
-
 class _WorkerProcess(_ForkedProcess):
     """The worker, forked: first the OpenMP binding vLLM set in the environment for it, then vLLM's code."""
 
@@ -151,7 +147,9 @@ def _set_affinity(cpus: set[int]) -> None:
 
 
 class _EngineCoreContext(multiprocessing.context.ForkContext):
-    Process = _EngineCoreProcess
+    # nothing to replay: the engine core keeps its parent's single OpenMP thread (it does no model work), so it
+    # may fork its worker in turn
+    Process = _ForkedProcess
 
 
 class _WorkerContext(multiprocessing.context.ForkContext):
@@ -183,10 +181,10 @@ def forking_context(original, role: str, context):
 
 
 def _is_api_server(main) -> bool:
-    """This process is the API server serving.launch execs (`python -m vllm.entrypoints.openai.api_server`), not
-    a process that loads vLLM's plugins to run a model itself."""
+    """This process is the API server serving.launch execs (`python -m API_SERVER_MODULE`), not a process that
+    loads vLLM's plugins to run a model itself."""
     spec = getattr(main, "__spec__", None)
-    return getattr(spec, "name", None) == API_SERVER
+    return getattr(spec, "name", None) == API_SERVER_MODULE
 
 
 def register() -> None:

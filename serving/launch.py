@@ -18,6 +18,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # vLLM general plugin; it has to be on sys.path of every vLLM process (the engine core is a
 # subprocess), hence PYTHONPATH rather than an import here.
 DIST_DIR = PACKAGE_DIR / "_dist"
+# vLLM's OpenAI server, which main() execs as `python -m` (serving/fork_start.py recognises that process by it)
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 # Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels; and
 # the two vLLM paths whose defaults hang off HOME and are factors of its compile-cache key (vllm.envs
@@ -95,7 +97,7 @@ def main() -> None:
         port=int(os.environ.get("PORT", "8080")),
         cuda=Path("/dev/nvidiactl").exists(),
     )
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    cmd = [sys.executable, "-m", API_SERVER_MODULE, *args]
     env = child_env(dict(os.environ), settings)
     if Path(env.get("FLASHINFER_WORKSPACE_BASE", "/nonexistent")).is_dir():
         restored = restore_ninja_mtimes(Path(env["FLASHINFER_WORKSPACE_BASE"]))

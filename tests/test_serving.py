@@ -445,7 +445,7 @@ def test_fork_start_forks_only_from_a_process_kept_on_one_openmp_thread():
     assert "runs 2 OpenMP threads" in refusal({}, True, 2, set())
     assert "KMP_AFFINITY" in refusal({"LD_PRELOAD": "/opt/intel/libiomp5.so"}, True, 1, set())
     assert "not the OpenMP runtime loaded here" in refusal({"LD_PRELOAD": "/usr/lib/libgomp.so.1"}, True, 1, {gomp})
-    api_server = type("Main", (), {"__spec__": type("Spec", (), {"name": fork_start.API_SERVER})()})
+    api_server = type("Main", (), {"__spec__": type("Spec", (), {"name": fork_start.API_SERVER_MODULE})()})
     assert fork_start._is_api_server(api_server)
     assert not fork_start._is_api_server(type("Main", (), {"__spec__": None})) and not fork_start._is_api_server(None)
 
