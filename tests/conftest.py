@@ -121,6 +121,19 @@ SERVE_JSON = {
 SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 
 
+def vllm_cache_root(root: Path) -> Path:
+    """A VLLM_CACHE_ROOT of its own for a process of the serve-cpu venv, sharing vLLM's model-class inspections:
+    vLLM inspects each model class in a subprocess that imports vLLM (~17 s a class, two with MTP, on 2 AVX2 cores)
+    and caches the answer under the cache root keyed by the model module's hash, the same for every process of this
+    venv (the image's baked cache holds it for its containers)."""
+    shared_modelinfos = Path(tempfile.gettempdir()) / "qwen35-serve-tests-modelinfos"
+    shared_modelinfos.mkdir(exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "modelinfos").exists():
+        (root / "modelinfos").symlink_to(shared_modelinfos)
+    return root
+
+
 @contextlib.contextmanager
 def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (), env: dict | None = None):
     """`python3 -m serving` (the image's entrypoint) from the serve-cpu venv on the host, serving `model` with the
@@ -130,14 +143,6 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "serve.json").write_text(json.dumps(serve))
-    # vLLM inspects each model class in a subprocess that imports vLLM (~17 s a class, two with MTP, on 2 AVX2
-    # cores) and caches the answer under the cache root keyed by the model module's hash: the same for every server
-    # of this venv, as the image's baked cache holds it for its containers
-    shared_modelinfos = Path(tempfile.gettempdir()) / "qwen35-serve-tests-modelinfos"
-    shared_modelinfos.mkdir(exist_ok=True)
-    (tmp / "cache").mkdir(exist_ok=True)
-    if not (tmp / "cache" / "modelinfos").exists():
-        (tmp / "cache" / "modelinfos").symlink_to(shared_modelinfos)
     port = free_port()
     server_env = {
         **os.environ,
@@ -146,7 +151,7 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
         "PORT": str(port),
         "HOST": "127.0.0.1",
         "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)]),
-        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        "VLLM_CACHE_ROOT": str(vllm_cache_root(tmp / "cache")),
         # each server compiles into a cache of its own, but the CPU's instruction-set probes are the same for all
         "SERVING_ISA_PROBES_DIR": str(Path(tempfile.gettempdir()) / "qwen35-serve-tests-isa-probes"),
         **(env or {}),

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import download
 import quantize
 import train_tiny
+from conftest import vllm_cache_root
 from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of, run_stage_script
 from lib import hub
 from lib.checkpoint import verify_manifest
@@ -654,31 +655,36 @@ def run_in_venv(script: str, stage_job: SimpleNamespace, job_file: Path) -> None
     )
 
 
-def run_stage_in_venv(tmp_path, name, train=None):
-    """download, and with `train` train_tiny after it, as the tiny profile's rules run them. Returns the final
-    checkpoint and manifest; the final record is <tmp_path>/<name>/weights/m/download.json."""
+def download_in_venv(tmp_path, name, for_training=False) -> SimpleNamespace:
+    """download as the tiny profile's rule runs it (with the training generator as an input when train_tiny follows,
+    as its tokenizer then learns the task wording); returns its job, whose outputs are the checkpoint, manifest and
+    record."""
     folder = tmp_path / name
     j = job(
-        folder / "untrained" if train else folder,
+        folder / "untrained" if for_training else folder,
         source="synthetic",
         tiny={"seed": 0, "vocab_size": 4096},
         corpus=CORPUS,
     )
     j.output.record = str(Path(j.output.manifest).with_name("download.json"))
-    if train:
+    if for_training:
         j.input.generator = str(GENERATOR)
     run_in_venv("download.py", j, tmp_path / f"{name}.json")
-    if not train:
-        return Path(j.output.checkpoint), Path(j.output.manifest)
-    out = folder / "weights" / "m"
+    return j
+
+
+def train_in_venv(tmp_path, name, downloaded: SimpleNamespace, train: dict) -> tuple[Path, Path]:
+    """train_tiny on download's outputs (download_in_venv's job) as the rule runs it, into <tmp_path>/<name>/weights/m
+    (its record is download.json there). Returns the trained checkpoint and manifest."""
+    out = tmp_path / name / "weights" / "m"
     trained = SimpleNamespace(
         rule="train_tiny",
         log=[],
         threads=2,
         input=SimpleNamespace(
-            checkpoint=j.output.checkpoint,
-            manifest=j.output.manifest,
-            record=j.output.record,
+            checkpoint=downloaded.output.checkpoint,
+            manifest=downloaded.output.manifest,
+            record=downloaded.output.record,
             generator=str(GENERATOR),
         ),
         params=SimpleNamespace(seed=0, train=train, sentence=SENTENCE),
@@ -693,7 +699,7 @@ def run_stage_in_venv(tmp_path, name, train=None):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_venvs):
     tmp = tmp_path_factory.mktemp("tiny")
-    return run_stage_in_venv(tmp, "a"), run_stage_in_venv(tmp, "b")
+    return tuple((Path(j.output.checkpoint), Path(j.output.manifest)) for j in (download_in_venv(tmp, n) for n in "ab"))
 
 
 def headers(checkpoint):
@@ -710,10 +716,13 @@ def test_same_seed_gives_byte_identical_checkpoints(built):
 
 
 @pytest.mark.e2e
-def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
+def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs, built):
     """The model and its MTP layer (SHORT_MTP_TRAINING trains both): same settings, same bytes; the record (schema-
     checked by the stage) holds both trainings and the MTP's acceptance per K."""
-    (first, manifest_a), (second, manifest_b) = (run_stage_in_venv(tmp_path, name, SHORT_MTP_TRAINING) for name in "ab")
+    downloaded = download_in_venv(tmp_path, "a", for_training=True)  # download's own determinism: `built`
+    (first, manifest_a), (second, manifest_b) = (
+        train_in_venv(tmp_path, name, downloaded, SHORT_MTP_TRAINING) for name in "ab"
+    )
     assert json.loads(manifest_a.read_text()) == json.loads(manifest_b.read_text())
     record = json.loads((tmp_path / "a" / "weights" / "m" / "download.json").read_text())
     training = record["training"]
@@ -725,7 +734,7 @@ def test_training_is_deterministic_and_recorded(tmp_path, tiny_venvs):
     assert mtp["heldout"]["repeated_prompts"] == 2 and len(mtp["heldout"]["repeat_exact_tokens"]) == 2
     # training changed the weights and the MTP layer (an untrained build is the seed-0 random model), keeping the
     # MTP tensors' names and dtypes (what vLLM loads) and the index
-    untrained, _ = run_stage_in_venv(tmp_path, "c")
+    (untrained, _), _ = built  # the same download job, without training
     assert (first / "model.safetensors").read_bytes() != (untrained / "model.safetensors").read_bytes()
     assert (first / synthesis.MTP_FILE).read_bytes() != (untrained / synthesis.MTP_FILE).read_bytes()
     trained_mtp, random_mtp = read_header(first / synthesis.MTP_FILE), read_header(untrained / synthesis.MTP_FILE)
@@ -907,11 +916,15 @@ print("NEW", out.shape[1] - ids.input_ids.shape[1])
 """
 
 
-def run_on_checkpoint(python, code: str, checkpoint, *args) -> str:
+def run_on_checkpoint(python, code: str, checkpoint, *args, env: dict | None = None) -> str:
     """Run a snippet in a stage venv with the checkpoint as argv[1] (then `args`); its stdout, or the failure's
     stderr."""
     result = subprocess.run(
-        [str(python), "-c", code, str(checkpoint), *map(str, args)], capture_output=True, text=True, timeout=600
+        [str(python), "-c", code, str(checkpoint), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=None if env is None else {**os.environ, **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -935,6 +948,8 @@ print("PROCESSOR", type(cached_get_processor(sys.argv[1])).__name__)
 
 
 @pytest.mark.e2e
-def test_vllm_parses_the_checkpoint(built):
+def test_vllm_parses_the_checkpoint(built, tmp_path):
     (checkpoint, _), _ = built
-    assert "PROCESSOR Qwen3VLProcessor" in run_on_checkpoint(SERVE, VLLM_PARSE, checkpoint)
+    # the model-class inspections it makes are the ones every later server of the venv would make: shared
+    env = {"VLLM_CACHE_ROOT": str(vllm_cache_root(tmp_path / "cache"))}
+    assert "PROCESSOR Qwen3VLProcessor" in run_on_checkpoint(SERVE, VLLM_PARSE, checkpoint, env=env)
