@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from suite_timing import pytest_runtest_protocol, pytest_terminal_summary  # noqa: E402, F401  (hooks, by name)
+
 # --configfile takes several files: targets go before it.
 # Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
 LAST = ("test_sweep_e2e.py",)
