@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -52,43 +53,124 @@ def pytest_collection_modifyitems(session, config, items):
             "the sweep replaces image.tar.gz: only modules in conftest.LAST may use tiny_sweep:"
             "\n  " + "\n  ".join(early)
         )
-    # The quick tests first, while the stage venvs build in the background (pytest_collection_finish); then the e2e
-    # ones, LAST's at the end. Stable: each group keeps its order.
-    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None, item.path.name in LAST))
+    # The quick tests first, while the background build starts (pytest_collection_finish); then the e2e modules in
+    # the order the background build makes what they need (module_rank), LAST's at the end. Stable: each group keeps
+    # its order, and a module's e2e tests stay together (its module fixtures are made once).
+    ranks: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("e2e") is not None:
+            ranks[item.path] = max(ranks.get(item.path, 0), module_rank(item))
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("e2e") is not None,
+            ranks.get(item.path, 0) if item.get_closest_marker("e2e") is not None else 0,
+            item.path.name in LAST,
+        )
+    )
+
+
+# What an e2e test needs, in the order the session's background build makes it: a module runs once the build has made
+# what its tests need, while the build goes on. Modules that need the whole DAG (tiny_run) come last: the rest of it,
+# the timed stages among them, runs in tiny_run with nothing else running.
+READINESS = (
+    ("tiny_venvs",),
+    ("tiny_checkpoint",),
+    ("tiny_quantized",),
+    ("tiny_base_image", "docker_daemon"),
+    ("slurm_cluster",),
+    ("tiny_run", "tiny_sweep"),
+)
+
+
+def needed_fixtures(item) -> set[str]:
+    """The fixtures a test uses, with its module's NEEDS: those it gets through request.getfixturevalue, which
+    fixturenames does not list."""
+    return set(getattr(item, "fixturenames", ())) | set(getattr(getattr(item, "module", None), "NEEDS", ()))
+
+
+def module_rank(item) -> int:
+    names = needed_fixtures(item)
+    return max((rank for rank, needs in enumerate(READINESS) if names & set(needs)), default=0)
 
 
 VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
-# The venvs' build when this session started it in the background: {"process": Popen, "log": Path}.
-_background_venvs: dict = {}
+# The session's background build: {"process": Popen, "log": Path, "targets": [...]}.
+_background: dict = {}
+POLL_S = 15  # how often a fixture checks whether the background build has made its targets
+
+
+def background_targets(items) -> list[str]:
+    """What the session builds in the background from its start: the stage venvs when a test needs them; when a test
+    needs the tiny DAG, the default variant up to its image (venvs, checkpoint, quantized model, base image, bake:
+    no stage the pipeline ranks variants by), plus what the selected modules list in BACKGROUND_TARGETS."""
+    items = [item for item in items if item.get_closest_marker("e2e") is not None]
+    needs = set().union(*(needed_fixtures(item) for item in items))
+    if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
+        return []
+    targets = list(VENV_TARGETS)
+    if needs & {"tiny_run", "tiny_sweep"}:
+        config = _tiny_config()
+        targets.append(f"results/{config['variant']}/build_image/image.json")
+    for item in items:
+        targets += [t for t in getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ()) if t not in targets]
+    return targets
 
 
 def pytest_collection_finish(session):
-    """A session with a test that needs the stage venvs starts their build now, beside the quick tests, which run
-    first: its downloads and bytecode compiling (~3 min on 2 cores) overlap them instead of following them. No timed
-    stage runs then; tiny_venvs waits for the build."""
-    if session.config.option.collectonly or not any(
-        "tiny_venvs" in getattr(item, "fixturenames", ()) for item in session.items
-    ):
+    """Start the background build (background_targets) beside the quick tests, which run first, and the e2e modules
+    that need less than it makes (pytest_collection_modifyitems): on 2 cores the serving and Docker stages leave
+    about half the CPU idle. Fixtures wait for what they need (build)."""
+    targets = [] if session.config.option.collectonly else background_targets(session.items)
+    if not targets:
         return
-    log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-venvs-")) / "snakemake.log"
+    log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-")) / "snakemake.log"
     with open(log_path, "w") as log:
-        _background_venvs.update(
+        _background.update(
             process=subprocess.Popen(
-                [sys.executable, "-m", "snakemake", "--cores", "2", *VENV_TARGETS, *TINY],
+                [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *TINY],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             ),
             log=log_path,
+            targets=targets,
         )
 
 
 def pytest_sessionfinish(session):
-    process = _background_venvs.get("process")
-    if process is not None and process.poll() is None:  # the session ended before any test needed the venvs
+    process = _background.get("process")
+    if process is not None and process.poll() is None:  # the session ended before it finished
         process.terminate()
-        process.wait(60)
+        process.wait(120)
+
+
+def _up_to_date(targets: tuple[str, ...], config: list[str]) -> bool:
+    if not all((ROOT / target).exists() for target in targets):
+        return False
+    result = snakemake("-n", "--nolock", *targets, *config, check=False)
+    return result.returncode == 0 and "Nothing to be done" in result.stdout
+
+
+def build(*targets: str, config: list[str] | None = None) -> None:
+    """Make targets in the project (none: the default target, the README's first command). While the background
+    build runs, wait until a dry run of them has nothing to do (one building run per directory: Snakemake's lock);
+    after it, or without one, a run of their own (a no-op for what it made). The background build's failure fails
+    every fixture that needs the project's outputs, with its log."""
+    config = TINY if config is None else config
+    process = _background.get("process")
+    if not targets and process is not None:
+        process.wait()  # the default target is more than the background build makes
+    while process is not None and process.poll() is None:
+        if _up_to_date(targets, config):
+            return
+        time.sleep(POLL_S)
+    if process is not None and process.returncode != 0:
+        log = _background["log"].read_text()
+        raise AssertionError(
+            f"the background build of {' '.join(_background['targets'])} failed ({process.returncode}):\n{log[-10000:]}"
+        )
+    snakemake("--cores", "2", *targets, *config)
 
 
 TINY = ["--configfile", "config/tiny.yaml"]
@@ -198,22 +280,18 @@ def snakemake(
 
 @pytest.fixture(scope="session")
 def tiny_venvs():
-    """The stage venvs, made by the pipeline's own `venv` rule (a no-op when they are up to date): the build this
-    session started in the background, waited for, then checked by a run of its own."""
-    process = _background_venvs.pop("process", None)
-    if process is not None and process.wait() != 0:
-        log = _background_venvs["log"].read_text()
-        raise AssertionError(f"the stage venvs' build failed ({process.returncode}):\n{log[-10000:]}")
-    snakemake("--cores", "2", *VENV_TARGETS, *TINY)
+    """The stage venvs, made by the pipeline's own `venv` rule (a no-op when they are up to date), first of what the
+    session's background build makes."""
+    build(*VENV_TARGETS)
     return {name: ROOT / ".venvs" / name / "bin" / "python" for name in VENVS}
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tiny_venvs):
     """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification). Run once per
-    session: every e2e module reads its outputs instead of running stages again."""
-    result = snakemake("--cores", "2", *TINY)
-    return result
+    session: every e2e module reads its outputs instead of running stages again. The background build has made it up
+    to the image by then; the rest, the latency probe among it, runs here with nothing else running."""
+    build()
 
 
 TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
@@ -224,7 +302,7 @@ def tiny_sweep(tiny_run):
     """The tiny sweep over the default run (README: "...and ship the fastest"): it reuses tiny_run's variant and
     quantized checkpoint and adds the others. It replaces image.tar.gz with the selected variant's, so only modules
     in LAST may use it."""
-    return snakemake("--cores", "2", *TINY_SWEEP)
+    build(config=TINY_SWEEP)
 
 
 def _tiny_config() -> dict:
@@ -243,7 +321,7 @@ def docker_daemon():
 def tiny_checkpoint(tiny_venvs) -> Path:
     """The tiny profile's synthetic checkpoint, made by the pipeline's `download` rule."""
     name = _tiny_config()["model"]["name"]
-    snakemake("--cores", "2", f"weights/{name}/manifest.json", *TINY)
+    build(f"weights/{name}/manifest.json")
     return ROOT / "weights" / name / "checkpoint"
 
 
@@ -252,7 +330,7 @@ def tiny_quantized(tiny_venvs) -> Path:
     """The tiny default variant's W4A16 checkpoint, made by the pipeline's `quantize` rule (one per recipe)."""
     config = _tiny_config()
     recipe = Path(config["variants"][config["variant"]]["recipe"]).stem
-    snakemake("--cores", "2", f"results/quantize/{recipe}/manifest.json", *TINY)
+    build(f"results/quantize/{recipe}/manifest.json")
     return ROOT / "results" / "quantize" / recipe / "model"
 
 
@@ -261,5 +339,5 @@ def tiny_base_image(tiny_venvs, docker_daemon) -> dict:
     """The tiny profile's local base image (Debian + the CPU serving venv), made by `base_image`."""
     import json
 
-    snakemake("--cores", "2", "results/base_image/image.json", *TINY)
+    build("results/base_image/image.json")
     return json.loads((ROOT / "results" / "base_image" / "image.json").read_text())

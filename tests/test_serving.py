@@ -689,6 +689,9 @@ VARIANTS = {
 }
 
 
+NEEDS = sorted({fixture for fixture, _ in VARIANTS.values()})  # for conftest's ordering (module_rank)
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def server(request, tmp_path_factory):
     fixture, overrides = VARIANTS[request.param]

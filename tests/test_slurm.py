@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, _tiny_config, snakemake
+from conftest import ROOT, TINY, _tiny_config, build, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,8 @@ UNTRAINED = f"{MODEL}/untrained"
 # train_tiny, minutes on 2 cores, rerun before quantize).
 FAN_OUT = ["datasets/gate/datasets.json", *[f"{q}/report.json" for q in QUANTIZED]]
 DOWNLOAD = f"{UNTRAINED}/download.json"
+# made locally by the session's background build (conftest), beside the tests that run before this module
+BACKGROUND_TARGETS = [*FAN_OUT, DOWNLOAD]
 RULES = ("download", "download_datasets", "quantize")
 SOURCES_TIME = 946684800  # 2000-01-01: the copy's tracked files (checkout_copy)
 # Status checks every few seconds instead of the executor's 40 s: the jobs here take seconds. The node has 2 CPUs,
@@ -104,7 +106,7 @@ def slurm_cluster():
 @pytest.fixture(scope="module")
 def local_outputs(tiny_checkpoint):
     """The same targets built the ordinary way in the project itself (most exist already after the tiny DAG)."""
-    snakemake("--cores", "2", *FAN_OUT, DOWNLOAD, *TINY)
+    build(*BACKGROUND_TARGETS)
     return {target: tree_digest(ROOT / target) for target in (UNTRAINED, *QUANTIZED)}
 
 
