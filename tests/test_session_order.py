@@ -50,3 +50,65 @@ def test_a_dag_test_adds_the_default_variant_up_to_its_image_and_modules_add_the
 )
 def test_a_module_ranks_by_the_last_thing_it_needs(fixtures, needs, rank):
     assert conftest.module_rank(item(fixtures, NEEDS=needs)) == rank
+
+
+class Background:
+    """A background build that is running for `polls` polls, then ends with `code`."""
+
+    def __init__(self, polls: int, code: int = 0):
+        self.polls, self.returncode, self.code = polls, None, code
+
+    def poll(self):
+        if self.polls <= 0:
+            self.returncode = self.code
+        self.polls -= 1
+        return self.returncode
+
+    def wait(self):
+        self.polls = 0
+        return self.poll()
+
+
+@pytest.fixture
+def runs(monkeypatch, tmp_path):
+    """build()'s own snakemake runs and its dry runs, recorded; no sleeping."""
+    calls = {"run": [], "dry": 0}
+    monkeypatch.setattr(conftest, "snakemake", lambda *args, **kw: calls["run"].append(args))
+    monkeypatch.setattr(conftest.time, "sleep", lambda s: None)
+    log = tmp_path / "background.log"
+    log.write_text("MissingInputException in rule quantize")
+
+    def background(process, up_to_date_after: int | None = None):
+        def up_to_date(targets, config):
+            calls["dry"] += 1
+            return up_to_date_after is not None and calls["dry"] > up_to_date_after
+
+        monkeypatch.setattr(conftest, "_up_to_date", up_to_date)
+        monkeypatch.setattr(conftest, "_background", {"process": process, "log": log, "targets": ["t"]})
+        return calls
+
+    return background
+
+
+def test_a_target_the_background_made_returns_while_it_runs_without_a_run_of_its_own(runs):
+    calls = runs(Background(polls=10), up_to_date_after=2)
+    conftest.build("weights/m/manifest.json")
+    assert calls["run"] == [] and calls["dry"] == 3
+
+
+def test_a_target_it_does_not_make_is_built_once_it_has_ended(runs):
+    calls = runs(Background(polls=3), up_to_date_after=None)
+    conftest.build("results/quantize/other/manifest.json")
+    assert calls["run"] == [("--cores", "2", "results/quantize/other/manifest.json", *conftest.TINY)]
+
+
+def test_the_default_target_waits_for_it_without_dry_runs(runs):
+    calls = runs(Background(polls=50), up_to_date_after=0)
+    conftest.build()
+    assert calls["dry"] == 0 and calls["run"] == [("--cores", "2", *conftest.TINY)]
+
+
+def test_its_failure_fails_the_fixture_with_its_log(runs):
+    runs(Background(polls=1, code=1), up_to_date_after=None)
+    with pytest.raises(AssertionError, match="background build of t failed \\(1\\):\n.*MissingInputException"):
+        conftest.build("results/quantize/other/manifest.json")
