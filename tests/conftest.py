@@ -57,16 +57,13 @@ def pytest_collection_modifyitems(session, config, items):
     # the order the background build makes what they need (module_rank), LAST's at the end. Stable: each group keeps
     # its order, and a module's e2e tests stay together (its module fixtures are made once).
     ranks: dict[Path, int] = {}
-    for item in items:
-        if item.get_closest_marker("e2e") is not None:
-            ranks[item.path] = max(ranks.get(item.path, 0), module_rank(item))
-    items.sort(
-        key=lambda item: (
-            item.get_closest_marker("e2e") is not None,
-            ranks.get(item.path, 0) if item.get_closest_marker("e2e") is not None else 0,
-            item.path.name in LAST,
-        )
-    )
+    for item in filter(is_e2e, items):
+        ranks[item.path] = max(ranks.get(item.path, 0), module_rank(item))
+    items.sort(key=lambda item: (is_e2e(item), ranks[item.path] if is_e2e(item) else 0, item.path.name in LAST))
+
+
+def is_e2e(item) -> bool:
+    return item.get_closest_marker("e2e") is not None
 
 
 # What an e2e test needs, in the order the session's background build makes it: a module runs once the build has made
@@ -104,7 +101,7 @@ def background_targets(items) -> list[str]:
     """What the session builds in the background from its start: the stage venvs when a test needs them; when a test
     needs the tiny DAG, the default variant up to its image (venvs, checkpoint, quantized model, base image, bake:
     no stage the pipeline ranks variants by), plus what the selected modules list in BACKGROUND_TARGETS."""
-    items = [item for item in items if item.get_closest_marker("e2e") is not None]
+    items = list(filter(is_e2e, items))
     needs = set().union(*(needed_fixtures(item) for item in items))
     if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
         return []
