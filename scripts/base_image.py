@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from lib.containers import base_into_buildah, buildah_works, builder_env, detect_builder, image_id, image_size, run
+from lib.elf_stubs import build_stub
 from lib.files import link_or_copy
 from lib.stage import StageError, write_json
 
@@ -20,9 +21,9 @@ SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Left out of the CPU image (0.64 GB of triton, 0.82 GB of CUDA libraries): triton is the GPU compiler, and it
 # has no CPU backend here. PyPI's torch is the CUDA build, so `import torch` links cuBLAS, cuFFT, NCCL, cuDNN's
-# loader and the rest even on a CPU (they stay); the files below are only ever dlopen'ed by CUDA work (cuDNN's
-# engines, NVRTC's alternative ABI, multi-GPU cuSOLVER, profiler and device-side NVSHMEM, CUDA linalg) or are
-# static archives and headers: none is mapped by a CPU server (checked in /proc/<pid>/maps of the tiny one).
+# loader and the rest even on a CPU; the files below are only ever dlopen'ed by CUDA work (cuDNN's engines, NVRTC's
+# alternative ABI, multi-GPU cuSOLVER, profiler and device-side NVSHMEM, CUDA linalg) or are static archives and
+# headers: none is mapped by a CPU server (checked in /proc/<pid>/maps of the tiny one).
 # torch/include stays: inductor compiles C++ against it at start-up.
 SITE_EXCLUDE = (
     "triton",
@@ -36,6 +37,22 @@ SITE_EXCLUDE = (
     "nvidia/cu13/lib/*.a",
     "nvidia/nvshmem/lib/libnvshmem_device.*",
     "torch/lib/libtorch_cuda_linalg.so",
+)
+# Linked by `import torch` but never called on a CPU (1.9 GB): replaced by stand-ins that export the same symbols and
+# abort with a message if called (lib/elf_stubs.py). The small ones that CPU work does call stay real: the CUDA
+# runtime (torch.cuda.is_available asks it) and cuDNN's loader (torch.backends.cudnn.version).
+CUDA_STAND_INS = (
+    "nvidia/cu13/lib/libcublasLt.so.*",
+    "nvidia/cu13/lib/libcublas.so.*",
+    "nvidia/cu13/lib/libcufft.so.*",
+    "nvidia/cu13/lib/libcusparse.so.*",
+    "nvidia/cu13/lib/libcusolver.so.*",
+    "nvidia/cu13/lib/libcurand.so.*",
+    "nvidia/cu13/lib/libnvrtc.so.*",
+    "nvidia/cu13/lib/libnvJitLink.so.*",
+    "nvidia/cusparselt/lib/libcusparseLt.so.*",
+    "nvidia/nccl/lib/libnccl.so.*",
+    "nvidia/nvshmem/lib/libnvshmem_host.so.*",
 )
 SMOKE_TEST = "import torch, vllm; print(vllm.__version__, torch.__version__)"
 
@@ -91,6 +108,23 @@ def copy_site_packages(src: Path, dst: Path, exclude=SITE_EXCLUDE) -> None:
 
     # the rootfs is only read, then deleted: links save a 3 GB copy
     shutil.copytree(src, dst, symlinks=True, ignore=ignore, copy_function=link_or_copy)
+
+
+def stand_in_libraries(src: Path, dst: Path, patterns=CUDA_STAND_INS) -> dict[str, int]:
+    """Write a stand-in (lib/elf_stubs.py) at dst for every library under src matching patterns (relative glob
+    patterns); returns {relative path: bytes saved}. A pattern that matches nothing is reported: the serve venv's
+    torch changed its CUDA libraries, and this list needs the new names for the image to stay small."""
+    saved = {}
+    for pattern in patterns:
+        found = sorted(p for p in src.glob(pattern) if p.is_file() and not p.is_symlink())
+        if not found:
+            print(f"warning: no {pattern} in {src}: nothing stood in for it (the image keeps what torch brings)")
+        for library in found:
+            rel = library.relative_to(src)
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            build_stub(library, dst / rel)
+            saved[str(rel)] = library.stat().st_size - (dst / rel).stat().st_size
+    return saved
 
 
 def chroot_python(rootfs: Path, code: str) -> str:
@@ -161,9 +195,11 @@ def main(job) -> None:
                 "make the serve-cpu venv with that Python or pick a matching suite"
             )
         t = time.monotonic()
-        copy_site_packages(site, rootfs / SITE.lstrip("/"), SITE_EXCLUDE)
+        copy_site_packages(site, rootfs / SITE.lstrip("/"), SITE_EXCLUDE + CUDA_STAND_INS)
         shutil.copy2(marker, rootfs / "opt" / "venv" / "pip-freeze.txt")
         print(f"copied {site}: {time.monotonic() - t:.0f} s", flush=True)
+        stood_in = stand_in_libraries(site, rootfs / SITE.lstrip("/"))
+        print(f"{len(stood_in)} CUDA libraries stood in for, {sum(stood_in.values()) / 1e9:.2f} GB less", flush=True)
         version = chroot_python(rootfs, "import platform; print(platform.python_version())")
         smoke = chroot_python(rootfs, SMOKE_TEST)  # fail here, not in a container
         print(f"smoke test in rootfs: {smoke}", flush=True)
@@ -188,6 +224,7 @@ def main(job) -> None:
             "buildah_copy": buildah_copy,
             "python": version,
             "site_packages": SITE,
+            "stand_ins": sorted(stood_in),
             "size_bytes": size,
         },
     )
