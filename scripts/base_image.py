@@ -19,11 +19,12 @@ from lib.stage import StageError, write_json
 
 SITE = "/opt/venv/site-packages"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Left out of the CPU image (0.64 GB of triton, 0.82 GB of CUDA libraries): triton is the GPU compiler, and it
-# has no CPU backend here. PyPI's torch is the CUDA build, so `import torch` links cuBLAS, cuFFT, NCCL, cuDNN's
-# loader and the rest even on a CPU; the files below are only ever dlopen'ed by CUDA work (cuDNN's engines, NVRTC's
-# alternative ABI, multi-GPU cuSOLVER, profiler and device-side NVSHMEM, CUDA linalg) or are static archives and
-# headers: none is mapped by a CPU server (checked in /proc/<pid>/maps of the tiny one).
+# Left out of the CPU image (0.64 GB of triton, 0.86 GB of CUDA files): triton is the GPU compiler, and it has no
+# CPU backend here. PyPI's torch is the CUDA build, so `import torch` links cuBLAS, cuFFT, NCCL, cuDNN's loader and
+# the rest even on a CPU (CUDA_STAND_INS); the files below are only ever dlopen'ed by CUDA work (cuDNN's engines,
+# NVRTC's alternative ABI, multi-GPU cuSOLVER, profiler and device-side NVSHMEM, CUDA linalg), run by GPU
+# compilation (ptxas) or are static archives and headers: none is mapped by a CPU server (checked in
+# /proc/<pid>/maps of the tiny one).
 # torch/include stays: inductor compiles C++ against it at start-up.
 SITE_EXCLUDE = (
     "triton",
@@ -37,6 +38,7 @@ SITE_EXCLUDE = (
     "nvidia/cu13/lib/*.a",
     "nvidia/nvshmem/lib/libnvshmem_device.*",
     "torch/lib/libtorch_cuda_linalg.so",
+    "torch/bin/ptxas",
 )
 # Linked by `import torch` but never called on a CPU (1.9 GB): replaced by stand-ins that export the same symbols and
 # abort with a message if called (lib/elf_stubs.py). The small ones that CPU work does call stay real: the CUDA

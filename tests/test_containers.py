@@ -415,6 +415,7 @@ def test_the_base_leaves_out_what_a_cpu_never_loads(tmp_path):
         "nvidia/cu13/lib/libnvrtc.alt.so.13",
         "nvidia/cu13/include/cuda.h",
         "torch/lib/libtorch_cuda_linalg.so",
+        "torch/bin/ptxas",
         "triton/__init__.py",
     ]
     for name in kept + left_out:
