@@ -2,8 +2,10 @@
 shipped.
 
 It reuses the default run's outputs (tiny-awq-mtp2, its quantized checkpoint and its lossless reference are sweep
-points), so it builds and measures one more variant, K=1. It replaces image.tar.gz with the selected variant's
-(when K=1 wins), so conftest runs it last.
+points), so it builds and measures one more variant, K=1. Its image comes from the session's background build
+(BACKGROUND_TARGETS), which makes it beside the modules that run before the whole DAG; the sweep itself probes,
+gates and checks it with nothing else running. It replaces image.tar.gz with the selected variant's (when K=1
+wins), so conftest runs it last.
 """
 
 import json
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.e2e
 
 SWEEP = TINY_SWEEP  # the sweep runs once, in conftest's session fixture tiny_sweep
 VARIANTS = {"tiny-awq-mtp1", "tiny-awq-mtp2"}
+# K=1's bake and image: a catalog variant of config/tiny.yaml, the same outputs with the sweep's config added.
+BACKGROUND_TARGETS = ["results/tiny-awq-mtp1/build_image/image.json"]
 RESULTS = ROOT / "results"
 
 
