@@ -100,3 +100,13 @@ def test_the_base_stands_in_for_the_matching_libraries_only(real, tmp_path, caps
     assert exported_symbols(stand_in) == exported_symbols(real) and stand_in.read_bytes() != real.read_bytes()
     assert (copy / "nvidia" / "x" / "lib" / "libkept.so.1").read_bytes() == b"kept"
     assert "no nvidia/gone/lib/libgone.so.* in" in capsys.readouterr().out
+
+
+def test_a_stand_in_that_exports_something_else_is_removed(real, tmp_path, monkeypatch):
+    from lib import elf_stubs
+
+    truth = elf_stubs.exported_symbols(real)
+    monkeypatch.setattr(elf_stubs, "exported_symbols", lambda library: truth if library == real else truth[:1])
+    with pytest.raises(StageError, match="does not export what it does.*real_table"):
+        elf_stubs.build_stub(real, tmp_path / "stub.so")
+    assert not (tmp_path / "stub.so").exists()

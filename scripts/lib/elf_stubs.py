@@ -119,9 +119,14 @@ def build_stub(library: Path, out: Path) -> list[ExportedSymbol]:
             cwd=tmp, capture_output=True, text=True,
         )  # fmt: skip
     if result.returncode != 0:
+        out.unlink(missing_ok=True)
         raise StageError(f"compiling the stand-in for {library} failed:\n{result.stderr[-3000:]}")
-    made = exported_symbols(out)
-    if made != symbols or soname(out) != name:
-        missing = sorted({s.name for s in symbols} ^ {s.name for s in made})[:10]
-        raise StageError(f"the stand-in for {library} does not export what it does (first differences: {missing})")
+    made, made_name = exported_symbols(out), soname(out)
+    if made != symbols or made_name != name:
+        out.unlink()
+        differences = sorted(set(made) ^ set(symbols), key=lambda s: s.name)[:10]
+        raise StageError(
+            f"the stand-in for {library} ({made_name}) does not export what it does ({name}); "
+            f"first differences: {differences}"
+        )
     return symbols
