@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,48 +98,56 @@ _background: dict = {}
 POLL_S = 15  # how often a fixture checks whether the background build has made its targets
 
 
-def background_targets(items) -> list[str]:
-    """What the session builds in the background from its start: the stage venvs when a test needs them; when a test
-    needs the tiny DAG, the default variant up to its image (venvs, checkpoint, quantized model, base image, bake:
-    no stage the pipeline ranks variants by), plus what the selected modules list in BACKGROUND_TARGETS."""
+def background_targets(items) -> list[list[str]]:
+    """What the session builds in the background from its start, in stages run one after the other: first the stage
+    venvs when a test needs them; when a test needs the tiny DAG, the default variant up to its image (venvs,
+    checkpoint, quantized model, base image, bake: no stage the pipeline ranks variants by); and what the selected
+    modules list in BACKGROUND_TARGETS. Those of the modules that need the whole DAG are a later stage: made beside
+    the modules that run before them, after what those need (two bakes side by side each take twice as long)."""
     items = list(filter(is_e2e, items))
     needs = set().union(*(needed_fixtures(item) for item in items))
     if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
         return []
-    targets = list(VENV_TARGETS)
-    if needs & {"tiny_run", "tiny_sweep"}:
+    first, later = list(VENV_TARGETS), []
+    if needs & set(READINESS[-1]):
         config = _tiny_config()
-        targets.append(f"results/{config['variant']}/build_image/image.json")
-    for item in items:
-        targets += [t for t in getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ()) if t not in targets]
-    return targets
+        first.append(f"results/{config['variant']}/build_image/image.json")
+    for last in (False, True):  # a target that an earlier module needs too is made in the first stage
+        stage = later if last else first
+        for item in items:
+            if (module_rank(item) == len(READINESS) - 1) == last:
+                listed = getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ())
+                stage += [target for target in listed if target not in first + later]
+    return [first, later] if later else [first]
 
 
 def pytest_collection_finish(session):
     """Start the background build (background_targets) beside the quick tests, which run first, and the e2e modules
     that need less than it makes (pytest_collection_modifyitems): on 2 cores the serving and Docker stages leave
     about half the CPU idle. Fixtures wait for what they need (build)."""
-    targets = [] if session.config.option.collectonly else background_targets(session.items)
-    if not targets:
+    stages = [] if session.config.option.collectonly else background_targets(session.items)
+    if not stages:
         return
     log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-")) / "snakemake.log"
+    runs = [shlex.join([sys.executable, "-m", "snakemake", "--cores", "2", *targets, *TINY]) for targets in stages]
     with open(log_path, "w") as log:
         _background.update(
             process=subprocess.Popen(
-                [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *TINY],
+                ["bash", "-c", " && ".join(runs)],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # stopped as a group: the shell and the snakemake it runs
             ),
             log=log_path,
-            targets=targets,
+            targets=[target for targets in stages for target in targets],
         )
 
 
 def pytest_sessionfinish(session):
     process = _background.get("process")
     if process is not None and process.poll() is None:  # the session ended before it finished
-        process.terminate()
+        os.killpg(process.pid, signal.SIGTERM)
         process.wait(120)
 
 

@@ -27,13 +27,20 @@ def test_a_quick_session_builds_nothing_in_the_background():
 
 
 def test_the_venvs_alone_when_no_test_needs_the_dag():
-    assert conftest.background_targets([item(["tiny_checkpoint"])]) == conftest.VENV_TARGETS
+    assert conftest.background_targets([item(["tiny_checkpoint"])]) == [conftest.VENV_TARGETS]
 
 
 def test_a_dag_test_adds_the_default_variant_up_to_its_image_and_modules_add_their_own():
     slurm = item(["slurm_cluster", "tiny_checkpoint"], BACKGROUND_TARGETS=["a/b.json", IMAGE])
     targets = conftest.background_targets([item(["tiny_run"]), slurm])
-    assert targets == [*conftest.VENV_TARGETS, IMAGE, "a/b.json"]  # each once
+    assert targets == [[*conftest.VENV_TARGETS, IMAGE, "a/b.json"]]  # each once
+
+
+def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_rest():
+    sweep = item(["tiny_sweep"], BACKGROUND_TARGETS=["results/k1/build_image/image.json", "a/b.json"])
+    slurm = item(["slurm_cluster"], BACKGROUND_TARGETS=["a/b.json"])
+    targets = conftest.background_targets([sweep, slurm])
+    assert targets == [[*conftest.VENV_TARGETS, IMAGE, "a/b.json"], ["results/k1/build_image/image.json"]]
 
 
 @pytest.mark.parametrize(
