@@ -40,7 +40,7 @@ SITE_EXCLUDE = (
     "torch/lib/libtorch_cuda_linalg.so",
     "torch/bin/ptxas",
 )
-# Linked by `import torch` but never called on a CPU (1.9 GB): replaced by stand-ins that export the same symbols and
+# Linked by `import torch` but never called on a CPU (2.0 GB): replaced by stand-ins that export the same symbols and
 # abort with a message if called (lib/elf_stubs.py). The small ones that CPU work does call stay real: the CUDA
 # runtime (torch.cuda.is_available asks it) and cuDNN's loader (torch.backends.cudnn.version).
 CUDA_STAND_INS = (
