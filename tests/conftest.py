@@ -108,17 +108,21 @@ def background_targets(items) -> list[list[str]]:
     needs = set().union(*(needed_fixtures(item) for item in items))
     if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
         return []
-    first, later = list(VENV_TARGETS), []
+    first = list(VENV_TARGETS)
     if needs & set(READINESS[-1]):
         config = _tiny_config()
         first.append(f"results/{config['variant']}/build_image/image.json")
-    for last in (False, True):  # a target that an earlier module needs too is made in the first stage
-        stage = later if last else first
-        for item in items:
-            if (module_rank(item) == len(READINESS) - 1) == last:
-                listed = getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ())
-                stage += [target for target in listed if target not in first + later]
+    whole_dag = len(READINESS) - 1
+    first += [t for t in _listed(i for i in items if module_rank(i) < whole_dag) if t not in first]
+    # a target that an earlier module needs too is made in the first stage
+    later = [t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first]
     return [first, later] if later else [first]
+
+
+def _listed(items) -> list[str]:
+    """The BACKGROUND_TARGETS of the items' modules, each once, in order."""
+    targets = (t for item in items for t in getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ()))
+    return list(dict.fromkeys(targets))
 
 
 def pytest_collection_finish(session):

@@ -2,7 +2,7 @@
 exporting the same symbols at the same versions, whose functions report the call on stderr and abort.
 
 The tiny profile's CPU image needs them: PyPI's torch is the CUDA build, so `import torch` links cuBLAS, cuFFT,
-NCCL and the rest (about 1.9 GB) even where no GPU exists, and a CPU server never calls into them. A stand-in keeps
+NCCL and the rest (about 2 GB) even where no GPU exists, and a CPU server never calls into them. A stand-in keeps
 the dynamic linker satisfied at 1-2 % of the size, and any call that does come is loud, never a silent wrong answer.
 """
 
@@ -53,9 +53,7 @@ def exported_symbols(library: Path) -> list[ExportedSymbol]:
             if "@" in name:  # a hidden non-default version: callers bound to it would need .symver aliases
                 raise StageError(f"{library} exports {name}, a non-default symbol version: no stand-in for it")
             version = None
-        size = int(found["size"], 16) if found["size"].startswith("0x") else int(found["size"])
-        if found["kind"] == "FUNC":
-            size = 0
+        size = 0 if found["kind"] == "FUNC" else int(found["size"], 0)  # base 0: decimal, or hex with 0x
         symbols.append(ExportedSymbol(name, found["kind"], size, version))
     return sorted(set(symbols), key=lambda s: (s.version or "", s.name))
 
