@@ -91,6 +91,12 @@ def module_rank(item) -> int:
     return max((rank for rank, needs in enumerate(READINESS) if names & set(needs)), default=0)
 
 
+# torch's thread count in the torch processes a test starts itself (a stage script, a training). They run beside the
+# background build's, which use both cores, and two processes of 2 OpenMP threads each on 2 cores keep waiting for
+# each other's descheduled threads. Measured: an AWQ recipe run on the tiny checkpoint, 11 s alone, took 71 s beside
+# another such run and 108 s beside the training, which took 3x its own time; at 1 thread it took 14-17 s and the
+# training almost its own time. The count does not change quantize's bytes (same at 1 and 2).
+TEST_TORCH_THREADS = 1
 VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
 # The session's background build: {"process": Popen, "log": Path, "targets": [...]}.

@@ -18,6 +18,7 @@ SCHEMA = ROOT / "schemas" / "suite_timing.schema.yaml"
 SHOWN = 10  # tests named in the terminal summary
 
 _records: list[dict] = []
+_session_start: list[float] = []  # the first test's start: monotonic, then wall-clock time
 
 
 def cpu_ticks(stat_line: str) -> tuple[int, int]:
@@ -58,6 +59,7 @@ def summary(records: list[dict], cpus: int) -> dict:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     before, started = _read_ticks(), time.monotonic()
+    _session_start[:] = _session_start or [started, time.time()]
     yield
     after, seconds = _read_ticks(), time.monotonic() - started
     if before is None or after is None:
@@ -68,6 +70,7 @@ def pytest_runtest_protocol(item, nextitem):
         {
             "test": item.nodeid,
             "e2e": item.get_closest_marker("e2e") is not None,
+            "started_s": round(started - _session_start[0], 1),
             "seconds": round(seconds, 2),
             "busy_share": round(busy, 3),
             "idle_core_seconds": round(seconds * cpus * (1 - busy), 1),
@@ -81,6 +84,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from lib.stage import validate_json
 
     report = summary(_records, os.cpu_count() or 1)
+    report["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_session_start[1]))
     validate_json(report, SCHEMA)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(report, indent=1) + "\n")

@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import download
 import quantize
 import train_tiny
-from conftest import vllm_cache_root
+from conftest import TEST_TORCH_THREADS, vllm_cache_root
 from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of, run_stage_script
 from lib import hub
 from lib.checkpoint import verify_manifest
@@ -634,7 +634,7 @@ SHORT_TRAINING = {
     "data_seed": 7,
     "examples": 12,
     "heldout_examples": 3,
-    "threads": 2,
+    "threads": TEST_TORCH_THREADS,
 }
 # ...with repeated texts and a few MTP steps (the MTP shard is then trained too)
 SHORT_MTP_TRAINING = {**SHORT_TRAINING, "repeat_examples": 8, "mtp_steps": 3}
@@ -680,7 +680,7 @@ def train_in_venv(tmp_path, name, downloaded: SimpleNamespace, train: dict) -> t
     trained = SimpleNamespace(
         rule="train_tiny",
         log=[],
-        threads=2,
+        threads=TEST_TORCH_THREADS,
         input=SimpleNamespace(
             checkpoint=downloaded.output.checkpoint,
             manifest=downloaded.output.manifest,

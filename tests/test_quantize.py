@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import TEST_TORCH_THREADS
 from lib.config import with_defaults
 from lib.quantize_checks import (
     check_heldout,
@@ -572,7 +573,7 @@ def run_stage(python: Path, checkpoint: Path, recipe: str | Path, out: Path, **b
     job = {
         "rule": "quantize",
         "log": [],
-        "threads": 2,
+        "threads": TEST_TORCH_THREADS,
         "wildcards": {},
         "input": {
             "model": str(checkpoint),

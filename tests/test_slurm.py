@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, _tiny_config, build, snakemake
+from conftest import ROOT, TEST_TORCH_THREADS, TINY, _tiny_config, build, snakemake
 
 pytestmark = pytest.mark.e2e
 
@@ -34,9 +34,10 @@ DOWNLOAD = f"{UNTRAINED}/download.json"
 BACKGROUND_TARGETS = [*FAN_OUT, DOWNLOAD]
 RULES = ("download", "download_datasets", "quantize")
 SOURCES_TIME = 946684800  # 2000-01-01: the copy's tracked files (checkout_copy)
-# Status checks every few seconds instead of the executor's 40 s: the jobs here take seconds. The node has 2 CPUs,
-# quantize asks for 4 threads (what a real node has): --max-threads caps what a job asks SLURM for.
-FAST = ["--slurm-init-seconds-before-status-checks", "2", "--max-threads", str(os.cpu_count() or 2)]
+# Status checks every few seconds instead of the executor's 40 s: the jobs here take seconds. quantize asks for 4
+# threads (what a real node has): --max-threads caps what a job asks SLURM for, at the count of the tests' own torch
+# processes, as the jobs run beside the session's background build (conftest.TEST_TORCH_THREADS).
+FAST = ["--slurm-init-seconds-before-status-checks", "2", "--max-threads", str(TEST_TORCH_THREADS)]
 
 
 # The records (download.json, report.json) also hold how long a stage took: compared are the checkpoints.

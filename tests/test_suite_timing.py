@@ -20,8 +20,8 @@ def test_busy_share_between_two_readings():
 
 def test_summary_adds_up_and_puts_the_idlest_first():
     records = [
-        {"test": "a", "e2e": False, "seconds": 10.0, "busy_share": 1.0, "idle_core_seconds": 0.0},
-        {"test": "b", "e2e": True, "seconds": 30.0, "busy_share": 0.5, "idle_core_seconds": 30.0},
+        {"test": "a", "e2e": False, "started_s": 0.0, "seconds": 10.0, "busy_share": 1.0, "idle_core_seconds": 0.0},
+        {"test": "b", "e2e": True, "started_s": 10.0, "seconds": 30.0, "busy_share": 0.5, "idle_core_seconds": 30.0},
     ]
     report = summary(records, cpus=2)
     validate_json(report, Path(SCHEMA))
