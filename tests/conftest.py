@@ -68,13 +68,15 @@ def is_e2e(item) -> bool:
 
 
 # What an e2e test needs, in the order the session's background build makes it: a module runs once the build has made
-# what its tests need, while the build goes on. Modules that need the whole DAG (tiny_run) come last: the rest of it,
-# the timed stages among them, runs in tiny_run with nothing else running.
+# what its tests need, while the build goes on. The base image comes before the checkpoint: both wait for a venv, and
+# Snakemake starts base_image first (a shorter chain), while train_tiny waits for both cores. Modules that need the
+# whole DAG (tiny_run) come last: the rest of it, the timed stages among them, runs in tiny_run with nothing else
+# running.
 READINESS = (
     ("tiny_venvs",),
+    ("tiny_base_image", "docker_daemon"),
     ("tiny_checkpoint",),
     ("tiny_quantized",),
-    ("tiny_base_image", "docker_daemon"),
     ("slurm_cluster",),
     ("tiny_run", "tiny_sweep"),
 )
@@ -97,6 +99,9 @@ def module_rank(item) -> int:
 # another such run and 108 s beside the training, which took 3x its own time; at 1 thread it took 14-17 s and the
 # training almost its own time. The count does not change quantize's bytes (same at 1 and 2).
 TEST_TORCH_THREADS = 1
+# ...and the background build's quantize, which took 188 s beside them at 2 threads, 35 s alone (train_tiny keeps its
+# configured count: its bytes depend on it)
+BESIDE_TESTS = ["--set-threads", f"quantize={TEST_TORCH_THREADS}"]
 VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
 # The session's background build: {"process": Popen, "log": Path, "targets": [...]}.
@@ -139,7 +144,10 @@ def pytest_collection_finish(session):
     if not stages:
         return
     log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-")) / "snakemake.log"
-    runs = [shlex.join([sys.executable, "-m", "snakemake", "--cores", "2", *targets, *TINY]) for targets in stages]
+    runs = [
+        shlex.join([sys.executable, "-m", "snakemake", "--cores", "2", *targets, *BESIDE_TESTS, *TINY])
+        for targets in stages
+    ]
     with open(log_path, "w") as log:
         _background.update(
             process=subprocess.Popen(

@@ -48,9 +48,10 @@ def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_rest():
     [
         ((), (), 0),
         (("tiny_venvs",), (), 0),
-        (("tiny_venvs", "tiny_checkpoint"), (), 1),
-        (("host_server",), ("tiny_quantized",), 2),  # through request.getfixturevalue: the module's NEEDS
-        (("tiny_base_image", "tiny_checkpoint"), (), 3),
+        (("tiny_venvs", "docker_daemon"), (), 1),
+        (("tiny_venvs", "tiny_checkpoint"), (), 2),
+        (("host_server",), ("tiny_quantized",), 3),  # through request.getfixturevalue: the module's NEEDS
+        (("tiny_base_image", "tiny_checkpoint"), (), 2),
         (("slurm_cluster", "tiny_checkpoint"), (), 4),
         (("tiny_run", "tiny_base_image"), (), 5),
     ],

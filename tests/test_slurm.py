@@ -3,8 +3,9 @@ munge, slurmdbd on MariaDB) runs the tiny profile's cheap fan-out through `snake
 `download`, `download_datasets` and two `quantize` recipes, each a SLURM job. The jobs must appear in `sacct` with
 the memory and time limit their rules declare (config/tiny.yaml's `resources`), leave their logs under logs/, and
 give the same bytes as a local run; a missing partition, a memory kill, a time-limit kill and no controller each
-fail the run with SLURM's words. The run is in a copy of the checkout, so the project's own outputs are
-untouched: the trained tiny checkpoint is copied in (train_tiny takes minutes), the venvs are linked.
+fail the run with SLURM's words. The runs are in copies of the checkout, so the project's own outputs are
+untouched: the trained tiny checkpoint is copied in (train_tiny takes minutes), the venvs are linked. The time-limit
+run, which waits the longest, has a copy of its own and runs beside the others.
 """
 
 import hashlib
@@ -12,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,25 +80,36 @@ def on_slurm(workdir: Path, *args: str, check: bool = True) -> subprocess.Comple
     return snakemake("--profile", "profiles/slurm", *args, *FAST, *TINY, check=check, cwd=workdir)
 
 
-def failing_with_resource(workdir: Path, target: str, rule: str, resource: str) -> str:
-    """Make target with rule forced and one of its resources set (`mem_mb=50`) so that SLURM ends the job: the run
-    must fail and leave no target. Returns the run's output."""
-    result = on_slurm(workdir, target, "--forcerun", rule, "--set-resources", f"{rule}:{resource}", check=False)
-    out = result.stdout + result.stderr
-    assert result.returncode != 0, out[-3000:]
+def forced_with_resource(target: str, rule: str, resource: str) -> list[str]:
+    """Arguments that make target with rule forced and one of its resources set (`mem_mb=50`), so that SLURM ends
+    the job."""
+    return [target, "--forcerun", rule, "--set-resources", f"{rule}:{resource}"]
+
+
+def failed_without_target(workdir: Path, target: str, returncode: int, out: str) -> str:
+    """The run failed and left no target; returns its output."""
+    assert returncode != 0, out[-3000:]
     assert not (workdir / target).exists()
     return out
 
 
-def sacct_jobs(since: str) -> list[dict]:
-    fields = ["JobIDRaw", "JobName", "State", "ReqMem", "Timelimit", "Comment", "ExitCode"]
+def failing_with_resource(workdir: Path, target: str, rule: str, resource: str) -> str:
+    """Make target as forced_with_resource says: the run must fail and leave no target. Returns the run's output."""
+    result = on_slurm(workdir, *forced_with_resource(target, rule, resource), check=False)
+    return failed_without_target(workdir, target, result.returncode, result.stdout + result.stderr)
+
+
+def sacct_jobs(since: str, workdir: Path) -> list[dict]:
+    """The jobs SLURM accounted for since a time, of the runs in workdir."""
+    fields = ["JobIDRaw", "JobName", "State", "ReqMem", "Timelimit", "Comment", "ExitCode", "WorkDir"]
     out = subprocess.run(
         ["sacct", "-X", "-P", "-n", "-S", since, f"--format={','.join(fields)}"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+    jobs = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+    return [job for job in jobs if job["WorkDir"] == str(workdir)]
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +124,29 @@ def local_outputs(tiny_checkpoint):
     return {target: tree_digest(ROOT / target) for target in (UNTRAINED, *QUANTIZED)}
 
 
+TRAINED = f"{MODEL}/download.json"
+
+
 @pytest.fixture(scope="module")
-def cluster_run(slurm_cluster, local_outputs, tmp_path_factory):
+def time_limit_run(slurm_cluster, tiny_checkpoint, tmp_path_factory):
+    """train_tiny (minutes on any CPU) given 1 minute, in a checkout of its own, started before the other runs and
+    left running beside them: slurmctld checks time limits every 30 s, so SLURM ends the job 60-90 s in, and the
+    executor, whose status checks space out while no job finishes, reports it and exits up to a minute later."""
+    workdir = checkout_copy(tmp_path_factory.mktemp("slurm-time-limit") / "checkout")
+    log = workdir.parent / "snakemake.log"
+    args = ["--profile", "profiles/slurm", *forced_with_resource(TRAINED, "train_tiny", "runtime=1"), *FAST, *TINY]
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "snakemake", *args], cwd=workdir, stdout=out, stderr=subprocess.STDOUT
+        )
+    yield {"process": process, "workdir": workdir, "log": log}
+    if process.poll() is None:  # a test before the one that waits for it failed the session
+        process.terminate()
+        process.wait(120)
+
+
+@pytest.fixture(scope="module")
+def cluster_run(slurm_cluster, time_limit_run, local_outputs, tmp_path_factory):
     workdir = checkout_copy(tmp_path_factory.mktemp("slurm") / "checkout")
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     started = time.monotonic()
@@ -123,7 +157,7 @@ def cluster_run(slurm_cluster, local_outputs, tmp_path_factory):
 
 
 def test_each_rule_ran_as_a_slurm_job_with_its_declared_resources(cluster_run):
-    jobs = sacct_jobs(cluster_run["since"])
+    jobs = sacct_jobs(cluster_run["since"], cluster_run["workdir"])
     by_rule = {}
     for job in jobs:
         rule = re.match(r"rule_(\w+?)(?:_wildcards_|$)", job["Comment"])
@@ -164,18 +198,6 @@ def test_a_rerun_on_the_cluster_has_nothing_to_do(cluster_run):
 # ---- failures: SLURM's reason in the message, no output a rerun would trust --------------------------------------
 
 
-def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(cluster_run):
-    """train_tiny (minutes on any CPU) given 1 minute: slurmctld checks time limits every 30 s, so SLURM ends it
-    60-90 s in (the slowest test here). The first of the failures: it trains from the untrained checkpoint the
-    fan-out left, which each one after it removes (they force `download`), so no download job runs first (~35 s with
-    the executor's status checks on 2 cores). The trained checkpoint is gone after it; nothing below needs it."""
-    trained = f"{MODEL}/download.json"
-    out = failing_with_resource(cluster_run["workdir"], trained, "train_tiny", "runtime=1")
-    assert "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
-    assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
-    assert not (cluster_run["workdir"] / MODEL / "checkpoint").exists()
-
-
 def test_a_partition_that_does_not_exist_is_named(cluster_run):
     result = on_slurm(
         cluster_run["workdir"], DOWNLOAD, "--forcerun", "download",
@@ -211,3 +233,14 @@ def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
     assert result.returncode != 0, out[-3000:]
     assert "Unable to contact slurm controller" in out, out[-3000:]
     assert not (cluster_run["workdir"] / DOWNLOAD).exists()
+
+
+def test_a_job_past_its_time_limit_fails_the_run_with_slurms_reason(time_limit_run):
+    """time_limit_run, which trains from the untrained checkpoint of its copy (no download job first). Last: it
+    waits for that run, while the tests above run beside it."""
+    process, workdir = time_limit_run["process"], time_limit_run["workdir"]
+    process.wait(600)
+    out = failed_without_target(workdir, TRAINED, process.returncode, time_limit_run["log"].read_text())
+    assert "SLURM status is: 'TIMEOUT'" in out, out[-3000:]
+    assert "DUE TO TIME LIMIT" in out, out[-3000:]  # slurmstepd's line in SLURM's job log
+    assert not (workdir / MODEL / "checkpoint").exists()
