@@ -69,15 +69,16 @@ def is_e2e(item) -> bool:
 
 # What an e2e test needs, in the order the session's background build makes it: a module runs once the build has made
 # what its tests need, while the build goes on. The base image comes before the checkpoint: both wait for a venv, and
-# Snakemake starts base_image first (a shorter chain), while train_tiny waits for both cores. Modules that need the
-# whole DAG (tiny_run) come last: the rest of it, the timed stages among them, runs in tiny_run with nothing else
-# running.
+# Snakemake starts base_image first (a shorter chain), while train_tiny waits for both cores. The SLURM module comes
+# before those that need the quantized checkpoint: it mostly waits on the scheduler, so it runs beside the build's
+# bakes and image builds, and the modules that compute run after them. Modules that need the whole DAG (tiny_run)
+# come last: the rest of it, the timed stages among them, runs in tiny_run with nothing else running.
 READINESS = (
     ("tiny_venvs",),
     ("tiny_base_image", "docker_daemon"),
     ("tiny_checkpoint",),
-    ("tiny_quantized",),
     ("slurm_cluster",),
+    ("tiny_quantized",),
     ("tiny_run", "tiny_sweep"),
 )
 
@@ -89,7 +90,9 @@ def needed_fixtures(item) -> set[str]:
 
 
 def module_rank(item) -> int:
-    names = needed_fixtures(item)
+    """The last READINESS entry the item needs, or that its module names in RUNS_AFTER: a module whose tests compute
+    hard runs after the build's stages they would collide with (two torch processes on 2 cores)."""
+    names = needed_fixtures(item) | set(getattr(getattr(item, "module", None), "RUNS_AFTER", ()))
     return max((rank for rank, needs in enumerate(READINESS) if names & set(needs)), default=0)
 
 

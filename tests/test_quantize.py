@@ -31,6 +31,9 @@ REPORT_SCHEMA = ROOT / "schemas" / "quantize_report.schema.yaml"
 ARCH = "Qwen3_5ForConditionalGeneration"
 TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 REAL = yaml.safe_load((ROOT / "config.yaml").read_text())
+# conftest's ordering: the recipe runs and the pruned checkpoint's server after the background build's quantize (and
+# the SLURM module, which mostly waits, beside it and the bakes)
+RUNS_AFTER = ("tiny_quantized",)
 
 
 # ---- calibration ----
