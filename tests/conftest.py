@@ -67,18 +67,19 @@ def is_e2e(item) -> bool:
     return item.get_closest_marker("e2e") is not None
 
 
-# What an e2e test needs, in the order the session's background build makes it: a module runs once the build has made
-# what its tests need, while the build goes on. The base image comes before the checkpoint: both wait for a venv, and
-# Snakemake starts base_image first (a shorter chain), while train_tiny waits for both cores. The SLURM module comes
-# before those that need the quantized checkpoint: it mostly waits on the scheduler, so it runs beside the build's
-# bakes and image builds, and the modules that compute run after them. Modules that need the whole DAG (tiny_run)
-# come last: the rest of it, the timed stages among them, runs in tiny_run with nothing else running.
+# What an e2e test needs, in the order the session's background build has it ready: a module runs once the build has
+# made what its tests need, while the build goes on. The base image is ready by the time the quantized checkpoint is,
+# not always before the checkpoint: base_image and train_tiny both wait for a venv, and whichever starts first keeps
+# the cores. The SLURM module comes before those that need the quantized checkpoint: it mostly waits on the
+# scheduler, so it runs beside the build's quantize and bakes, and the modules that compute run after them. Modules
+# that need the whole DAG (tiny_run) come last: the rest of it, the timed stages among them, runs in tiny_run with
+# nothing else running.
 READINESS = (
     ("tiny_venvs",),
-    ("tiny_base_image", "docker_daemon"),
     ("tiny_checkpoint",),
     ("slurm_cluster",),
     ("tiny_quantized",),
+    ("tiny_base_image", "docker_daemon"),
     ("tiny_run", "tiny_sweep"),
 )
 
