@@ -84,16 +84,21 @@ READINESS = (
 )
 
 
+def module_listed(item, name: str) -> tuple[str, ...]:
+    """What the test's module lists under name (NEEDS, RUNS_AFTER, BACKGROUND_TARGETS); nothing if it has none."""
+    return tuple(getattr(getattr(item, "module", None), name, ()))
+
+
 def needed_fixtures(item) -> set[str]:
     """The fixtures a test uses, with its module's NEEDS: those it gets through request.getfixturevalue, which
     fixturenames does not list."""
-    return set(getattr(item, "fixturenames", ())) | set(getattr(getattr(item, "module", None), "NEEDS", ()))
+    return set(getattr(item, "fixturenames", ())) | set(module_listed(item, "NEEDS"))
 
 
 def module_rank(item) -> int:
     """The last READINESS entry the item needs, or that its module names in RUNS_AFTER: a module whose tests compute
     hard runs after the build's stages they would collide with (two torch processes on 2 cores)."""
-    names = needed_fixtures(item) | set(getattr(getattr(item, "module", None), "RUNS_AFTER", ()))
+    names = needed_fixtures(item) | set(module_listed(item, "RUNS_AFTER"))
     return max((rank for rank, needs in enumerate(READINESS) if names & set(needs)), default=0)
 
 
@@ -136,7 +141,7 @@ def background_targets(items) -> list[list[str]]:
 
 def _listed(items) -> list[str]:
     """The BACKGROUND_TARGETS of the items' modules, each once, in order."""
-    targets = (t for item in items for t in getattr(getattr(item, "module", None), "BACKGROUND_TARGETS", ()))
+    targets = (t for item in items for t in module_listed(item, "BACKGROUND_TARGETS"))
     return list(dict.fromkeys(targets))
 
 

@@ -76,8 +76,13 @@ def checkout_copy(dest: Path) -> Path:
     return dest
 
 
+def slurm_args(*args: str) -> list[str]:
+    """snakemake's arguments for a run of the tiny profile through profiles/slurm."""
+    return ["--profile", "profiles/slurm", *args, *FAST, *TINY]
+
+
 def on_slurm(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return snakemake("--profile", "profiles/slurm", *args, *FAST, *TINY, check=check, cwd=workdir)
+    return snakemake(*slurm_args(*args), check=check, cwd=workdir)
 
 
 def forced_with_resource(target: str, rule: str, resource: str) -> list[str]:
@@ -134,7 +139,7 @@ def time_limit_run(slurm_cluster, tiny_checkpoint, tmp_path_factory):
     executor, whose status checks space out while no job finishes, reports it and exits up to a minute later."""
     workdir = checkout_copy(tmp_path_factory.mktemp("slurm-time-limit") / "checkout")
     log = workdir.parent / "snakemake.log"
-    args = ["--profile", "profiles/slurm", *forced_with_resource(TRAINED, "train_tiny", "runtime=1"), *FAST, *TINY]
+    args = slurm_args(*forced_with_resource(TRAINED, "train_tiny", "runtime=1"))
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "snakemake", *args], cwd=workdir, stdout=out, stderr=subprocess.STDOUT
@@ -223,10 +228,7 @@ def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):
     conf.write_text("ClusterName=nowhere\nSlurmctldHost=localhost(127.0.0.2)\nSlurmctldPort=1\nMessageTimeout=2\n")
     env = dict(os.environ, SLURM_CONF=str(conf))
     result = subprocess.run(
-        [
-            "python3", "-m", "snakemake", "--profile", "profiles/slurm", *FAST,
-            DOWNLOAD, "--forcerun", "download", *TINY,
-        ],
+        ["python3", "-m", "snakemake", *slurm_args(DOWNLOAD, "--forcerun", "download")],
         cwd=cluster_run["workdir"], env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     out = result.stdout + result.stderr
