@@ -296,10 +296,18 @@ def host_server(model: Path, serve: dict, tmp: Path, pythonpath: list[str] = (),
                 proc.wait()
 
 
+# A dry run (-n) in the project root runs beside the session's background build: while a job of it runs, its outputs
+# are marked incomplete, and a plain dry run refuses to plan anything (IncompleteFilesException: CI failed on it, a
+# quick test's dry run during the build's download). With this flag it plans that job as still to run, which it is.
+DRY_RUN_BESIDE_A_BUILD = "--rerun-incomplete"
+
+
 def snakemake(
     *args: str, check: bool = True, timeout: float | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     """Run Snakemake in the project root (or another checkout, cwd) the way a user does; output captured."""
+    if "-n" in args:
+        args = (*args, DRY_RUN_BESIDE_A_BUILD)
     result = subprocess.run(
         [sys.executable, "-m", "snakemake", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
