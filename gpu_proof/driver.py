@@ -302,6 +302,27 @@ VARIANTS = {
     # on a step whose every request carries a padded draft), beside AWQ broad and bf16 on one host:
     # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad,
     # serve-awq-broad-suffix32-d48-pad-f4,serve-awq-broad-silent32-d48-f4,lossless,serve-bf16-all
+    # sixteenth lease (issue 14, item 7): the real profile's default, MTP on AWQ broad, never yet probed on a GPU: K=2
+    # (config.yaml's variant) with every plugin on (their default; each acts on a step whose every request carries a
+    # draft, as MTP's always do) and with vLLM's own paths (the three switches off), and K=4 with the plugins, beside
+    # AWQ broad (the plain step and the lossless reference) and bf16 on one host. Random weights accept nothing, so
+    # each row is what a draft+verify step costs: --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad,serve-awq-broad-mtp2-plugins,serve-awq-broad-mtp2-vllm,lossless,
+    # serve-awq-broad-mtp4-plugins,serve-bf16-all
+    **{
+        f"awq-broad-mtp{k}-{paths}": {
+            "recipe": BROAD,
+            "speculative": {"method": "mtp", "k": k},
+            "first": "from:awq-broad",
+            "profile": True,
+            "env": env,
+        }
+        for k, paths, env in (
+            (2, "plugins", {}),
+            (2, "vllm", {GDN_SLICES_OFF: "0", KEPT_INDICES_OFF: "0", GREEDY_REJECTION_OFF: "0"}),
+            (4, "plugins", {}),
+        )
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -391,6 +412,9 @@ STEPS = [
     "serve-awq-broad-ngramgpu4-idx-traced",
     "serve-awq-broad-ngramgpu4-greedy-traced",
     "serve-awq-broad-ngramgpu4-vllmsampler-traced",
+    "serve-awq-broad-mtp2-plugins",
+    "serve-awq-broad-mtp2-vllm",
+    "serve-awq-broad-mtp4-plugins",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
