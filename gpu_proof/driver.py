@@ -323,6 +323,26 @@ VARIANTS = {
             (4, "plugins", {}),
         )
     },
+    # seventeenth lease (issues 14 and 15): on machine20 an MTP step's dense GEMMs went 0.58 -> 1.67 ms at K=2 (2.76 at
+    # K=4): vLLM shares the target's LM head with the MTP drafter, so each draft pass reads the 1.27 GB bf16 head
+    # again. With the int4 head on the pruned vocabulary (0.19 GB) a draft pass reads a seventh of that (vLLM 0.26
+    # shares that head too: "Sharing target model lm_head weights with the draft model", the tiny profile's pruned
+    # checkpoint, all 32 draft tokens accepted): --only environment,checkpoint,bandwidth,
+    # quantize-awq-broad-head4-vocab131k,serve-awq-broad-vocab131k-mtp2,serve-awq-broad-vocab131k-plain
+    "awq-broad-vocab131k-mtp2": {
+        "recipe": VOCAB131K,
+        "speculative": {"method": "mtp", "k": 2},
+        "first": "empty",
+        "bake": True,
+        "restart": False,
+        "profile": True,
+    },
+    "awq-broad-vocab131k-plain": {
+        "recipe": VOCAB131K,
+        "speculative": NO_SPECULATION,
+        "first": "seeded:awq-broad-vocab131k-mtp2",
+        "sets": "repeated",
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -415,6 +435,8 @@ STEPS = [
     "serve-awq-broad-mtp2-plugins",
     "serve-awq-broad-mtp2-vllm",
     "serve-awq-broad-mtp4-plugins",
+    "serve-awq-broad-vocab131k-mtp2",
+    "serve-awq-broad-vocab131k-plain",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
