@@ -911,3 +911,56 @@ def test_suffix_with_every_plugin_section_is_its_records():
     log = (folder / "logs" / f"machine19-{padded['variant']}-first.log").read_text()
     assert "gdn spec metadata: all-speculative batch of 8 built from slices" in log
     assert lossless_pairs_passed(found) == {padded["variant"]: 5, silent["variant"]: 7}
+
+
+def test_the_mtp_default_section_is_its_records():
+    """machine20-21: the real default (MTP K=2 on AWQ broad) with the plugins on (their default) and off, K=4, and
+    K=2 on the pruned vocabulary's int4 head: the docs' tables recomputed from the records, the plugins' greedy ids
+    equal to vLLM's own paths' on every pair, nothing accepted on random weights, the head shared with the drafter."""
+    from serving.gdn_spec_metadata import ENV as GDN_SLICES
+    from serving.greedy_rejection import ENV as GREEDY
+    from serving.spec_decode_indices import ENV as KEPT_INDICES
+
+    folder = RESULTS.parent / "h100-mtp"
+    found = lease_records(folder)
+    assert_lease(found, "machine20", "machine21")
+    plain = found["variant-awq-broad"]
+    plugins, vllm, k4 = (found[f"variant-awq-broad-mtp{name}"] for name in ("2-plugins", "2-vllm", "4-plugins"))
+    pruned, pruned_plain = found["variant-awq-broad-vocab131k-mtp2"], found["variant-awq-broad-vocab131k-plain"]
+    assert all(vllm["serve_env"][env] == "0" for env in (GDN_SLICES, KEPT_INDICES, GREEDY))
+    assert all(not any(key.startswith("SERVING_") for key in r["serve_env"]) for r in (plugins, k4, pruned))
+    section = "# The real default: MTP on AWQ broad"
+    for label, record in (
+        ("AWQ broad", plain),
+        ("AWQ + MTP K=2, every plugin", plugins),
+        ("AWQ + MTP K=2, vLLM's own paths", vllm),
+        ("AWQ + MTP K=4, every plugin", k4),
+    ):
+        itl_cells(section, label, record, plain)
+    for record in (plugins, vllm, k4, pruned):
+        assert all(c["mean_acceptance_length"] == 1.0 for s in SETS for c in set_categories(record, s))
+    for s in SETS:  # the plugins change no output: the same greedy ids as vLLM's own paths, pair by pair
+        pairs = zip(set_categories(plugins, s), set_categories(vllm, s), strict=True)
+        assert all(a["first_run_token_ids"] == b["first_run_token_ids"] for a, b in pairs), s
+    assert lossless_pairs_passed(found) == {plugins["variant"]: 6, vllm["variant"]: 6}
+
+    def per_step(record, families=None):
+        fam = record["profile"]["sets"]["repeated"]["breakdown"]["families"]
+        return f"{sum(v['per_step_ms'] for k, v in fam.items() if families is None or k in families):.3f}"
+
+    columns = [plugins, k4, pruned]
+    assert doc_row(section, "Marlin int4 GEMMs")[1:] == [per_step(r, {"marlin_gemm"}) for r in columns]
+    assert doc_row(section, "dense GEMMs (the bf16 head, in_proj_a/b, the MTP layer)")[1:] == [
+        per_step(r, {"dense_gemm"}) for r in columns
+    ]
+    assert doc_row(section, "**GPU busy**")[1:] == [f"**{per_step(r)}**" for r in columns]
+    gigabytes = [r["decode"]["weights_bytes_per_step"] // 10**7 for r in (plain, plugins, k4, pruned)]
+    assert gigabytes == [328, 631, 933, 306]  # the docs' 3.29 -> 6.31 -> 9.34 GB and 3.06 GB, truncated
+
+    assert doc_row(section, "AWQ + int4 head, vocab 131,072")[:1] == [medians(pruned_plain, "repeated")]
+    assert doc_row(section, "AWQ + int4 head, vocab 131,072 + MTP K=2") == [
+        *(medians(pruned, s) for s in SETS),
+        " / ".join(f"{mean_itl(pruned, s):.2f}" for s in SETS) + " ms",
+    ]
+    log = (folder / "logs" / "machine21-awq-broad-vocab131k-mtp2-first.log").read_text()
+    assert "Sharing target model lm_head weights with the draft model" in log
