@@ -660,6 +660,12 @@ def itl_cells(section: str, label: str, record, plain, bf16=None) -> None:
     assert cells[4] == ("-" if record is plain else f"{ratios}x"), label
 
 
+def assert_plugins_on(*records) -> None:
+    """No serving plugin switched off (a SERVING_* variable) in these records' server environment: their default."""
+    for record in records:
+        assert not any(key.startswith("SERVING_") for key in record["serve_env"]), record["variant"]
+
+
 def lossless_pairs_passed(found) -> dict[str, int]:
     """How many set/category pairs each checked variant of a lease's lossless record passed."""
     return {check["variant"]: sum(row["passed"] for row in check["rows"]) for check in found["lossless"]["checks"]}
@@ -897,7 +903,7 @@ def test_suffix_with_every_plugin_section_is_its_records():
     plain, bf16 = found["variant-awq-broad"], found["variant-bf16-all"]
     padded, silent = found["variant-awq-broad-suffix32-d48-pad-f4"], found["variant-awq-broad-silent32-d48-f4"]
     assert padded["speculative"]["pad_drafts"] and silent["speculative"]["silent_drafts"]
-    assert all(not any(key.startswith("SERVING_") for key in r["serve_env"]) for r in (padded, silent))
+    assert_plugins_on(padded, silent)
     section = "# Suffix decoding with every plugin"
     for label, record in (
         ("bf16", bf16),
@@ -928,7 +934,7 @@ def test_the_mtp_default_section_is_its_records():
     plugins, vllm, k4 = (found[f"variant-awq-broad-mtp{name}"] for name in ("2-plugins", "2-vllm", "4-plugins"))
     pruned, pruned_plain = found["variant-awq-broad-vocab131k-mtp2"], found["variant-awq-broad-vocab131k-plain"]
     assert all(vllm["serve_env"][env] == "0" for env in (GDN_SLICES, KEPT_INDICES, GREEDY))
-    assert all(not any(key.startswith("SERVING_") for key in r["serve_env"]) for r in (plugins, k4, pruned))
+    assert_plugins_on(plugins, k4, pruned)
     section = "# The real default: MTP on AWQ broad"
     for label, record in (
         ("AWQ broad", plain),
