@@ -41,6 +41,7 @@ from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
 from serving.greedy_rejection import ENV as GREEDY_REJECTION_OFF  # noqa: E402
+from serving.marlin_reduce import ENV as MARLIN_REDUCE  # noqa: E402
 from serving.spec_decode_indices import ENV as KEPT_INDICES_OFF  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -343,6 +344,25 @@ VARIANTS = {
         "first": "seeded:awq-broad-vocab131k-mtp2",
         "sets": "repeated",
     },
+    # eighteenth lease (issue 15, item 4): Marlin is the largest item of a decode step. Its reduction modes
+    # (serving/marlin_reduce.py) on the fastest recipe without speculation, the pruned vocabulary's int4 head: the
+    # checkpoint's GEMMs alone in every mode (gpu_proof/marlin_bench.py), then served in vLLM's mode, with atomics and
+    # with bf16 partial sums, on one host: --only environment,checkpoint,bandwidth,quantize-awq-broad-head4-vocab131k,
+    # marlinbench-vocab131k-plain-vllm,serve-vocab131k-plain-vllm,serve-vocab131k-plain-atomic,
+    # serve-vocab131k-plain-bf16
+    **{
+        f"vocab131k-plain-{mode}": {
+            "recipe": VOCAB131K,
+            "speculative": NO_SPECULATION,
+            # the mode is traced into the compiled graphs: each start compiles its own, on the first's kernel caches
+            "first": "empty" if mode == "vllm" else "seeded:vocab131k-plain-vllm",
+            "bake": mode == "vllm",
+            "restart": False,
+            "profile": True,
+            "env": {MARLIN_REDUCE: mode},
+        }
+        for mode in ("vllm", "atomic", "bf16")
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -437,6 +457,10 @@ STEPS = [
     "serve-awq-broad-mtp4-plugins",
     "serve-awq-broad-vocab131k-mtp2",
     "serve-awq-broad-vocab131k-plain",
+    "marlinbench-vocab131k-plain-vllm",
+    "serve-vocab131k-plain-vllm",
+    "serve-vocab131k-plain-atomic",
+    "serve-vocab131k-plain-bf16",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
@@ -583,6 +607,16 @@ class Driver:
         data = json.loads(result.read_text())
         data["command"] = f"python3 gpu_proof/bandwidth.py {result}"
         self.record("bandwidth", data)
+
+    def step_marlinbench(self, step: str) -> None:
+        """gpu_proof/marlin_bench.py on the int4 GEMMs of a variant's checkpoint."""
+        model = self.model_for(VARIANTS[step.removeprefix("marlinbench-")])
+        result = self.state / f"{step}.json"
+        bench = ROOT / "gpu_proof" / "marlin_bench.py"
+        self._python([str(bench), str(model), str(result)], env={"PYTHONPATH": SITE_VLLM}, log_name=step, timeout=900)
+        data = json.loads(result.read_text())
+        data["command"] = f"PYTHONPATH={SITE_VLLM} python3 gpu_proof/marlin_bench.py {model} {result}"
+        self.record(step, data)
 
     def step_quantize(self, step: str) -> None:
         variant = step.removeprefix("quantize-")

@@ -970,3 +970,117 @@ def test_the_mtp_default_section_is_its_records():
     ]
     log = (folder / "logs" / "machine21-awq-broad-vocab131k-mtp2-first.log").read_text()
     assert "Sharing target model lm_head weights with the draft model" in log
+
+
+# ---------- Marlin's reduction modes (gpu_proof/marlin_bench.py, serving/marlin_reduce.py) ----------
+
+
+def qwen35_int4_header(head_vocab: int | None = None) -> dict:
+    """compressed-tensors names and shapes of an int4 g32 Qwen3.5-4B (the broad recipe's modules; an int4 head of
+    `head_vocab` rows), with each tensor's bytes."""
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    from build_checkpoint import QWEN35_4B_DIMS as dims
+
+    hidden, inter = dims["hidden_size"], dims["intermediate_size"]
+    key_dim = dims["linear_num_key_heads"] * dims["linear_key_head_dim"]
+    value_dim = dims["linear_num_value_heads"] * dims["linear_value_head_dim"]
+    heads, kv = dims["num_attention_heads"] * dims["head_dim"], dims["num_key_value_heads"] * dims["head_dim"]
+    modules = {}
+    for i, kind in enumerate(dims["layer_types"]):
+        prefix = f"model.language_model.layers.{i}"
+        modules |= {f"{prefix}.mlp.gate_proj": (inter, hidden), f"{prefix}.mlp.up_proj": (inter, hidden)}
+        modules[f"{prefix}.mlp.down_proj"] = (hidden, inter)
+        if kind == "linear_attention":
+            modules[f"{prefix}.linear_attn.in_proj_qkv"] = (2 * key_dim + value_dim, hidden)
+            modules[f"{prefix}.linear_attn.in_proj_z"] = (value_dim, hidden)
+            modules[f"{prefix}.linear_attn.out_proj"] = (hidden, value_dim)
+        else:  # q_proj carries the output gate: twice the heads
+            modules[f"{prefix}.self_attn.q_proj"] = (2 * heads, hidden)
+            modules |= {f"{prefix}.self_attn.k_proj": (kv, hidden), f"{prefix}.self_attn.v_proj": (kv, hidden)}
+            modules[f"{prefix}.self_attn.o_proj"] = (hidden, heads)
+    modules["mtp.layers.0.mlp.down_proj"] = (hidden, inter)  # not part of a plain step
+    if head_vocab:
+        modules["lm_head"] = (head_vocab, hidden)
+    header = {}
+    for name, (n, k) in modules.items():
+        header[f"{name}.weight_packed"] = {"shape": [n, k // 8], "bytes": n * k // 2}
+        header[f"{name}.weight_scale"] = {"shape": [n, k // 32], "bytes": n * k // 32 * 2}
+    return header
+
+
+def test_marlin_bench_fuses_the_checkpoints_gemms_as_vllm_does():
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    from marlin_bench import decode_gemms
+
+    gemms = {g["module"]: g for g in decode_gemms(qwen35_int4_header(head_vocab=131072))}
+    shapes = {name: (g["k"], g["n"], g["layers"], g["group_size"]) for name, g in gemms.items()}
+    assert shapes == {
+        "mlp.gate_up_proj": (2560, 18432, 32, 32),
+        "mlp.down_proj": (9216, 2560, 32, 32),
+        "linear_attn.in_proj_qkvz": (2560, 12288, 24, 32),
+        "linear_attn.out_proj": (4096, 2560, 24, 32),
+        "self_attn.qkv_proj": (2560, 10240, 8, 32),
+        "self_attn.o_proj": (4096, 2560, 8, 32),
+        "lm_head": (2560, 131072, 1, 32),
+    }
+    # by hand: 3,565,158,400 decoder weights at 4 bits plus a bf16 scale per 32 (the record's decoder part is this
+    # plus 9.8 MB of 16-bit tensors: norms, conv1d, in_proj_a/b); the head's 131,072 x 2,560 the same way
+    decoder = sum(g["bytes"] for name, g in gemms.items() if name != "lm_head")
+    assert decoder == 3_565_158_400 // 2 + 3_565_158_400 // 32 * 2 == 2_005_401_600
+    assert gemms["lm_head"]["bytes"] == 188_743_680
+    # the H100's quantized checkpoint (its safetensors parts): the head adds its 16-byte weight_shape tensor
+    served = json.loads((ROOT / "results/gpu-proof/h100-mtp/variant-awq-broad-vocab131k-plain.json").read_text())
+    assert 9_000_000 < served["weights"]["decoder"] - decoder < 10_000_000
+    assert served["weights"]["lm_head"] - gemms["lm_head"]["bytes"] == 16
+
+
+def test_marlin_bench_refuses_modules_that_cannot_fuse_and_compares_modes_with_vllms_call():
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    from marlin_bench import decode_gemms, summarize
+
+    header = qwen35_int4_header()
+    header["model.language_model.layers.0.mlp.up_proj.weight_scale"]["shape"] = [9216, 2560 // 128]  # group 128
+    with pytest.raises(ValueError, match="up_proj.*do not fuse with mlp.gate_up_proj"):
+        decode_gemms(header)
+    gemms = [{"module": "mlp.down_proj", "bytes": 2_000_000_000}]
+    timings = {
+        "marlin": {1: {"step_ms": 2.0, "by_gemm_us": {"mlp.down_proj": 20.0}}},
+        "marlin-atomic": {1: {"step_ms": 1.5, "by_gemm_us": {"mlp.down_proj": 12.345}}},
+    }
+    summary = summarize(gemms, timings)
+    assert summary["marlin"]["1"]["int4_gbps"] == 1000.0 and summary["marlin"]["1"]["against_marlin"] == 1.0
+    assert summary["marlin-atomic"]["1"] == {
+        "step_ms": 1.5,
+        "int4_gbps": 1333.3,
+        "against_marlin": 0.75,
+        "by_gemm_us": {"mlp.down_proj": 12.35},
+    }
+
+
+def test_driver_serves_each_marlin_mode_on_its_own_compiled_graphs(tmp_path):
+    """The eighteenth lease: vLLM's mode bakes from an empty cache; atomics and bf16 partial sums start from its kernel
+    caches only (the mode is traced into the graphs), each with the plugin's switch in its server's environment."""
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    import driver
+
+    assert {s for s in driver.STEPS if "vocab131k-plain-" in s} >= {
+        "marlinbench-vocab131k-plain-vllm",
+        "serve-vocab131k-plain-vllm",
+        "serve-vocab131k-plain-atomic",
+        "serve-vocab131k-plain-bf16",
+    }
+    d = fake_driver(tmp_path)
+    quantized = tmp_path / "quant" / "awq-broad-head4-vocab131k" / "model"
+    shutil.copytree(d.model_dir, quantized)
+    (quantized / "config.json").write_text("{}")
+    d.run_steps(["serve-vocab131k-plain-vllm", "serve-vocab131k-plain-atomic"])
+    vllm, atomic = (
+        json.loads((tmp_path / "results" / f"variant-vocab131k-plain-{mode}.json").read_text())
+        for mode in ("vllm", "atomic")
+    )
+    assert vllm["status"] == atomic["status"] == "ok"
+    assert vllm["cold_start"]["first_start_cache"] == "empty" and "cache_files" in vllm["cold_start"]
+    assert atomic["cold_start"]["first_start_cache"] == "seeded" and "cache_files" not in atomic["cold_start"]
+    assert vllm["serve_env"] == {"SERVING_MARLIN_REDUCE": "vllm"}
+    assert atomic["serve_env"] == {"SERVING_MARLIN_REDUCE": "atomic"}
+    assert set(atomic["profile"]["sets"]) == {"repeated", "fresh"} and atomic["probe"]["fresh"]

@@ -981,3 +981,107 @@ def test_eight_concurrent_streaming_thinking_chats_all_complete(server):
         results = list(pool.map(stream_chat, range(8)))
     assert all(last == "data: [DONE]" for last, _ in results), results
     assert all(chunks > 1 for _, chunks in results), results
+
+
+# ---------- Marlin's reduction mode (serving/marlin_reduce.py) ----------
+
+
+def test_marlin_reduce_mode_is_read_from_the_environment_and_a_wrong_one_refused():
+    from serving import marlin_reduce
+
+    assert marlin_reduce.mode_from_env({}) == "vllm"
+    assert marlin_reduce.mode_from_env({marlin_reduce.ENV: "atomic"}) == "atomic"
+    with pytest.raises(ValueError, match="SERVING_MARLIN_REDUCE='atomics'.*known"):
+        marlin_reduce.mode_from_env({marlin_reduce.ENV: "atomics"})
+
+
+def test_marlin_atomics_for_decode_sized_batches_on_hopper_only():
+    """Every width once the batch is decode-sized on a GPU with native bf16 atomics; anything else is vLLM's call."""
+    from types import SimpleNamespace
+
+    from serving import marlin_reduce
+
+    calls = []
+
+    def vllm_rule(m, n, k, device, dtype):
+        calls.append((m, n))
+        return False
+
+    capability = {"hopper": (9, 0), "ampere": (8, 0)}
+    rule = marlin_reduce.atomic_for_decode(vllm_rule, lambda device: capability[device.name])
+    hopper, ampere = SimpleNamespace(type="cuda", name="hopper"), SimpleNamespace(type="cuda", name="ampere")
+    assert rule(m=1, n=18432, k=2560, device=hopper, dtype=None) is True
+    assert rule(m=marlin_reduce.ATOMIC_MAX_M, n=2560, k=9216, device=hopper, dtype=None) is True
+    assert calls == []
+    assert rule(m=marlin_reduce.ATOMIC_MAX_M + 1, n=2560, k=9216, device=hopper, dtype=None) is False  # a prefill
+    assert rule(m=1, n=2560, k=9216, device=ampere, dtype=None) is False
+    assert rule(m=1, n=2560, k=9216, device=SimpleNamespace(type="cpu", name="cpu"), dtype=None) is False
+    assert calls == [(17, 2560), (1, 2560), (1, 2560)]
+
+
+def test_marlin_bf16_reduce_and_the_compile_key():
+    from types import SimpleNamespace
+
+    from serving import marlin_reduce
+
+    apply = marlin_reduce.bf16_reduce(lambda *args, **kwargs: kwargs)
+    assert apply(1, use_fp32_reduce=True, bias=None) == {"use_fp32_reduce": False, "bias": None}
+    envs = SimpleNamespace(environment_variables={"VLLM_X": lambda: 1})
+    marlin_reduce.join_compile_key(envs, "atomic")
+    assert envs.environment_variables[marlin_reduce.ENV]() == "atomic"
+
+
+MARLIN_REDUCE_CHECK = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import vllm.envs as envs
+from vllm.model_executor.layers.quantization.utils import marlin_utils
+from vllm.model_executor.kernels.linear.mixed_precision import marlin
+from serving import marlin_reduce
+
+rule, apply = marlin_utils.should_use_atomic_add_reduce, marlin.apply_gptq_marlin_linear
+report = {
+    # the plugins patch module attributes: vLLM's call sites must look them up there, not hold their own reference
+    "rule_looked_up": "should_use_atomic_add_reduce" in marlin_utils.apply_gptq_marlin_linear.__code__.co_names,
+    "apply_looked_up": "apply_gptq_marlin_linear" in marlin.MarlinLinearKernel.apply_weights.__code__.co_names,
+}
+marlin_reduce.register()  # SERVING_MARLIN_REDUCE unset: vLLM's code untouched
+report["untouched"] = marlin_utils.should_use_atomic_add_reduce is rule and marlin.apply_gptq_marlin_linear is apply
+report["factor_unset"] = marlin_reduce.ENV in envs.compile_factors()
+os.environ[marlin_reduce.ENV] = "atomic"
+marlin_reduce.register(); marlin_reduce.register()
+report["atomic_wraps_once"] = marlin_utils.should_use_atomic_add_reduce.__wrapped__ is rule
+report["cpu_keeps_vllms_rule"] = marlin_utils.should_use_atomic_add_reduce(
+    m=1, n=18432, k=2560, device=torch.device("cpu"), dtype=torch.bfloat16)
+report["factor"] = envs.compile_factors().get(marlin_reduce.ENV)
+os.environ[marlin_reduce.ENV] = "bf16"
+marlin_reduce.register()
+report["bf16_wraps"] = marlin.apply_gptq_marlin_linear.__wrapped__ is apply
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.e2e
+def test_marlin_reduce_patches_vllms_own_marlin_call_sites():
+    """Against vLLM 0.26 itself (serve-cpu venv): the names the plugin replaces are the ones vLLM's Marlin path looks up
+    at call time, each mode wraps them once, and the mode joins vLLM's torch.compile cache key."""
+    result = subprocess.run(
+        [str(SERVE_PY), "-c", MARLIN_REDUCE_CHECK, str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "SERVING_MARLIN_REDUCE"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "rule_looked_up": True,
+        "apply_looked_up": True,
+        "untouched": True,
+        "factor_unset": False,
+        "atomic_wraps_once": True,
+        "cpu_keeps_vllms_rule": False,
+        "factor": "atomic",
+        "bf16_wraps": True,
+    }
