@@ -13,6 +13,8 @@ from one CUDA graph per mode, on random int4 weights of those shapes, one buffer
   marlin-bf16-reduce  the same with use_fp32_reduce=False (partial sums kept in bf16)
   marlin-atomic       use_atomic_add=True on every shape (partial sums added with atomics, in any order)
   triton-w4a16        vLLM 0.26's Triton W4A16 kernel (the one it prefers on ROCm)
+  int4-gemv           the project's one-token GEMV (serving/int4_gemv.py), its fastest launch configuration per shape;
+                      one token only (m=1)
   bf16                the same GEMMs dense in bf16 (cuBLAS): what the bytes would cost unquantized
 
 Each Marlin mode is also checked against the dequantized weights (x @ w_ref in fp32) on one layer of every shape.
@@ -29,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))  # serving/ (the project's own kernel)
 
 from lib.safetensors import checkpoint_header  # noqa: E402
 
@@ -42,7 +45,8 @@ FUSED = {
     "in_proj_qkv": "in_proj_qkvz",
     "in_proj_z": "in_proj_qkvz",
 }
-MODES = ("marlin", "marlin-bf16-reduce", "marlin-atomic", "triton-w4a16", "bf16")
+MODES = ("marlin", "marlin-bf16-reduce", "marlin-atomic", "triton-w4a16", "int4-gemv", "bf16")
+ONE_TOKEN_MODES = {"int4-gemv"}
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -112,6 +116,8 @@ def _operands(mode: str, gemm: dict, device):
     scales = torch.rand(k // g, n, dtype=torch.bfloat16, device=device) * 0.01 + 0.001
     if mode == "triton-w4a16":
         return torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device), scales
+    if mode == "int4-gemv":  # the checkpoint's own layout: [n, k / 8] int32 and [n, k / group]
+        return torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device), scales.T.contiguous()
     # Marlin's repacked layout: (k / 16) rows of 16 x n int4 values, 8 to an int32
     return torch.randint(-(2**31), 2**31 - 1, (k // 16, n * 2), dtype=torch.int32, device=device), scales
 
@@ -128,6 +134,15 @@ def _gemm_fn(mode: str, gemm: dict, device):
         from vllm.model_executor.kernels.linear.mixed_precision.triton_w4a16 import triton_w4a16_gemm
 
         return lambda x: triton_w4a16_gemm(x, qweight, scales, None, gemm["group_size"])
+    if mode == "int4-gemv":
+        import torch
+
+        from serving.int4_gemv import fastest_config, gemv
+
+        x = torch.randn(1, gemm["k"], dtype=torch.bfloat16, device=device)
+        config, _ = fastest_config(x, qweight, scales)
+        gemm.setdefault("int4_gemv_config", config)
+        return lambda x: gemv(x, qweight, scales, config)
     return marlin_call(mode, qweight, scales, gemm["k"], gemm["n"], device)
 
 
@@ -193,7 +208,7 @@ def time_modes(gemms: list[dict], ms: list[int], replays: int) -> tuple[dict, di
         try:
             calls = {g["module"]: [_gemm_fn(mode, g, device) for _ in range(g["layers"])] for g in gemms}
             timings[mode] = {}
-            for m in ms:
+            for m in [1] if mode in ONE_TOKEN_MODES else ms:
                 inputs = {g["k"]: torch.randn(m, g["k"], dtype=torch.bfloat16, device=device) for g in gemms}
                 thunks = {
                     g["module"]: [functools.partial(call, inputs[g["k"]]) for call in calls[g["module"]]] for g in gemms

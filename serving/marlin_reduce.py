@@ -14,7 +14,8 @@ SERVING_MARLIN_REDUCE selects the mode (unset or "vllm": vLLM's code untouched):
           bits of an output may differ run to run
   bf16    use_fp32_reduce=False: the serial reduction kept, its partial sums in the activation dtype
 
-The mode is traced into torch.compile's graphs (a Python bool at trace time), so it joins vLLM's compile-cache key:
+The mode is traced into torch.compile's graphs (a Python bool at trace time), so it joins vLLM's compile-cache key
+(serving/compile_key.py):
 a cache baked in one mode is never loaded by a server in another.
 """
 
@@ -62,12 +63,6 @@ def bf16_reduce(original):
     return apply_gptq_marlin_linear
 
 
-def join_compile_key(envs_module, mode: str) -> None:
-    """Make the mode one of the environment values vLLM hashes into its torch.compile cache key
-    (vllm.envs.compile_factors hashes every entry of environment_variables)."""
-    envs_module.environment_variables.setdefault(ENV, lambda: mode)
-
-
 def register() -> None:
     mode = mode_from_env()
     if mode == "vllm":
@@ -75,7 +70,9 @@ def register() -> None:
     import torch
     import vllm.envs as envs
 
-    join_compile_key(envs, mode)
+    from serving.compile_key import join_compile_key
+
+    join_compile_key(envs, ENV, mode)
     if mode == "atomic":
         from vllm.model_executor.layers.quantization.utils import marlin_utils
 

@@ -236,6 +236,7 @@ SERVE_JSON = {
 
 
 SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
+COMPRESS_PY = ROOT / ".venvs" / "compress" / "bin" / "python"  # torch and compressed-tensors
 
 
 def vllm_cache_root(root: Path) -> Path:

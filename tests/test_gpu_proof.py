@@ -1068,16 +1068,18 @@ def test_driver_serves_each_marlin_mode_on_its_own_compiled_graphs(tmp_path):
         "serve-vocab131k-plain-vllm",
         "serve-vocab131k-plain-atomic",
         "serve-vocab131k-plain-bf16",
+        "serve-vocab131k-plain-gemv",
     }
     d = fake_driver(tmp_path)
     quantized = tmp_path / "quant" / "awq-broad-head4-vocab131k" / "model"
     shutil.copytree(d.model_dir, quantized)
     (quantized / "config.json").write_text("{}")
-    d.run_steps(["serve-vocab131k-plain-vllm", "serve-vocab131k-plain-atomic"])
-    vllm, atomic = (
+    d.run_steps(["serve-vocab131k-plain-vllm", "serve-vocab131k-plain-atomic", "serve-vocab131k-plain-gemv"])
+    vllm, atomic, gemv = (
         json.loads((tmp_path / "results" / f"variant-vocab131k-plain-{mode}.json").read_text())
-        for mode in ("vllm", "atomic")
+        for mode in ("vllm", "atomic", "gemv")
     )
+    assert gemv["serve_env"] == {"SERVING_INT4_GEMV": "1"} and gemv["cold_start"]["first_start_cache"] == "seeded"
     assert vllm["status"] == atomic["status"] == "ok"
     assert vllm["cold_start"]["first_start_cache"] == "empty" and "cache_files" in vllm["cold_start"]
     assert atomic["cold_start"]["first_start_cache"] == "seeded" and "cache_files" not in atomic["cold_start"]
