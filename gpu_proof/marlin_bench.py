@@ -20,6 +20,8 @@ from one CUDA graph per mode, on random int4 weights of those shapes, one buffer
 Each Marlin mode is also checked against the dequantized weights (x @ w_ref in fp32) on one layer of every shape.
 
     PYTHONPATH=<vllm site> python3 gpu_proof/marlin_bench.py QUANTIZED_MODEL_DIR RESULT_JSON [--m 1,3] [--replays 30]
+    PYTHONPATH=<vllm site> python3 gpu_proof/marlin_bench.py --gemms-from EARLIER_RESULT_JSON RESULT_JSON
+      (the shapes an earlier run read from its checkpoint: no checkpoint needed)
 """
 
 import argparse
@@ -253,15 +255,20 @@ def check_errors(gemms: list[dict], ms: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir")
+    parser.add_argument("model_dir", nargs="?")
     parser.add_argument("result")
+    parser.add_argument("--gemms-from", help="an earlier result whose GEMM shapes to time (instead of a checkpoint)")
     parser.add_argument("--m", default="1,3", help="batch sizes in tokens (1: a plain decode; 3: MTP K=2's verify)")
     parser.add_argument("--replays", type=int, default=30)
     args = parser.parse_args()
     import torch
 
     started = time.monotonic()
-    gemms = decode_gemms(checkpoint_header(args.model_dir))
+    if args.gemms_from:
+        keep = ("module", "k", "n", "group_size", "layers", "bytes")
+        gemms = [{key: g[key] for key in keep} for g in json.loads(Path(args.gemms_from).read_text())["gemms"]]
+    else:
+        gemms = decode_gemms(checkpoint_header(args.model_dir))
     if not gemms:
         raise SystemExit(f"{args.model_dir}: no int4 weight_packed tensors (not a compressed-tensors W4A16 checkpoint)")
     ms = [int(m) for m in args.m.split(",")]
@@ -273,6 +280,7 @@ def main() -> None:
         "status": "ok",
         "device": torch.cuda.get_device_name(0),
         "model_dir": args.model_dir,
+        "gemms_from": args.gemms_from,
         "method": "random int4 weights of every int4 GEMM of the checkpoint (one buffer per layer), each mode's whole "
         f"step replayed from one CUDA graph, CUDA-event timed over {args.replays} replays after 3; by_gemm_us: one "
         "GEMM of that module, from a graph of all its layers",

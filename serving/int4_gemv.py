@@ -27,16 +27,17 @@ import os
 
 ENV = "SERVING_INT4_GEMV"
 GROUP_SIZES = (32, 64, 128)
-# (rows a program, k a loop step, warps, pipeline stages): timed at load for each weight shape
+# (rows a program, packed words a loop step (8 k each), warps, pipeline stages): timed at load for each weight shape
 CONFIGS = (
-    (2, 1024, 4, 3),
-    (4, 512, 4, 3),
-    (4, 1024, 4, 3),
-    (8, 256, 4, 4),
-    (8, 512, 4, 3),
-    (8, 512, 8, 3),
-    (16, 256, 4, 3),
-    (16, 512, 8, 2),
+    (2, 64, 4, 3),
+    (4, 32, 4, 4),
+    (4, 64, 4, 3),
+    (4, 128, 4, 3),
+    (8, 32, 4, 4),
+    (8, 64, 4, 3),
+    (8, 64, 8, 3),
+    (16, 32, 4, 3),
+    (16, 64, 8, 3),
 )
 CHECK_TOLERANCE = 2e-2  # max |GEMV - Marlin| / max |Marlin| on a random input; both accumulate in fp32
 OP_NAME = "serving_int4_gemv_or_marlin"
@@ -62,8 +63,8 @@ def unsupported(weight_type: str, group_size: int, zero_points: bool, has_g_idx:
 
 
 def configs_for(k: int) -> list[int]:
-    """The CONFIGS whose k step divides the input size (the kernel has no tail loop)."""
-    return [index for index, config in enumerate(CONFIGS) if k % config[1] == 0]
+    """The CONFIGS whose k step (8 per packed word) divides the input size (the kernel has no tail loop)."""
+    return [index for index, config in enumerate(CONFIGS) if k % (8 * config[1]) == 0]
 
 
 def unpack_int4(packed):
@@ -89,24 +90,25 @@ def _kernel():
     @triton.jit
     def w4a16_gemv(
         x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s,
-        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     ):  # fmt: skip
+        # one program: BLOCK_N output rows; a loop step: BLOCK_W packed words of each (k = word * 8 + nibble)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
-        words = tl.arange(0, BLOCK_K // 8)
-        shifts = tl.arange(0, 8) * 4
-        groups = tl.arange(0, BLOCK_K // GROUP)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            packed = tl.load(w_ptr + rows[:, None] * stride_w + (k0 // 8 + words)[None, :], mask=live[:, None], other=0)
-            q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [rows, words, 8]: k = word * 8 + position
-            q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP)).to(tl.float32) - 8.0
-            x = tl.reshape(tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), (BLOCK_K // GROUP, GROUP))
-            scale = tl.load(
-                s_ptr + rows[:, None] * stride_s + (k0 // GROUP + groups)[None, :], mask=live[:, None], other=0.0
-            )
-            acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * scale.to(tl.float32), axis=1)
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=live)
+        words = tl.arange(0, BLOCK_W)
+        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        for w0 in range(0, K // 8, BLOCK_W):
+            packed = tl.load(w_ptr + rows[:, None] * stride_w + (w0 + words)[None, :], mask=live[:, None], other=0)
+            groups = (w0 + words) // (GROUP // 8)
+            scale = tl.load(s_ptr + rows[:, None] * stride_s + groups[None, :], mask=live[:, None], other=0.0)
+            scale = scale.to(tl.float32)
+            part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+            for nibble in tl.static_range(8):
+                q = ((packed >> (4 * nibble)) & 0xF).to(tl.float32) - 8.0
+                x = tl.load(x_ptr + (w0 + words) * 8 + nibble).to(tl.float32)
+                part += q * x[None, :]
+            acc += part * scale
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=live)
 
     return w4a16_gemv
 
@@ -115,13 +117,13 @@ def gemv(x, packed, scales, config: int):
     """x [1, K] @ the packed int4 weight [N, K/8] (scales [N, K/group]) -> [1, N], with CONFIGS[config]."""
     import torch
 
-    block_n, block_k, warps, stages = CONFIGS[config]
+    block_n, block_w, warps, stages = CONFIGS[config]
     n, k = packed.shape[0], packed.shape[1] * 8
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     grid = ((n + block_n - 1) // block_n,)
     _kernel()[grid](
         x, packed, scales, out, n, k, packed.stride(0), scales.stride(0),
-        GROUP=k // scales.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        GROUP=k // scales.shape[1], BLOCK_N=block_n, BLOCK_W=block_w, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -245,7 +247,7 @@ def kernel_class():
         def apply_weights(self, layer, x, bias=None):
             w_q, w_s, w_zp, w_gidx = self._get_weight_params(layer)
             c = self.config
-            out = _register_op()(
+            out = getattr(torch.ops.vllm, OP_NAME)(
                 x, layer.gemv_weight, layer.gemv_scales, w_q, w_s, w_zp, w_gidx, layer.g_idx_sort_indices,
                 self.workspace, c.weight_type.id, c.partition_weight_shape[0], c.partition_weight_shape[1],
                 self.is_k_full, layer.gemv_config,

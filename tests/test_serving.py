@@ -1104,9 +1104,9 @@ def test_int4_gemv_takes_symmetric_int4_groups_of_32_to_128_only():
     assert "group size 16" in int4_gemv.unsupported("uint4b8", 16, False, False, 2560, "bfloat16")
     assert "input size 2600" in int4_gemv.unsupported("uint4b8", 32, False, False, 2600, "bfloat16")
     assert "float32" in int4_gemv.unsupported("uint4b8", 32, False, False, 2560, "float32")
-    # no tail loop: a config runs only where its k step divides K (2,560 = 10 x 256 = 5 x 512, not 1,024s)
-    assert {int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(2560)} == {256, 512}
-    assert {int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(9216)} == {256, 512, 1024}
+    # no tail loop: a config runs only where its k step (8 a word) divides K (2,560 = 10 x 256 = 5 x 512, not 1,024s)
+    assert {8 * int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(2560)} == {256, 512}
+    assert {8 * int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(9216)} == {256, 512, 1024}
     assert int4_gemv.enabled({int4_gemv.ENV: "1"}) and not int4_gemv.enabled({})
 
 
