@@ -41,7 +41,6 @@ from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
 from serving.greedy_rejection import ENV as GREEDY_REJECTION_OFF  # noqa: E402
-from serving.int4_gemv import ENV as INT4_GEMV  # noqa: E402
 from serving.marlin_reduce import ENV as MARLIN_REDUCE  # noqa: E402
 from serving.spec_decode_indices import ENV as KEPT_INDICES_OFF  # noqa: E402
 
@@ -364,18 +363,6 @@ VARIANTS = {
         }
         for mode in ("vllm", "atomic", "bf16")
     },
-    # nineteenth lease (issue 15): machine22's bench found no reduction mode faster (1.70-1.71 ms a step) but a floor of
-    # ~10 us a Marlin GEMM at one token, 129 GEMMs a step. The project's one-token GEMV (serving/int4_gemv.py) against
-    # vLLM's Marlin, the kernels alone and served, on one host: --only environment,checkpoint,bandwidth,
-    # quantize-awq-broad-head4-vocab131k,marlinbench-vocab131k-plain-vllm,serve-vocab131k-plain-vllm,
-    # serve-vocab131k-plain-gemv
-    "vocab131k-plain-gemv": {
-        "recipe": VOCAB131K,
-        "speculative": NO_SPECULATION,
-        "first": "seeded:vocab131k-plain-vllm",
-        "profile": True,
-        "env": {INT4_GEMV: "1"},
-    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -474,7 +461,6 @@ STEPS = [
     "serve-vocab131k-plain-vllm",
     "serve-vocab131k-plain-atomic",
     "serve-vocab131k-plain-bf16",
-    "serve-vocab131k-plain-gemv",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

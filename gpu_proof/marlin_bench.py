@@ -13,8 +13,8 @@ from one CUDA graph per mode, on random int4 weights of those shapes, one buffer
   marlin-bf16-reduce  the same with use_fp32_reduce=False (partial sums kept in bf16)
   marlin-atomic       use_atomic_add=True on every shape (partial sums added with atomics, in any order)
   triton-w4a16        vLLM 0.26's Triton W4A16 kernel (the one it prefers on ROCm)
-  int4-gemv           the project's one-token GEMV (serving/int4_gemv.py), its fastest launch configuration per shape;
-                      one token only (m=1)
+  int4-gemv           a one-token GEMV in Triton (gpu_proof/experiments/int4_gemv.py), its fastest launch
+                      configuration per shape; one token only (m=1)
   bf16                the same GEMMs dense in bf16 (cuBLAS): what the bytes would cost unquantized
 
 Each Marlin mode is also checked against the dequantized weights (x @ w_ref in fp32) on one layer of every shape.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))  # serving/ (the project's own kernel)
+sys.path.insert(0, str(ROOT / "gpu_proof"))  # experiments/int4_gemv.py
 
 from lib.safetensors import checkpoint_header  # noqa: E402
 
@@ -139,7 +139,7 @@ def _gemm_fn(mode: str, gemm: dict, device):
     if mode == "int4-gemv":
         import torch
 
-        from serving.int4_gemv import fastest_config, gemv
+        from experiments.int4_gemv import fastest_config, gemv
 
         x = torch.randn(1, gemm["k"], dtype=torch.bfloat16, device=device)
         config, _ = fastest_config(x, qweight, scales)

@@ -5,12 +5,15 @@ import json
 import shutil
 import statistics
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+
+from conftest import COMPRESS_PY
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "gpu-proof" / "h100"
@@ -1068,21 +1071,110 @@ def test_driver_serves_each_marlin_mode_on_its_own_compiled_graphs(tmp_path):
         "serve-vocab131k-plain-vllm",
         "serve-vocab131k-plain-atomic",
         "serve-vocab131k-plain-bf16",
-        "serve-vocab131k-plain-gemv",
     }
     d = fake_driver(tmp_path)
     quantized = tmp_path / "quant" / "awq-broad-head4-vocab131k" / "model"
     shutil.copytree(d.model_dir, quantized)
     (quantized / "config.json").write_text("{}")
-    d.run_steps(["serve-vocab131k-plain-vllm", "serve-vocab131k-plain-atomic", "serve-vocab131k-plain-gemv"])
-    vllm, atomic, gemv = (
+    d.run_steps(["serve-vocab131k-plain-vllm", "serve-vocab131k-plain-atomic"])
+    vllm, atomic = (
         json.loads((tmp_path / "results" / f"variant-vocab131k-plain-{mode}.json").read_text())
-        for mode in ("vllm", "atomic", "gemv")
+        for mode in ("vllm", "atomic")
     )
-    assert gemv["serve_env"] == {"SERVING_INT4_GEMV": "1"} and gemv["cold_start"]["first_start_cache"] == "seeded"
     assert vllm["status"] == atomic["status"] == "ok"
     assert vllm["cold_start"]["first_start_cache"] == "empty" and "cache_files" in vllm["cold_start"]
     assert atomic["cold_start"]["first_start_cache"] == "seeded" and "cache_files" not in atomic["cold_start"]
     assert vllm["serve_env"] == {"SERVING_MARLIN_REDUCE": "vllm"}
     assert atomic["serve_env"] == {"SERVING_MARLIN_REDUCE": "atomic"}
     assert set(atomic["profile"]["sets"]) == {"repeated", "fresh"} and atomic["probe"]["fresh"]
+
+
+INT4_LAYOUT_CHECK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/gpu_proof")
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from experiments import int4_gemv
+
+torch.manual_seed(0)
+values = torch.randint(-8, 8, (24, 512), dtype=torch.int8)
+packed = pack_to_int32(values, 4)  # what llmcompressor writes as weight_packed
+scales = torch.rand(24, 512 // 32) + 0.5
+print(json.dumps({
+    "shape": list(packed.shape),
+    "unpacked": torch.equal(int4_gemv.unpack_int4(packed), values.int()),
+    "dequantized": torch.equal(int4_gemv.dequantize(packed, scales), values.float() * scales.repeat_interleave(32, 1)),
+}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_tried_int4_gemv_reads_the_layout_compressed_tensors_writes():
+    """The packing gpu_proof/experiments/int4_gemv.py unpacks (eight consecutive k to an int32 at 4-bit steps, value
+    + 8) is the one compressed-tensors 0.19 writes; its dequantize() is the reference its kernel was checked with."""
+    result = subprocess.run(
+        [str(COMPRESS_PY), "-c", INT4_LAYOUT_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"shape": [24, 64], "unpacked": True, "dequantized": True}
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    from experiments.int4_gemv import CONFIGS, configs_for
+
+    # no tail loop: a config runs only where its k step (8 a word) divides K (2,560 = 5 x 512, not 1,024s)
+    assert {8 * CONFIGS[i][1] for i in configs_for(2560)} == {256, 512}
+    assert {8 * CONFIGS[i][1] for i in configs_for(9216)} == {256, 512, 1024}
+
+
+def test_the_marlin_section_is_its_records():
+    """machine22-24: the bench's table and the served table of docs/gpu-proof.md recomputed from the records; no
+    reduction mode changes a step's GPU work; the tried GEMV slower than Marlin on both of its hosts."""
+    from serving.marlin_reduce import ENV as MARLIN_REDUCE
+
+    marlin, gemv = lease_records(RESULTS.parent / "h100-marlin"), lease_records(RESULTS.parent / "h100-int4-gemv")
+    assert_lease(marlin, "machine22")
+    assert_lease(gemv, "machine23", "machine24")
+    section = "# Marlin, the largest item of a step"
+    bench = marlin["marlinbench-vocab131k-plain-vllm"]
+    assert bench["int4_bytes"] == sum(g["bytes"] for g in bench["gemms"]) == 2_194_145_280
+    assert sum(g["layers"] for g in bench["gemms"]) == 129
+    for label, mode in (
+        ("Marlin as vLLM calls it (fp32 partial sums, in turn)", "marlin"),
+        ("Marlin, bf16 partial sums", "marlin-bf16-reduce"),
+        ("Marlin, atomic partial sums", "marlin-atomic"),
+        ("vLLM's Triton W4A16 (its ROCm kernel)", "triton-w4a16"),
+        ("dense bf16 (cuBLAS), four times the bytes", "bf16"),
+    ):
+        one, three = bench["modes"][mode]["1"], bench["modes"][mode]["3"]
+        modules = ("mlp.gate_up_proj", "mlp.down_proj", "linear_attn.out_proj", "lm_head")
+        per_gemm = [one["by_gemm_us"][m] for m in modules]
+        assert doc_row(section, label) == [
+            f"{one['step_ms']:.3f}",
+            f"{three['step_ms']:.3f}",
+            f"{one['int4_gbps']:.0f}",
+            *(f"{us:.1f}" for us in per_gemm),
+        ], label
+    steps = [bench["modes"][m][n]["step_ms"] for m in ("marlin", "marlin-bf16-reduce", "marlin-atomic") for n in "13"]
+    assert max(steps) - min(steps) < 0.03  # no reduction mode moves the step
+    assert bench["relative_error"]["marlin-atomic"] == bench["relative_error"]["marlin"]
+    first, second = gemv["marlinbench-vocab131k-plain-vllm"], gemv["marlinbench-second-form"]
+    assert [round(b["modes"]["int4-gemv"]["1"]["step_ms"], 2) for b in (first, second)] == [4.37, 3.07]
+    for b in (first, second):
+        assert b["modes"]["int4-gemv"]["1"]["step_ms"] > 1.7 * b["modes"]["marlin"]["1"]["step_ms"]
+
+    def per_step(record, families=None):
+        fam = record["profile"]["sets"]["repeated"]["breakdown"]["families"]
+        return f"{sum(v['per_step_ms'] for k, v in fam.items() if families is None or k in families):.3f}"
+
+    plain = marlin["variant-vocab131k-plain-vllm"]
+    for label, record in (
+        ("vLLM's mode (fp32 partial sums in turn)", plain),
+        ("atomics", marlin["variant-vocab131k-plain-atomic"]),
+        ("bf16 partial sums", marlin["variant-vocab131k-plain-bf16"]),
+    ):
+        assert record["serve_env"][MARLIN_REDUCE] == record["variant"].rsplit("-", 1)[1]
+        itl_cells(section, label, record, plain)
+        assert doc_row(section, label)[5:] == [per_step(record), per_step(record, {"marlin_gemm"})], label
+    other_host = gemv["variant-vocab131k-plain-vllm"]
+    cells = doc_row(section, "vLLM's mode, machine23")
+    assert cells[:3] == [medians(other_host, s) for s in SETS] and cells[5:] == [per_step(other_host), "1.895"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMPRESS_PY, ROOT, SERVE_JSON, SERVE_PY, host_server
+from conftest import ROOT, SERVE_JSON, SERVE_PY, host_server
 
 sys.path.insert(0, str(ROOT))
 
@@ -1087,113 +1087,4 @@ def test_marlin_reduce_patches_vllms_own_marlin_call_sites():
         "cpu_keeps_vllms_rule": False,
         "factor": "atomic",
         "bf16_wraps": True,
-    }
-
-
-# ---------- the one-token int4 GEMV (serving/int4_gemv.py) ----------
-
-
-def test_int4_gemv_takes_symmetric_int4_groups_of_32_to_128_only():
-    from serving import int4_gemv
-
-    assert int4_gemv.unsupported("uint4b8", 32, False, False, 2560, "bfloat16") is None
-    assert int4_gemv.unsupported("uint4b8", 128, False, False, 9216, "float16") is None
-    assert "uint4b8" in int4_gemv.unsupported("uint4", 32, True, False, 2560, "bfloat16")
-    assert "zero points" in int4_gemv.unsupported("uint4b8", 32, True, False, 2560, "bfloat16")
-    assert "act-order" in int4_gemv.unsupported("uint4b8", 32, False, True, 2560, "bfloat16")
-    assert "group size 16" in int4_gemv.unsupported("uint4b8", 16, False, False, 2560, "bfloat16")
-    assert "input size 2600" in int4_gemv.unsupported("uint4b8", 32, False, False, 2600, "bfloat16")
-    assert "float32" in int4_gemv.unsupported("uint4b8", 32, False, False, 2560, "float32")
-    # no tail loop: a config runs only where its k step (8 a word) divides K (2,560 = 10 x 256 = 5 x 512, not 1,024s)
-    assert {8 * int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(2560)} == {256, 512}
-    assert {8 * int4_gemv.CONFIGS[i][1] for i in int4_gemv.configs_for(9216)} == {256, 512, 1024}
-    assert int4_gemv.enabled({int4_gemv.ENV: "1"}) and not int4_gemv.enabled({})
-
-
-INT4_LAYOUT_CHECK = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-from serving import int4_gemv
-
-torch.manual_seed(0)
-values = torch.randint(-8, 8, (24, 512), dtype=torch.int8)
-packed = pack_to_int32(values, 4)  # what llmcompressor writes as weight_packed
-scales = torch.rand(24, 512 // 32) + 0.5
-dense = int4_gemv.dequantize(packed, scales)
-print(json.dumps({
-    "shape": list(packed.shape),
-    "unpacked": torch.equal(int4_gemv.unpack_int4(packed), values.int()),
-    "dequantized": torch.equal(dense, values.float() * scales.repeat_interleave(32, dim=1)),
-}))
-"""
-
-
-@pytest.mark.e2e
-def test_int4_gemv_reads_the_layout_compressed_tensors_writes():
-    """The packing the kernel unpacks (eight consecutive k to an int32 at 4-bit steps, value + 8) is the one
-    compressed-tensors 0.19 writes; dequantize() is the reference the kernel is compared with."""
-    result = subprocess.run(
-        [str(COMPRESS_PY), "-c", INT4_LAYOUT_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
-        "shape": [24, 64],
-        "unpacked": True,
-        "dequantized": True,
-    }
-
-
-INT4_GEMV_VLLM_CHECK = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from vllm.model_executor.kernels import linear
-from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
-from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearLayerConfig
-from vllm.platforms import PlatformEnum
-from vllm.scalar_type import scalar_types
-from serving import int4_gemv
-
-kernel = int4_gemv.kernel_class()
-config = MPLinearLayerConfig((2560, 9216), (2560, 9216), scalar_types.uint4b8, torch.bfloat16, 32, False, False)
-op = int4_gemv._register_op()
-with FakeTensorMode():
-    x = torch.empty(3, 2560, dtype=torch.bfloat16)
-    empty = torch.empty(0, dtype=torch.int32)
-    out = op(x, torch.empty(9216, 320, dtype=torch.int32), torch.empty(9216, 80, dtype=torch.bfloat16),
-             empty, empty, empty, empty, empty, empty, scalar_types.uint4b8.id, 2560, 9216, True, 0)
-os.environ[int4_gemv.ENV] = "1"
-before = list(linear._POSSIBLE_KERNELS[PlatformEnum.CUDA])
-int4_gemv.register()  # on a CPU platform: nothing
-process = MarlinLinearKernel.process_weights_after_loading.__code__.co_names
-print(json.dumps({
-    "subclass": issubclass(kernel, MarlinLinearKernel),
-    "cpu_refused": kernel.can_implement(config),
-    "fake_shape": list(out.shape),
-    "cuda_list_untouched_on_cpu": linear._POSSIBLE_KERNELS[PlatformEnum.CUDA] == before,
-    "marlin_sets_what_apply_reads": {"workspace", "is_k_full"} <= set(process),
-    "weight_params": hasattr(MarlinLinearKernel, "_get_weight_params"),
-}))
-"""
-
-
-@pytest.mark.e2e
-def test_int4_gemv_builds_on_vllms_marlin_kernel_and_registers_its_op():
-    """Against vLLM 0.26 (serve-cpu venv): the kernel class subclasses Marlin's, the custom op's schema and fake
-    implementation give torch.compile the output shape, Marlin's weight processing sets the attributes the op reads,
-    and on a CPU platform the plugin changes nothing (can_implement says why)."""
-    result = subprocess.run(
-        [str(SERVE_PY), "-c", INT4_GEMV_VLLM_CHECK, str(ROOT)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
-        "subclass": True,
-        "cpu_refused": [False, "the int4 GEMV runs on CUDA only"],
-        "fake_shape": [3, 9216],
-        "cuda_list_untouched_on_cpu": True,
-        "marlin_sets_what_apply_reads": True,
-        "weight_params": True,
     }
