@@ -72,8 +72,7 @@ def _kernel():
             scale = scale.to(tl.float32)
             part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
             for nibble in tl.static_range(8):
-                # 2^23 + q as a float's bits: no int-to-float conversion (a quarter-rate instruction on the SM)
-                q = (((packed >> (4 * nibble)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                q = ((packed >> (4 * nibble)) & 0xF).to(tl.float32) - 8.0
                 x = tl.load(x_ptr + (w0 + words) * 8 + nibble).to(tl.float32)
                 part += q * x[None, :]
             acc += part * scale
