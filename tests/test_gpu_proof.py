@@ -1158,7 +1158,7 @@ def test_the_marlin_section_is_its_records():
     assert max(steps) - min(steps) < 0.03  # no reduction mode moves the step
     assert bench["relative_error"]["marlin-atomic"] == bench["relative_error"]["marlin"]
     forms = [gemv[f"marlinbench-{name}"] for name in ("vocab131k-plain-vllm", "second-form", "third-form")]
-    assert [round(b["modes"]["int4-gemv"]["1"]["step_ms"], 2) for b in forms] == [4.37, 3.07, 3.51]
+    assert [f"{b['modes']['int4-gemv']['1']['step_ms']:.2f}" for b in forms] == ["4.37", "3.07", "3.50"]
     assert [b["machine"] for b in forms] == ["machine23", "machine24", "machine25"]
     for b in forms:
         assert b["modes"]["int4-gemv"]["1"]["step_ms"] > 1.7 * b["modes"]["marlin"]["1"]["step_ms"]

@@ -9,7 +9,7 @@ steps, stored as value + 8; scales [N, K/group]), one program per few output row
 
 What it measured (results/gpu-proof/h100-int4-gemv): 3.07 ms for one token's GEMMs against Marlin's 1.71 ms on the
 same H100 (a first form that reshaped each step's words to 3-D took 4.37 ms; a third that made each nibble a float by
-its bits, 3.51 ms), about what dense bf16 takes for four times the bytes (3.16 ms). Even the 189 MB head runs at
+its bits, 3.50 ms), about what dense bf16 takes for four times the bytes (3.16 ms). Even the 189 MB head runs at
 0.9 TB/s: too few loads in flight, where Marlin streams its weights into tensor-core tiles. So it is not served;
 gpu_proof/marlin_bench.py's int4-gemv mode times it. tests/test_gpu_proof.py checks the reference unpacking below
 against compressed-tensors' own packing; the kernel was checked against that reference with Triton's interpreter
