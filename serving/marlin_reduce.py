@@ -8,6 +8,10 @@ wider, so vLLM's switch does nothing for this model. Marlin is the largest item 
 (1.81 of 2.9 ms of GPU work, results/gpu-proof/h100-profile); gpu_proof/marlin_bench.py times each mode on the
 checkpoint's own GEMM shapes.
 
+Measured on an H100 (results/gpu-proof/h100-marlin): neither mode changes a step's GPU work (the step's int4 GEMMs
+1.70-1.72 ms in every mode, served 2.54-2.55 ms a step, Marlin 1.89-1.90 ms), so it stays off; it is kept so that
+measurement can be repeated.
+
 SERVING_MARLIN_REDUCE selects the mode (unset or "vllm": vLLM's code untouched):
   atomic  use_atomic_add for every Marlin GEMM of at most ATOMIC_MAX_M tokens on a GPU with native bf16 atomics
           (compute capability 9 and up, vLLM's own condition); the partial sums then land in any order, so the last
@@ -15,8 +19,7 @@ SERVING_MARLIN_REDUCE selects the mode (unset or "vllm": vLLM's code untouched):
   bf16    use_fp32_reduce=False: the serial reduction kept, its partial sums in the activation dtype
 
 The mode is traced into torch.compile's graphs (a Python bool at trace time), so it joins vLLM's compile-cache key
-(serving/compile_key.py):
-a cache baked in one mode is never loaded by a server in another.
+(serving/compile_key.py): a cache baked in one mode is never loaded by a server in another.
 """
 
 from __future__ import annotations
