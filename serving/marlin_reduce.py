@@ -19,7 +19,7 @@ SERVING_MARLIN_REDUCE selects the mode (unset or "vllm": vLLM's code untouched):
   bf16    use_fp32_reduce=False: the serial reduction kept, its partial sums in the activation dtype
 
 The mode is traced into torch.compile's graphs (a Python bool at trace time), so it joins vLLM's compile-cache key
-(serving/compile_key.py): a cache baked in one mode is never loaded by a server in another.
+(join_compile_key): a cache baked in one mode is never loaded by a server in another.
 """
 
 from __future__ import annotations
@@ -66,14 +66,18 @@ def bf16_reduce(original):
     return apply_gptq_marlin_linear
 
 
+def join_compile_key(envs_module, name: str, value: str) -> None:
+    """Make `name`=`value` one of the environment values vLLM hashes into its torch.compile cache key
+    (vllm.envs.compile_factors hashes every entry of environment_variables); the first value a process sets stays."""
+    envs_module.environment_variables.setdefault(name, lambda: value)
+
+
 def register() -> None:
     mode = mode_from_env()
     if mode == "vllm":
         return
     import torch
     import vllm.envs as envs
-
-    from serving.compile_key import join_compile_key
 
     join_compile_key(envs, ENV, mode)
     if mode == "atomic":

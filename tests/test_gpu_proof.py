@@ -631,6 +631,12 @@ def doc_row(section: str, label: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")][1:]
 
 
+def per_step(record, families=None) -> str:
+    """GPU time a decode step on the repeated set's profile, in ms: all kernel families, or those in `families`."""
+    fam = record["profile"]["sets"]["repeated"]["breakdown"]["families"]
+    return f"{sum(v['per_step_ms'] for k, v in fam.items() if families is None or k in families):.3f}"
+
+
 def medians(record, set_name) -> str:
     return " / ".join(str(round(c["median_ms"])) for c in set_categories(record, set_name))
 
@@ -953,10 +959,6 @@ def test_the_mtp_default_section_is_its_records():
         assert all(a["first_run_token_ids"] == b["first_run_token_ids"] for a, b in pairs), s
     assert lossless_pairs_passed(found) == {plugins["variant"]: 6, vllm["variant"]: 6}
 
-    def per_step(record, families=None):
-        fam = record["profile"]["sets"]["repeated"]["breakdown"]["families"]
-        return f"{sum(v['per_step_ms'] for k, v in fam.items() if families is None or k in families):.3f}"
-
     columns = [plugins, k4, pruned]
     assert doc_row(section, "Marlin int4 GEMMs")[1:] == [per_step(r, {"marlin_gemm"}) for r in columns]
     assert doc_row(section, "dense GEMMs (the bf16 head, in_proj_a/b, the MTP layer)")[1:] == [
@@ -1162,10 +1164,6 @@ def test_the_marlin_section_is_its_records():
     assert [b["machine"] for b in forms] == ["machine23", "machine24", "machine25"]
     for b in forms:
         assert b["modes"]["int4-gemv"]["1"]["step_ms"] > 1.7 * b["modes"]["marlin"]["1"]["step_ms"]
-
-    def per_step(record, families=None):
-        fam = record["profile"]["sets"]["repeated"]["breakdown"]["families"]
-        return f"{sum(v['per_step_ms'] for k, v in fam.items() if families is None or k in families):.3f}"
 
     plain = marlin["variant-vocab131k-plain-vllm"]
     for label, record in (

@@ -1026,7 +1026,7 @@ def test_marlin_bf16_reduce_and_the_compile_key():
 
     apply = marlin_reduce.bf16_reduce(lambda *args, **kwargs: kwargs)
     assert apply(1, use_fp32_reduce=True, bias=None) == {"use_fp32_reduce": False, "bias": None}
-    from serving.compile_key import join_compile_key
+    from serving.marlin_reduce import join_compile_key
 
     envs = SimpleNamespace(environment_variables={"VLLM_X": lambda: 1})
     join_compile_key(envs, marlin_reduce.ENV, "atomic")
