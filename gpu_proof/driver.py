@@ -363,6 +363,26 @@ VARIANTS = {
         }
         for mode in ("vllm", "atomic", "bf16")
     },
+    # nineteenth lease (issues 15 and 14): what is left of a plain token beyond its GPU work, and most of a speculative
+    # token's extra cost, is vLLM's host side. vLLM 0.26 ships a second model runner (VLLM_USE_V2_MODEL_RUNNER: inputs
+    # prepared on the GPU, asynchronous by design) that it leaves off for hybrid models such as Qwen3.5 though it
+    # carries their GDN state (v1/worker/gpu/model_states/mamba_hybrid.py) and MTP (not ngram or suffix). The
+    # pruned int4 head without speculation and with MTP K=2, on each runner, one host: --only environment,checkpoint,
+    # bandwidth,quantize-awq-broad-head4-vocab131k,serve-vocab131k-plain-runner1,serve-vocab131k-plain-runner2,
+    # serve-vocab131k-mtp2-runner2,serve-vocab131k-mtp2-runner1
+    **{
+        f"vocab131k-{form}-runner{runner}": {
+            "recipe": VOCAB131K,
+            "speculative": speculative,
+            "first": "empty" if (form, runner) == ("plain", 1) else "seeded:vocab131k-plain-runner1",
+            "bake": (form, runner) == ("plain", 1),
+            "restart": False,
+            "profile": True,
+            "env": {"VLLM_USE_V2_MODEL_RUNNER": str(runner - 1)},
+        }
+        for form, speculative in (("plain", NO_SPECULATION), ("mtp2", {"method": "mtp", "k": 2}))
+        for runner in (1, 2)
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -461,6 +481,10 @@ STEPS = [
     "serve-vocab131k-plain-vllm",
     "serve-vocab131k-plain-atomic",
     "serve-vocab131k-plain-bf16",
+    "serve-vocab131k-plain-runner1",
+    "serve-vocab131k-plain-runner2",
+    "serve-vocab131k-mtp2-runner2",
+    "serve-vocab131k-mtp2-runner1",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
