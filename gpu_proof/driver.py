@@ -378,10 +378,29 @@ VARIANTS = {
             "bake": (form, runner) == ("plain", 1),
             "restart": False,
             "profile": True,
-            "env": {"VLLM_USE_V2_MODEL_RUNNER": str(runner - 1)},
+            # the project's key (serving/settings.py: VLLM_USE_V2_MODEL_RUNNER 0 or 1); machine26 set that variable
+            # through this spec's `env` instead, which the key now writes
+            "serve": {"model_runner": f"v{runner}"},
         }
         for form, speculative in (("plain", NO_SPECULATION), ("mtp2", {"method": "mtp", "k": 2}))
         for runner in (1, 2)
+    },
+    # twentieth lease (issue 14, item 4): MTP K=2 on the second runner, set by the project's key, against the
+    # greedy reference of its recipe; bf16 (no quantization to wait for): --only environment,checkpoint,bandwidth,
+    # serve-bf16-reference,serve-bf16-mtp2-runner2,lossless
+    "bf16-reference": {
+        "recipe": None,
+        "speculative": NO_SPECULATION,
+        "first": "empty",
+        "bake": True,
+        "restart": False,
+        "reference": True,
+    },
+    "bf16-mtp2-runner2": {
+        "recipe": None,
+        "speculative": {"method": "mtp", "k": 2},
+        "first": "seeded:bf16-reference",
+        "serve": {"model_runner": "v2"},
     },
 }
 SPEC_DEFAULTS = {
@@ -485,6 +504,8 @@ STEPS = [
     "serve-vocab131k-plain-runner2",
     "serve-vocab131k-mtp2-runner2",
     "serve-vocab131k-mtp2-runner1",
+    "serve-bf16-reference",
+    "serve-bf16-mtp2-runner2",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

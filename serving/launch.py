@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from serving.settings import SERVE, plugin_env, vllm_args
+from serving.settings import SERVE, plugin_env, setting_env, vllm_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Holds serving_plugins-0.1.dist-info, whose entry point registers serving.int4_fallback as a
@@ -45,6 +45,7 @@ def child_env(environ: dict, settings: dict | None = None) -> dict:
     reserve = settings.get("thinking_reserve_tokens", SERVE["thinking_reserve_tokens"].default)
     env["THINKING_RESERVE_TOKENS"] = str(int(reserve))
     env.update(plugin_env(settings.get("speculative")))  # read by serving/draft_padding.py in the engine core
+    env.update(setting_env(settings))  # vLLM's own switches that have no flag (serve.model_runner)
     paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

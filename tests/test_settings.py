@@ -191,6 +191,31 @@ def test_serve_json_is_resolved_and_refuses_unknown_keys():
         serve_json({"max_seqs": 1}, {"method": "none", "k": 0})
 
 
+# ---------- model_runner: a vLLM switch without a flag ----------
+
+
+@pytest.mark.parametrize("runner, variable", [("v1", "0"), ("v2", "1")])
+def test_model_runner_reaches_vllm_through_its_environment_variable_not_a_flag(runner, variable):
+    from serving.launch import child_env
+
+    settings = dict(SERVE_JSON, model_runner=runner, speculative={"method": "mtp", "k": 2})
+    assert child_env({}, settings)["VLLM_USE_V2_MODEL_RUNNER"] == variable
+    assert vllm_args(settings, "/m", cuda=True) == vllm_args(dict(settings, model_runner=None), "/m", cuda=True)
+    # null is vLLM's own choice: whatever the environment already says stays
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in child_env({}, SERVE_JSON)
+    assert child_env({"VLLM_USE_V2_MODEL_RUNNER": "1"}, SERVE_JSON)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_model_runner_v2_is_refused_with_a_method_it_does_not_serve():
+    serve_json({"model_runner": "v2"}, {"method": "mtp", "k": 2})
+    serve_json({"model_runner": "v1"}, {"method": "suffix", "k": 4})
+    for method, extra in (("suffix", {}), ("ngram", {"prompt_lookup_max": 4}), ("draft_model", {"model": "/d"})):
+        with pytest.raises(SettingsError, match=f"serve.model_runner: v2 does not serve speculative method {method}"):
+            serve_json({"model_runner": "v2"}, {"method": method, "k": 2, **extra})
+    with pytest.raises(SettingsError, match="unknown serve key"):
+        serve_json({"model_runner": "v2", "runner": 2}, {"method": "none", "k": 0})
+
+
 # ---------- pad_drafts: a plugin key, not vLLM's ----------
 
 

@@ -84,6 +84,14 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
         for line in serve_settings.speculative_problems(speculative, "speculative"):
             dotted, message = line.split(": ", 1)
             problems.append(f"{key}.{dotted}': {message}{note}")
+        for line in serve_settings.runner_problems(serve, speculative, "serve"):
+            dotted, message = line.split(": ", 1)
+            problems.append(f"{key}.{dotted}': {message}{note}")
+        if serve["model_runner"] == "v2" and not image["gpus"]:
+            problems.append(
+                f"{key}.serve.model_runner': v2 cannot serve without a GPU (image.gpus is false): "
+                f"{serve_settings.V2_RUNNER_NEEDS_CUDA}{note}"
+            )
         cuda_only = serve_settings.CUDA_ONLY_METHODS.get(speculative["method"])
         if cuda_only and not image["gpus"]:
             problems.append(
