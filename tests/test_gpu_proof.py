@@ -345,6 +345,7 @@ def test_the_speculation_records_validate_and_name_their_lease():
         "h100-ngram-gpu",
         "h100-graph-drafter",
         "h100-suffix-plugins",
+        "h100-runner2-lossless",
     ],
 )
 def test_the_lossless_record_is_what_lib_lossless_says_of_the_variant_records(lease):
@@ -1177,3 +1178,79 @@ def test_the_marlin_section_is_its_records():
     other_host = gemv["variant-vocab131k-plain-vllm"]
     cells = doc_row(section, "vLLM's mode, machine23")
     assert cells[:3] == [medians(other_host, s) for s in SETS] and cells[5:] == [per_step(other_host), "1.895"]
+
+
+RUNTIME_EAGER_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC")
+
+
+def step_cells(record) -> list[str]:
+    """A profile-table row: GPU busy and step window (repeated / fresh), then graph launches, eager kernel launches
+    and host-device copies a step (the fresh trace's runtime calls over its steps)."""
+    sets = record["profile"]["sets"]
+    per_step = {s: sets[s]["breakdown"]["per_step"] for s in ("repeated", "fresh")}
+    fresh = sets["fresh"]["breakdown"]
+    calls = {row["name"]: row["count"] for row in fresh["top_runtime"]}
+    return [
+        " / ".join(f"{per_step[s]['busy_ms']:.3f}" for s in per_step) + " ms",
+        " / ".join(f"{per_step[s]['window_ms']:.2f}" for s in per_step) + " ms",
+        *(
+            f"{count / fresh['steps']:.1f}"
+            for count in (
+                calls["cudaGraphLaunch"],
+                sum(calls.get(name, 0) for name in RUNTIME_EAGER_LAUNCHES),
+                calls["cudaMemcpyAsync"],
+            )
+        ),
+    ]
+
+
+def test_the_second_runner_section_is_its_records():
+    """machine26-27: both tables of runs and the profile table recomputed from the records; the runner reached vLLM
+    (its log), an MTP token cheaper on V2 with the same GPU work, the plain token not; the lossless record as stated."""
+    runners, lossless = (
+        lease_records(RESULTS.parent / "h100-runner2"),
+        lease_records(RESULTS.parent / "h100-runner2-lossless"),
+    )
+    assert_lease(runners, "machine26")
+    assert_lease(lossless, "machine27")
+    section = "# The second model runner"
+    rows = {
+        "int4 head, vocab 131,072, runner V1": "plain-runner1",
+        "int4 head, vocab 131,072, runner V2": "plain-runner2",
+        "+ MTP K=2, runner V1": "mtp2-runner1",
+        "+ MTP K=2, runner V2": "mtp2-runner2",
+    }
+    plain = runners["variant-vocab131k-plain-runner1"]
+    for label, name in rows.items():
+        record = runners[f"variant-vocab131k-{name}"]
+        itl_cells(section, label, record, plain)
+        runner = name[-1]
+        v2_log = (
+            "Using V2 Model Runner"
+            in (RESULTS.parent / "h100-runner2" / "logs" / f"machine26-vocab131k-{name}-first.log").read_text()
+        )
+        assert v2_log == (runner == "2"), name
+    profile_labels = {
+        "plain, V1": "plain-runner1",
+        "plain, V2": "plain-runner2",
+        "MTP K=2, V1": "mtp2-runner1",
+        "MTP K=2, V2": "mtp2-runner2",
+    }
+    for label, name in profile_labels.items():
+        assert doc_row(section, label) == step_cells(runners[f"variant-vocab131k-{name}"]), label
+    v1, v2 = runners["variant-vocab131k-mtp2-runner1"], runners["variant-vocab131k-mtp2-runner2"]
+    assert all(mean_itl(v2, s) < 0.8 * mean_itl(v1, s) for s in SETS)  # a third off, every set
+    busy = [r["profile"]["sets"]["repeated"]["breakdown"]["per_step"]["busy_ms"] for r in (v1, v2)]
+    assert abs(busy[0] - busy[1]) < 0.05  # the same GPU work: the gain is host time
+    drops = [
+        1 - b["median_ms"] / a["median_ms"]
+        for s in SETS
+        for a, b in zip(set_categories(v1, s), set_categories(v2, s), strict=True)
+    ]
+    assert f"fall by {round(100 * min(drops))}-{round(100 * max(drops))} %" in GPU_PROOF_DOC.read_text()
+
+    bf16, mtp = lossless["variant-bf16-reference"], lossless["variant-bf16-mtp2-runner2"]
+    assert mtp["serve_settings"]["model_runner"] == "v2" and "VLLM_USE_V2_MODEL_RUNNER" not in mtp["serve_env"]
+    itl_cells(section, "bf16", bf16, bf16)
+    itl_cells(section, "bf16 + MTP K=2, runner V2", mtp, bf16)
+    assert lossless_pairs_passed(lossless) == {"bf16-mtp2-runner2": 7}
