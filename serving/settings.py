@@ -127,6 +127,18 @@ CUDA_ONLY_METHODS: dict[str, str] = {
 }
 
 
+def cuda_only(serve: dict, speculative: dict) -> list[tuple[str, str, str]]:
+    """(key, value, why) for each setting of a variant that serves only on CUDA: the config refuses them where
+    image.gpus is false."""
+    found = []
+    method = speculative.get("method", "none")
+    if method in CUDA_ONLY_METHODS:
+        found.append(("speculative.method", method, CUDA_ONLY_METHODS[method]))
+    if serve.get("model_runner") == "v2":
+        found.append(("serve.model_runner", "v2", V2_RUNNER_NEEDS_CUDA))
+    return found
+
+
 class SettingsError(ValueError):
     """A serve.json or config value vLLM cannot take; the message names the key."""
 

@@ -1189,17 +1189,13 @@ def step_cells(record) -> list[str]:
     sets = record["profile"]["sets"]
     per_step = {s: sets[s]["breakdown"]["per_step"] for s in ("repeated", "fresh")}
     fresh = sets["fresh"]["breakdown"]
-    calls = {row["name"]: row["count"] for row in fresh["top_runtime"]}
+    eager = sum(row["count"] for row in fresh["top_runtime"] if row["name"] in RUNTIME_EAGER_LAUNCHES)
     return [
         " / ".join(f"{per_step[s]['busy_ms']:.3f}" for s in per_step) + " ms",
         " / ".join(f"{per_step[s]['window_ms']:.2f}" for s in per_step) + " ms",
         *(
             f"{count / fresh['steps']:.1f}"
-            for count in (
-                calls["cudaGraphLaunch"],
-                sum(calls.get(name, 0) for name in RUNTIME_EAGER_LAUNCHES),
-                calls["cudaMemcpyAsync"],
-            )
+            for count in (runtime_calls(record, "cudaGraphLaunch"), eager, runtime_calls(record, "cudaMemcpyAsync"))
         ),
     ]
 

@@ -87,17 +87,11 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
         ]:
             dotted, message = line.split(": ", 1)
             problems.append(f"{key}.{dotted}': {message}{note}")
-        if serve["model_runner"] == "v2" and not image["gpus"]:
-            problems.append(
-                f"{key}.serve.model_runner': v2 cannot serve without a GPU (image.gpus is false): "
-                f"{serve_settings.V2_RUNNER_NEEDS_CUDA}{note}"
-            )
-        cuda_only = serve_settings.CUDA_ONLY_METHODS.get(speculative["method"])
-        if cuda_only and not image["gpus"]:
-            problems.append(
-                f"{key}.speculative.method': {speculative['method']} cannot serve without a GPU "
-                f"(image.gpus is false): {cuda_only}{note}"
-            )
+        if not image["gpus"]:
+            for dotted, value, why in serve_settings.cuda_only(serve, speculative):
+                problems.append(
+                    f"{key}.{dotted}': {value} cannot serve without a GPU (image.gpus is false): {why}{note}"
+                )
         unsafe = serve_settings.PREFIX_CACHING_UNSAFE.get(speculative["method"])
         if unsafe and serve["enable_prefix_caching"]:
             problems.append(
