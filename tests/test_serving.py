@@ -1026,11 +1026,9 @@ def test_marlin_bf16_reduce_and_the_compile_key():
 
     apply = marlin_reduce.bf16_reduce(lambda *args, **kwargs: kwargs)
     assert apply(1, use_fp32_reduce=True, bias=None) == {"use_fp32_reduce": False, "bias": None}
-    from serving.marlin_reduce import join_compile_key
-
     envs = SimpleNamespace(environment_variables={"VLLM_X": lambda: 1})
-    join_compile_key(envs, marlin_reduce.ENV, "atomic")
-    join_compile_key(envs, marlin_reduce.ENV, "bf16")  # the first value a process set stays
+    marlin_reduce.join_compile_key(envs, marlin_reduce.ENV, "atomic")
+    marlin_reduce.join_compile_key(envs, marlin_reduce.ENV, "bf16")  # the first value a process set stays
     assert envs.environment_variables[marlin_reduce.ENV]() == "atomic" and envs.environment_variables["VLLM_X"]() == 1
 
 
