@@ -44,6 +44,12 @@ case "$1" in
       [ -f "$wheel" ] && [ ! -d /tmp/site-vllm/arctic_inference ] || continue
       python3 -m zipfile -e "$wheel" /tmp/site-vllm/ && rm -f /tmp/site-vllm/arctic_inference-*.dist-info/entry_points.txt
     done
+    # GemLite (PyPI `gemlite`, pure Python over the host's Triton), as pip would install it, entry point kept: its vLLM
+    # backend does nothing unless the server's environment sets VLLM_GEMLITE_ENABLE
+    for wheel in /root/stash/gemlite-*.whl; do
+      [ -f "$wheel" ] && [ ! -d /tmp/site-vllm/gemlite ] || continue
+      python3 -m zipfile -e "$wheel" /tmp/site-vllm/
+    done
     mkdir -p /tmp/site-extra
     for m in jsonschema jsonschema_specifications referencing rpds; do
       [ -d "/tmp/site-extra/$m" ] || cp -r "/tmp/site-vllm/$m" /tmp/site-extra/ 2>/dev/null || true

@@ -49,6 +49,7 @@ SITE_LLMC = os.environ.get("SITE_LLMC", "/tmp/site-llmcompressor")
 SITE_EXTRA = os.environ.get("SITE_EXTRA", "/tmp/site-extra")  # jsonschema & co. for quantize's report check
 REAL_VARIANT = "awq-w4a16-g32-mtp2"  # config.yaml's saved variant: its serve settings are the real profile's
 KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # shared by variants; vllm/ (torch.compile) is not
+GEMLITE_ENABLE = "VLLM_GEMLITE_ENABLE"  # GemLite's vLLM backend, carried beside vLLM but off unless set
 
 NO_SPECULATION = {"method": "none", "k": 0}
 SUFFIX48_D64 = {
@@ -402,6 +403,38 @@ VARIANTS = {
         "first": "seeded:bf16-reference",
         "serve": {"model_runner": "v2"},
     },
+    # twenty-first lease (issue 15, item 5): Marlin's one-token GEMMs run at about 1.3 TB/s with a ~10 us floor each.
+    # Two other int4 kernels built for one token, each used as it ships: PyTorch's own (tinygemm) and GemLite's
+    # Triton GEMVs (PyPI `gemlite`, carried as .device-stage/gemlite/c0), first the step's GEMMs alone (shapes from
+    # machine22's checkpoint, no quantization to wait for), then the pruned int4 head served by vLLM's Marlin and
+    # through GemLite's own vLLM backend (its `vllm.general_plugins` entry point, inert unless VLLM_GEMLITE_ENABLE),
+    # each from an empty cache: --only environment,checkpoint,bandwidth,marlinbench-kernels,
+    # quantize-awq-broad-head4-vocab131k,serve-vocab131k-plain-marlin,serve-vocab131k-plain-gemlite
+    "kernels": {
+        "recipe": VOCAB131K,
+        "speculative": NO_SPECULATION,
+        "bench": {
+            "gemms_from": "results/gpu-proof/h100-marlin/marlinbench-vocab131k-plain-vllm.json",
+            "modes": "marlin,tinygemm,gemlite,bf16",
+        },
+    },
+    "vocab131k-plain-marlin": {
+        "recipe": VOCAB131K,
+        "speculative": NO_SPECULATION,
+        "first": "empty",
+        "restart": False,
+        "profile": True,
+        "env": {GEMLITE_ENABLE: "0"},
+    },
+    "vocab131k-plain-gemlite": {
+        "recipe": VOCAB131K,
+        "speculative": NO_SPECULATION,
+        "first": "empty",  # GemLite's ops are traced into the compiled graphs: nothing of Marlin's cache applies
+        "restart": False,
+        "profile": True,
+        # every int4 layer but the head (GemLite's default skip list), as its backend routes compressed-tensors
+        "env": {GEMLITE_ENABLE: "1", "VLLM_GEMLITE_ENABLE_LIST": "A16W4_HQQ_INT"},
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -412,6 +445,7 @@ SPEC_DEFAULTS = {
     "sets": "all",
     "reference": False,
     "profile": False,
+    "bench": None,  # marlinbench: {"gemms_from": an earlier bench's JSON (no checkpoint needed), "modes": "a,b"}
 }
 for _name, _spec in VARIANTS.items():
     VARIANTS[_name] = {**SPEC_DEFAULTS, **_spec}
@@ -506,6 +540,9 @@ STEPS = [
     "serve-vocab131k-mtp2-runner1",
     "serve-bf16-reference",
     "serve-bf16-mtp2-runner2",
+    "marlinbench-kernels",
+    "serve-vocab131k-plain-marlin",
+    "serve-vocab131k-plain-gemlite",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
@@ -655,12 +692,16 @@ class Driver:
 
     def step_marlinbench(self, step: str) -> None:
         """gpu_proof/marlin_bench.py on the int4 GEMMs of a variant's checkpoint."""
-        model = self.model_for(VARIANTS[step.removeprefix("marlinbench-")])
+        spec = VARIANTS[step.removeprefix("marlinbench-")]
         result = self.state / f"{step}.json"
+        if spec["bench"]:
+            args = ["--gemms-from", str(ROOT / spec["bench"]["gemms_from"]), "--modes", spec["bench"]["modes"]]
+        else:
+            args = [str(self.model_for(spec))]
         bench = ROOT / "gpu_proof" / "marlin_bench.py"
-        self._python([str(bench), str(model), str(result)], env={"PYTHONPATH": SITE_VLLM}, log_name=step, timeout=900)
+        self._python([str(bench), *args, str(result)], env={"PYTHONPATH": SITE_VLLM}, log_name=step, timeout=900)
         data = json.loads(result.read_text())
-        data["command"] = f"PYTHONPATH={SITE_VLLM} python3 gpu_proof/marlin_bench.py {model} {result}"
+        data["command"] = f"PYTHONPATH={SITE_VLLM} python3 gpu_proof/marlin_bench.py {' '.join(args)} {result}"
         self.record(step, data)
 
     def step_quantize(self, step: str) -> None:

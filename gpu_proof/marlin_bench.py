@@ -15,9 +15,13 @@ from one CUDA graph per mode, on random int4 weights of those shapes, one buffer
   triton-w4a16        vLLM 0.26's Triton W4A16 kernel (the one it prefers on ROCm)
   int4-gemv           a one-token GEMV in Triton (gpu_proof/experiments/int4_gemv.py), its fastest launch
                       configuration per shape; one token only (m=1)
+  tinygemm            PyTorch's own int4 kernel (aten._weight_int4pack_mm, gpt-fast's "tinygemm"), in its tiled layout
+  gemlite             GemLite's Triton kernels (A16W4_HQQ_INT, what its vLLM backend serves compressed-tensors int4
+                      with): GEMV_REVSPLITK at up to 4 tokens, its "fast" autotune per shape
   bf16                the same GEMMs dense in bf16 (cuBLAS): what the bytes would cost unquantized
 
-Each Marlin mode is also checked against the dequantized weights (x @ w_ref in fp32) on one layer of every shape.
+Each Marlin mode and GemLite are also checked against the dequantized weights (x @ w_ref in fp32) on one layer of
+every shape.
 
     PYTHONPATH=<vllm site> python3 gpu_proof/marlin_bench.py QUANTIZED_MODEL_DIR RESULT_JSON [--m 1,3] [--replays 30]
     PYTHONPATH=<vllm site> python3 gpu_proof/marlin_bench.py --gemms-from EARLIER_RESULT_JSON RESULT_JSON
@@ -48,8 +52,9 @@ FUSED = {
     "in_proj_qkv": "in_proj_qkvz",
     "in_proj_z": "in_proj_qkvz",
 }
-MODES = ("marlin", "marlin-bf16-reduce", "marlin-atomic", "triton-w4a16", "int4-gemv", "bf16")
+MODES = ("marlin", "marlin-bf16-reduce", "marlin-atomic", "triton-w4a16", "int4-gemv", "tinygemm", "gemlite", "bf16")
 ONE_TOKEN_MODES = {"int4-gemv"}
+TINYGEMM_INNER_K_TILES = 8  # gpt-fast's choice; k must then be a multiple of 8 x 16
 LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -122,6 +127,12 @@ def _operands(mode: str, gemm: dict, device):
         return torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=device), scales
     if mode == "int4-gemv":  # the checkpoint's own layout: [n, k / 8] int32 and [n, k / group]
         return torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device), scales.T.contiguous()
+    if mode == "tinygemm":  # two nibbles a byte, tiled by the kernel's own converter; scales and zeros interleaved
+        nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+        scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+        return torch.ops.aten._convert_weight_to_int4pack(nibbles, TINYGEMM_INNER_K_TILES), scales_and_zeros
+    if mode == "gemlite":  # one unpacked value a byte and [n, k / group] scales; GemLite packs them itself
+        return torch.randint(0, 16, (n, k), dtype=torch.uint8, device=device), scales.T.contiguous()
     # Marlin's repacked layout: (k / 16) rows of 16 x n int4 values, 8 to an int32
     return torch.randint(-(2**31), 2**31 - 1, (k // 16, n * 2), dtype=torch.int32, device=device), scales
 
@@ -148,6 +159,12 @@ def _gemm_fn(mode: str, gemm: dict, device):
             gemm["int4_gemv_config"], _ = fastest_config(x, qweight, scales)
         config = gemm["int4_gemv_config"]
         return lambda x: gemv(x, qweight, scales, config)
+    if mode == "tinygemm":
+        import torch
+
+        return lambda x: torch.ops.aten._weight_int4pack_mm(x, qweight, gemm["group_size"], scales)
+    if mode == "gemlite":
+        return gemlite_call(qweight, scales, device)
     return marlin_call(mode, qweight, scales, gemm["k"], gemm["n"], device)
 
 
@@ -173,6 +190,15 @@ def marlin_call(mode: str, qweight, scales, k: int, n: int, device):
     return call
 
 
+def gemlite_call(values, scales, device):
+    """GemLite's linear for symmetric int4 ([n, k] values 0..15, zero point 8), as its vLLM backend builds it."""
+    import torch
+    from gemlite.helper import A16W4_HQQ_INT
+
+    zeros = torch.full_like(scales, 8)
+    return A16W4_HQQ_INT(device=device, dtype=torch.bfloat16).from_weights(W_q=values, scales=scales, zeros=zeros)
+
+
 def graph_ms(thunks: list, replays: int) -> float:
     """Mean time of one replay of a CUDA graph that runs every thunk once, in order."""
     import torch
@@ -191,7 +217,7 @@ def graph_ms(thunks: list, replays: int) -> float:
     return timed(graph.replay, replays) * 1e3
 
 
-def time_modes(gemms: list[dict], ms: list[int], replays: int) -> tuple[dict, dict]:
+def time_modes(gemms: list[dict], ms: list[int], replays: int, modes: tuple[str, ...]) -> tuple[dict, dict]:
     """{mode: {m: {step_ms, by_gemm_us}}}, and why a mode could not run."""
     import functools
 
@@ -200,7 +226,7 @@ def time_modes(gemms: list[dict], ms: list[int], replays: int) -> tuple[dict, di
     device = torch.device("cuda")
     timings: dict[str, dict[int, dict]] = {}
     failed: dict[str, str] = {}
-    for mode in MODES:
+    for mode in modes:
         try:
             calls = {g["module"]: [_gemm_fn(mode, g, device) for _ in range(g["layers"])] for g in gemms}
             timings[mode] = {}
@@ -222,8 +248,9 @@ def time_modes(gemms: list[dict], ms: list[int], replays: int) -> tuple[dict, di
     return timings, failed
 
 
-def check_errors(gemms: list[dict], ms: list[int]) -> dict:
-    """Each Marlin mode against the dequantized weights, on one layer of every shape: max |error| / max |reference|."""
+def check_errors(gemms: list[dict], ms: list[int], modes: tuple[str, ...]) -> dict:
+    """Each Marlin mode (and GemLite, where timed) against the dequantized weights, on one layer of every shape:
+    max |error| / max |reference|."""
     import torch
     from vllm.model_executor.layers.quantization.utils.marlin_utils_test import marlin_quantize
     from vllm.scalar_type import scalar_types
@@ -243,6 +270,17 @@ def check_errors(gemms: list[dict], ms: list[int]) -> dict:
                 error = (out - reference).abs().max().item() / scale
                 errors.setdefault(mode, {})[f"{g['module']} m={m}"] = round(error, 5)
         del w_ref, qweight, scales
+        if "gemlite" in modes:  # its own layout, against its own dequantized weights
+            values = torch.randint(0, 16, (g["n"], g["k"]), dtype=torch.uint8, device=device)
+            group_scales = torch.rand(g["n"], g["k"] // g["group_size"], dtype=torch.bfloat16, device=device) * 0.01
+            w_ref = (values.float() - 8) * group_scales.float().repeat_interleave(g["group_size"], dim=1)
+            linear = gemlite_call(values, group_scales, device)
+            for m in ms:
+                x = torch.randn(m, g["k"], dtype=torch.bfloat16, device=device)
+                reference = x.float() @ w_ref.T
+                error = (linear(x).float() - reference).abs().max().item() / reference.abs().max().item()
+                errors.setdefault("gemlite", {})[f"{g['module']} m={m}"] = round(error, 5)
+            del values, group_scales, w_ref, linear
         torch.cuda.empty_cache()
     return errors
 
@@ -254,7 +292,11 @@ def main() -> None:
     parser.add_argument("--gemms-from", help="an earlier result whose GEMM shapes to time (instead of a checkpoint)")
     parser.add_argument("--m", default="1,3", help="batch sizes in tokens (1: a plain decode; 3: MTP K=2's verify)")
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (marlin always)")
     args = parser.parse_args()
+    modes = ("marlin", *(m for m in args.modes.split(",") if m != "marlin"))
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {', '.join(MODES)}")
     import torch
 
     started = time.monotonic()
@@ -266,7 +308,7 @@ def main() -> None:
     if not gemms:
         raise SystemExit(f"{args.model_dir}: no int4 weight_packed tensors (not a compressed-tensors W4A16 checkpoint)")
     ms = [int(m) for m in args.m.split(",")]
-    timings, failed = time_modes(gemms, ms, args.replays)
+    timings, failed = time_modes(gemms, ms, args.replays, modes)
     if "marlin" not in timings:
         raise SystemExit(f"vLLM's Marlin call failed: {failed.get('marlin')}")
     result = {
@@ -282,7 +324,7 @@ def main() -> None:
         "int4_bytes": sum(g["bytes"] for g in gemms),
         "modes": summarize(gemms, timings),
         "failed": failed,
-        "relative_error": check_errors(gemms, ms),
+        "relative_error": check_errors(gemms, ms, tuple(timings)),
         "wall_s": round(time.monotonic() - started, 1),
     }
     Path(args.result).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
