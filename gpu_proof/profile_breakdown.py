@@ -29,6 +29,8 @@ FAMILIES = [
     ("marlin_gemm", r"marlin"),
     # vLLM's int4 kernel for groups 64/128 on Hopper (CUTLASS-built: it would otherwise count as dense)
     ("machete_gemm", r"machete"),
+    # GemLite's Triton int4 kernels (gemv_INT_revsplitK_kernel, gemm_splitK_INT_kernel, gemm_INT_kernel)
+    ("gemlite_gemm", r"^gem[mv]_(splitk_)?int_"),
     # delta_rule: the speculative verify path's fused_sigmoid_gating_delta_rule_update_kernel (not an activation)
     (
         "gdn_recurrence",
@@ -47,12 +49,17 @@ FAMILIES = [
     ("copy_index", r"copy|cat_|index|gather|scatter|fill|reduce_kernel|where|embedding"),
 ]
 GAP_BUCKETS_US = (10, 50, 200, 1000)
+GEMM_FAMILIES = {"marlin_gemm", "machete_gemm", "gemlite_gemm", "dense_gemm"}
+# Inductor names a fused kernel after every op in it, the GEMM custom op its inputs come from included
+# (triton_red_fused_..._rms_norm_marlin_gemm_3): such a kernel is the norm or activation after the GEMM, never the GEMM
+INDUCTOR_FUSED = re.compile(r"triton_(poi|red|per)_fused")
 
 
 def kernel_family(name: str) -> str:
     lowered = name.lower()
+    fused = INDUCTOR_FUSED.match(lowered)
     for family, pattern in FAMILIES:
-        if re.search(pattern, lowered):
+        if not (fused and family in GEMM_FAMILIES) and re.search(pattern, lowered):
             return family
     return "other"
 
