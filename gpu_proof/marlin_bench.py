@@ -248,6 +248,11 @@ def time_modes(gemms: list[dict], ms: list[int], replays: int, modes: tuple[str,
     return timings, failed
 
 
+def relative_error(out, reference) -> float:
+    """max |out - reference| / max |reference|, rounded as recorded."""
+    return round((out.float() - reference).abs().max().item() / reference.abs().max().item(), 5)
+
+
 def check_errors(gemms: list[dict], ms: list[int], modes: tuple[str, ...]) -> dict:
     """Each Marlin mode (and GemLite, where timed) against the dequantized weights, on one layer of every shape:
     max |error| / max |reference|."""
@@ -264,11 +269,9 @@ def check_errors(gemms: list[dict], ms: list[int], modes: tuple[str, ...]) -> di
         for m in ms:
             x = torch.randn(m, g["k"], dtype=torch.bfloat16, device=device)
             reference = x.float() @ w_ref.float()
-            scale = reference.abs().max().item()
             for mode in ("marlin", "marlin-bf16-reduce", "marlin-atomic"):
-                out = marlin_call(mode, qweight, scales, g["k"], g["n"], device)(x).float()
-                error = (out - reference).abs().max().item() / scale
-                errors.setdefault(mode, {})[f"{g['module']} m={m}"] = round(error, 5)
+                out = marlin_call(mode, qweight, scales, g["k"], g["n"], device)(x)
+                errors.setdefault(mode, {})[f"{g['module']} m={m}"] = relative_error(out, reference)
         del w_ref, qweight, scales
         if "gemlite" in modes:  # its own layout, against its own dequantized weights
             values = torch.randint(0, 16, (g["n"], g["k"]), dtype=torch.uint8, device=device)
@@ -277,9 +280,8 @@ def check_errors(gemms: list[dict], ms: list[int], modes: tuple[str, ...]) -> di
             linear = gemlite_call(values, group_scales, device)
             for m in ms:
                 x = torch.randn(m, g["k"], dtype=torch.bfloat16, device=device)
-                reference = x.float() @ w_ref.T
-                error = (linear(x).float() - reference).abs().max().item() / reference.abs().max().item()
-                errors.setdefault("gemlite", {})[f"{g['module']} m={m}"] = round(error, 5)
+                error = relative_error(linear(x), x.float() @ w_ref.T)
+                errors.setdefault("gemlite", {})[f"{g['module']} m={m}"] = error
             del values, group_scales, w_ref, linear
         torch.cuda.empty_cache()
     return errors
