@@ -41,9 +41,14 @@ def assert_lease(found: dict[str, dict], *machines: str) -> None:
         assert data["kind"] == "session" or data["machine"] in machines, name
 
 
-def runtime_calls(record, name, set_name="fresh"):
+def runtime_row(record, name, set_name="fresh") -> dict:
+    """A profile's runtime call `name` ({name, count, total_ms}) over the set's decode steps."""
     calls = record["profile"]["sets"][set_name]["breakdown"]["top_runtime"]
-    return next(c["count"] for c in calls if c["name"] == name)
+    return next(c for c in calls if c["name"] == name)
+
+
+def runtime_calls(record, name, set_name="fresh"):
+    return runtime_row(record, name, set_name)["count"]
 
 
 def records() -> dict[str, dict]:
@@ -1190,16 +1195,20 @@ def test_the_marlin_section_is_its_records():
 RUNTIME_EAGER_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaLaunchKernelExC")
 
 
+def per_set_cell(record, field: str, digits: int) -> str:
+    """A profile-table cell: a decode step's `field` on the repeated / fresh set, in ms."""
+    sets = record["profile"]["sets"]
+    return " / ".join(f"{sets[s]['breakdown']['per_step'][field]:.{digits}f}" for s in ("repeated", "fresh")) + " ms"
+
+
 def step_cells(record) -> list[str]:
     """A profile-table row: GPU busy and step window (repeated / fresh), then graph launches, eager kernel launches
     and host-device copies a step (the fresh trace's runtime calls over its steps)."""
-    sets = record["profile"]["sets"]
-    per_step = {s: sets[s]["breakdown"]["per_step"] for s in ("repeated", "fresh")}
-    fresh = sets["fresh"]["breakdown"]
+    fresh = record["profile"]["sets"]["fresh"]["breakdown"]
     eager = sum(row["count"] for row in fresh["top_runtime"] if row["name"] in RUNTIME_EAGER_LAUNCHES)
     return [
-        " / ".join(f"{per_step[s]['busy_ms']:.3f}" for s in per_step) + " ms",
-        " / ".join(f"{per_step[s]['window_ms']:.2f}" for s in per_step) + " ms",
+        per_set_cell(record, "busy_ms", 3),
+        per_set_cell(record, "window_ms", 2),
         *(
             f"{count / fresh['steps']:.1f}"
             for count in (runtime_calls(record, "cudaGraphLaunch"), eager, runtime_calls(record, "cudaMemcpyAsync"))
@@ -1314,12 +1323,11 @@ def test_the_kernels_section_is_its_records():
     overcount = filed - kernel_ms_a_step(served["Marlin"], "fresh", "void marlin::")
     assert f"counted it as the GEMM ({overcount:.2f} ms a step" in text
     for name, record in served.items():
-        sets = {s: record["profile"]["sets"][s]["breakdown"] for s in ("repeated", "fresh")}
-        launch = [next(r for r in b["top_runtime"] if r["name"] == "cudaGraphLaunch") for b in sets.values()]
+        launch = [runtime_row(record, "cudaGraphLaunch", s) for s in ("repeated", "fresh")]
         assert doc_row(section, f"step on {name}") == [
-            " / ".join(f"{b['per_step']['busy_ms']:.3f}" for b in sets.values()) + " ms",
+            per_set_cell(record, "busy_ms", 3),
             int4[name],
-            f"{sets['fresh']['per_step']['kernels']:.1f}",
-            " / ".join(f"{b['per_step']['window_ms']:.2f}" for b in sets.values()) + " ms",
+            f"{record['profile']['sets']['fresh']['breakdown']['per_step']['kernels']:.1f}",
+            per_set_cell(record, "window_ms", 2),
             " / ".join(f"{r['total_ms'] / r['count']:.2f}" for r in launch) + " ms",
         ], name
