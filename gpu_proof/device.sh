@@ -50,6 +50,11 @@ case "$1" in
       [ -f "$wheel" ] && [ ! -d /tmp/site-vllm/gemlite ] || continue
       python3 -m zipfile -e "$wheel" /tmp/site-vllm/
     done
+    # py-spy (a static binary in its wheel) for the driver's `spy` variants, outside every Python path
+    for wheel in /root/stash/py_spy-*.whl; do
+      [ -f "$wheel" ] && [ ! -x /tmp/pyspy/bin/py-spy ] || continue
+      python3 -m pip install --no-deps --no-index --target /tmp/pyspy "$wheel" -q
+    done
     mkdir -p /tmp/site-extra
     for m in jsonschema jsonschema_specifications referencing rpds; do
       [ -d "/tmp/site-extra/$m" ] || cp -r "/tmp/site-vllm/$m" /tmp/site-extra/ 2>/dev/null || true

@@ -18,6 +18,7 @@ A step that succeeded leaves STATE/done/<step>; a relaunch skips those (fix, res
 """
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -435,6 +436,26 @@ VARIANTS = {
         # every int4 layer but the head (GemLite's default skip list), as its backend routes compressed-tensors
         "env": {GEMLITE_ENABLE: "1", "VLLM_GEMLITE_ENABLE_LIST": "A16W4_HQQ_INT"},
     },
+    # twenty-second lease (issue 14, item 3; issue 15): the silent copy-drafter step is host-bound (GPU 3.6 ms, a
+    # token 4.7-4.8 ms on machine18) and the plain step's token is ~0.4 ms longer than its GPU work. py-spy samples
+    # the engine core's Python during one long request (run_spy) of the plain step, the captured padded ngram_gpu
+    # K=4 with every plugin, and MTP K=2 on the second runner: --only environment,checkpoint,bandwidth,
+    # quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-ngramgpu4-spied,
+    # serve-awq-broad-mtp2-runner2-spied
+    "awq-broad-spied": {"recipe": BROAD, "speculative": NO_SPECULATION, "bake": True, "restart": False, "spy": True},
+    "awq-broad-ngramgpu4-spied": {
+        "recipe": BROAD,
+        "speculative": NGRAM_GPU4_GRAPH,
+        "first": "from:awq-broad-spied",
+        "spy": True,
+    },
+    "awq-broad-mtp2-runner2-spied": {
+        "recipe": BROAD,
+        "speculative": {"method": "mtp", "k": 2},
+        "first": "from:awq-broad-spied",
+        "serve": {"model_runner": "v2"},
+        "spy": True,
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -446,6 +467,7 @@ SPEC_DEFAULTS = {
     "reference": False,
     "profile": False,
     "bench": None,  # marlinbench: {"gemms_from": an earlier bench's JSON (no checkpoint needed), "modes": "a,b"}
+    "spy": False,  # after the probe, py-spy samples the engine core during one long request (run_spy)
 }
 for _name, _spec in VARIANTS.items():
     VARIANTS[_name] = {**SPEC_DEFAULTS, **_spec}
@@ -543,10 +565,19 @@ STEPS = [
     "marlinbench-kernels",
     "serve-vocab131k-plain-marlin",
     "serve-vocab131k-plain-gemlite",
+    "serve-awq-broad-spied",
+    "serve-awq-broad-ngramgpu4-spied",
+    "serve-awq-broad-mtp2-runner2-spied",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
 PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
+# py-spy (its wheel carried as .device-stage/pyspy/c0, installed by device.sh): two windows of one long request,
+# wall clock (--idle) then on-CPU; the request outlasts both by a margin at up to ~6 ms a token
+PY_SPY = os.environ.get("PY_SPY", "/tmp/pyspy/bin/py-spy")
+ENGINE_CORE_TITLE = "VLLM::EngineCore"  # vLLM's setproctitle of the engine core process
+SPY_ANCHOR = "step_with_batch_queue (core.py)"  # one engine step under async scheduling: its parts a step
+SPY = {"rate_hz": 1000, "window_s": 6.0, "lead_s": 2.0, "prompt_tokens": 64, "output_tokens": 6144}
 
 
 class Driver:
@@ -565,6 +596,7 @@ class Driver:
         self.serve_env = dict(serve_env or {})
         self.config = _load_config()
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
+        self.spy_cmd, self.engine_core_title, self.spy = [PY_SPY], ENGINE_CORE_TITLE, dict(SPY)  # tests swap them
 
     # ---- bookkeeping ----
     def log(self, message: str) -> None:
@@ -903,6 +935,8 @@ class Driver:
         self.record(name, record)
         if spec["profile"]:
             self.run_profile(record, name, base, settings, varied)
+        if spec["spy"]:
+            self.run_spy(record, name, base, settings, varied)
         if spec["reference"]:  # what scripts/lossless_reference.py records, on the same server
             started = time.monotonic()
             record["reference"] = probe(base, model_name, dict(settings_probe, first_run_only=True), varied, self.log)
@@ -956,6 +990,53 @@ class Driver:
             record["profile"]["sets"][set_name] = entry
             self.log(f"profile {set_name}: {json.dumps(entry['breakdown']['per_step'])}")
             self.record(name, record)
+
+    def run_spy(self, record: dict, name: str, base: str, settings: dict, varied: str) -> None:
+        """py-spy on the engine core during one long greedy request of varied text (on random weights nothing is
+        accepted, so every step is the method's cost of drafting nothing): a wall-clock window, then an on-CPU one,
+        each broken down by spy_breakdown with the request's own time a step (ITL x mean acceptance length)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from gpu_proof.spy_breakdown import breakdown
+        from lib.probe import build_prompt, mean_acceptance_length, spec_counters, timed_completion, varied_paragraphs
+
+        model_name = settings["served_model_name"]
+        prompt = build_prompt(base, model_name, varied_paragraphs(varied), self.spy["prompt_tokens"])
+        engine = engine_core_pid(int((self.state / "server.pid").read_text()), self.engine_core_title)
+        raw_dir = self.results / "spy"
+        raw_dir.mkdir(exist_ok=True)
+        before = spec_counters(base)
+        windows = {}
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(
+                timed_completion, base, model_name, prompt, self.spy["output_tokens"], ignore_eos=True
+            )
+            time.sleep(self.spy["lead_s"])
+            for window, flags in (("wall", ["--idle"]), ("cpu", [])):
+                raw = raw_dir / f"{record['variant']}-{window}.txt"
+                command = [*self.spy_cmd, "record", "--pid", str(engine), "--rate", str(self.spy["rate_hz"])]
+                command += ["--duration", str(self.spy["window_s"]), "--format", "raw", "--threads", "--nonblocking"]
+                subprocess.run([*command, *flags, "-o", str(raw)], check=True, capture_output=True, timeout=120)
+                windows[window] = raw
+            outlasted = not request.done()
+            done = request.result()
+        if not outlasted:
+            raise RuntimeError(f"the spied request ended before py-spy's windows: raise SPY output_tokens ({done})")
+        acceptance = mean_acceptance_length(before, spec_counters(base)) or 1.0
+        step_ms = done["itl_ms"] * acceptance
+        record["spy"] = {
+            "settings": dict(self.spy),
+            "request": {k: round(done[k], 3) for k in ("latency_ms", "ttft_ms", "itl_ms")}
+            | {"output_tokens": done["output_tokens"], "mean_acceptance_length": acceptance},
+            "step_ms": round(step_ms, 3),
+        }
+        for window, raw in windows.items():
+            text = raw.read_text()
+            record["spy"][window] = breakdown(text, self.spy["rate_hz"], step_ms, anchor=SPY_ANCHOR)
+            raw.with_name(raw.name + ".gz").write_bytes(gzip.compress(text.encode(), mtime=0))
+            raw.unlink()
+        self.log(f"spy: {step_ms:.2f} ms a step, main thread {record['spy']['wall']['main_thread']}")
+        self.record(name, record)
 
     def profile_dir(self, variant: str) -> Path:
         return self.state / "profile" / variant
@@ -1180,6 +1261,15 @@ def cache_by_dir(cache: Path) -> dict:
         files = [p for p in sub.rglob("*") if p.is_file()]
         out[sub.name] = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
     return out
+
+
+def engine_core_pid(server_session: int, title: str) -> int:
+    """The engine core process of the server started in its own session `server_session` (by its title)."""
+    found = subprocess.run(["pgrep", "-s", str(server_session), "-f", title], capture_output=True, text=True)
+    pids = [int(pid) for pid in found.stdout.split()]
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one process titled {title!r} in session {server_session}, found {pids}")
+    return pids[0]
 
 
 def gpu_memory_used() -> int | None:

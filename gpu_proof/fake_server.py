@@ -3,9 +3,9 @@
 Reads PORT and CACHE_DIR like serving/launch.py; answers /ping after FAKE_DELAY_S seconds (0.05 when the
 cache already holds vllm/compiled, as a baked cache would), /tokenize (a token per word), /detokenize,
 streamed /v1/completions (max_tokens chunks of one token id each, the same ids for the same prompt, top
-logprobs when asked), /v1/chat/completions, /metrics (MTP counters), and /start_profile and /stop_profile when
-serve.json's extra_args configure vLLM's profiler (then /stop_profile writes a small gzipped trace there: two decode
-steps of three kernels each, the way the engine core writes its own).
+logprobs when asked, FAKE_TOKEN_DELAY_S apart), /v1/chat/completions, /metrics (MTP counters), and /start_profile
+and /stop_profile when serve.json's extra_args configure vLLM's profiler (then /stop_profile writes a small gzipped
+trace there: two decode steps of three kernels each, the way the engine core writes its own).
 """
 
 import gzip
@@ -18,6 +18,7 @@ from pathlib import Path
 CACHE = Path(os.environ["CACHE_DIR"])
 WARM = (CACHE / "vllm" / "compiled").exists()
 READY_AT = time.monotonic() + (0.05 if WARM else float(os.environ.get("FAKE_DELAY_S", "0.3")))
+TOKEN_DELAY_S = float(os.environ.get("FAKE_TOKEN_DELAY_S", "0"))
 COUNTS = {"drafts": 0, "accepted": 0}
 SERVE = json.loads(Path(os.environ["SERVE_CONFIG"]).read_text()) if os.environ.get("SERVE_CONFIG") else {}
 _ARGS = SERVE.get("extra_args", [])
@@ -93,6 +94,9 @@ class Handler(BaseHTTPRequestHandler):
                 if body.get("logprobs"):
                     choice["logprobs"] = {"top_logprobs": [{f"token_id:{token}": -0.1, f"token_id:{token + 1}": -2.0}]}
                 self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                if TOKEN_DELAY_S:
+                    self.wfile.flush()
+                    time.sleep(TOKEN_DELAY_S)
             COUNTS["drafts"] += body["max_tokens"]
             usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())

@@ -1331,3 +1331,109 @@ def test_the_kernels_section_is_its_records():
             per_set_cell(record, "window_ms", 2),
             " / ".join(f"{r['total_ms'] / r['count']:.2f}" for r in launch) + " ms",
         ], name
+
+
+# ---- py-spy on the engine core (run_spy, gpu_proof/spy_breakdown.py) ----
+
+SPY_RAW = "\n".join(
+    [
+        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
+        "step_with_batch_queue (core.py:617);schedule (scheduler.py:300) 30",
+        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
+        "step_with_batch_queue (core.py:617);execute_model (gpu_model_runner.py:4111);"
+        "_update_states (gpu_model_runner.py:1169) 50",
+        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
+        "step_with_batch_queue (core.py:617);execute_model (gpu_model_runner.py:4200) 20",
+        # recursion: a function twice on one stack counts once inclusive
+        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
+        "step_with_batch_queue (core.py:640);sample_tokens (gpu_model_runner.py:4497);"
+        "sample_tokens (gpu_model_runner.py:4510) 100",
+        "thread (0x2): Thread-2 (process_output_sockets);process_output_sockets (core.py:1500) 60",
+    ]
+)
+
+
+def test_spy_breakdown_reads_py_spys_raw_stacks_per_function_and_per_step():
+    from gpu_proof.spy_breakdown import breakdown, parse
+
+    result = breakdown(SPY_RAW, rate_hz=100, step_ms=4.0, anchor="step_with_batch_queue (core.py)")
+    assert result["main_thread"] == "MainThread (0x1)" and result["main_samples"] == 200
+    assert result["threads"]["Thread-2 (process_output_sockets) (0x2)"] == {"samples": 60, "seconds": 0.6}
+    inclusive = {row["function"]: row for row in result["inclusive"]}
+    assert inclusive["step_with_batch_queue (core.py)"]["share"] == 1.0
+    assert inclusive["sample_tokens (gpu_model_runner.py)"] == {
+        "function": "sample_tokens (gpu_model_runner.py)",
+        "samples": 100,
+        "share": 0.5,
+        "ms_per_step": 2.0,
+    }
+    assert inclusive["execute_model (gpu_model_runner.py)"]["samples"] == 70  # two lines, one function
+    own = {row["function"]: row["samples"] for row in result["self"]}
+    assert own == {
+        "sample_tokens (gpu_model_runner.py)": 100,
+        "_update_states (gpu_model_runner.py)": 50,
+        "schedule (scheduler.py)": 30,
+        "execute_model (gpu_model_runner.py)": 20,
+    }
+    callees = {row["function"]: row["ms_per_step"] for row in result["anchor"]["callees"]}
+    assert callees == {
+        "sample_tokens (gpu_model_runner.py)": 2.0,
+        "execute_model (gpu_model_runner.py)": 1.4,
+        "schedule (scheduler.py)": 0.6,
+    }
+    with pytest.raises(ValueError, match="not py-spy raw output"):
+        parse("MainThread;f (a.py:1) 3")
+    with pytest.raises(ValueError, match="no thread runs"):
+        breakdown(SPY_RAW.splitlines()[-1], rate_hz=100)
+    with pytest.raises(ValueError, match="no samples"):
+        parse("\n")
+
+
+FAKE_PY_SPY = """
+import sys, time
+args = sys.argv[1:]
+pid, out = args[args.index("--pid") + 1], args[args.index("-o") + 1]
+cmdline = open(f"/proc/{pid}/cmdline").read()
+assert "fake_server.py" in cmdline, cmdline
+time.sleep(float(args[args.index("--duration") + 1]))
+busy = 100 if "--idle" in args else 40
+open(out, "w").write(
+    f"thread (0x1): MainThread;run_busy_loop (core.py:1358);step_with_batch_queue (core.py:617);"
+    f"sample_tokens (gpu_model_runner.py:4497) {busy}\\n"
+    "thread (0x1): MainThread;run_busy_loop (core.py:1358);step_with_batch_queue (core.py:617);"
+    "schedule (scheduler.py:300) 20\\n"
+)
+"""
+
+
+def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
+    """A `spy` variant: after the probe, py-spy samples the server's engine core (found by its title in the server's
+    session) in two windows of one long request; the record holds both breakdowns with the request's time a step, and
+    the raw stacks are kept gzipped. A request shorter than the windows fails the step instead of recording them."""
+    d = fake_driver(tmp_path)
+    quantized = tmp_path / "quant" / "awq-w4a16-g32-broad" / "model"
+    shutil.copytree(d.model_dir, quantized)
+    (quantized / "config.json").write_text("{}")
+    fake_spy = tmp_path / "py_spy.py"
+    fake_spy.write_text(FAKE_PY_SPY)
+    d.spy_cmd, d.engine_core_title = [sys.executable, str(fake_spy)], "fake_server.py"
+    d.spy.update(window_s=0.2, lead_s=0.2, output_tokens=400)
+    d.serve_env = {"FAKE_TOKEN_DELAY_S": "0.003"}
+    probe_settings = d.probe_settings()  # a short probe: the slow tokens are for the spied request
+    d.probe_settings = lambda: dict(probe_settings, categories=[dict(probe_settings["categories"][0], output_tokens=4)])
+    d.run_steps(["serve-awq-broad-spied"])
+    record = json.loads((tmp_path / "results" / "variant-awq-broad-spied.json").read_text())
+    assert record["status"] == "ok", record
+    spy = record["spy"]
+    assert spy["request"]["output_tokens"] == 400 and spy["step_ms"] == pytest.approx(spy["request"]["itl_ms"])
+    assert spy["wall"]["main_samples"] == 120 and spy["cpu"]["main_samples"] == 60
+    callees = {row["function"]: row["share"] for row in spy["wall"]["anchor"]["callees"]}
+    assert callees == {"sample_tokens (gpu_model_runner.py)": 0.8333, "schedule (scheduler.py)": 0.1667}
+    assert sorted(p.name for p in (tmp_path / "results" / "spy").iterdir()) == [
+        "awq-broad-spied-cpu.txt.gz",
+        "awq-broad-spied-wall.txt.gz",
+    ]
+    d.spy.update(output_tokens=10)
+    d.run_steps(["serve-awq-broad-ngramgpu4-spied"])
+    failed = json.loads((tmp_path / "results" / "failed-serve-awq-broad-ngramgpu4-spied.json").read_text())
+    assert "ended before py-spy's windows" in failed["error"]
