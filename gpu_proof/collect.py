@@ -9,8 +9,12 @@ records of later machines are kept beside the first as <name>-<machine>.json. Lo
 
 A variant probed while its machine had no checkpoint or bandwidth record yet gets its decode analysis here,
 from that machine's own records, by the driver's decode_bound (the record says so in decode.filled_by).
+py-spy's raw stacks (results/spy/, gzipped) go to OUT_DIR/spy/; a spied variant whose breakdowns are missing (the
+driver failed after keeping them) gets them here by spy_breakdown, the step time from its varied set's ITL when
+the spied request's own was not recorded (spy.filled_by says so).
 """
 
+import gzip
 import json
 import sys
 import tarfile
@@ -58,6 +62,33 @@ def fill_missing_decode(out: Path) -> list[str]:
     return filled
 
 
+def fill_missing_spy(out: Path) -> list[str]:
+    """spy_breakdown's windows for spied variants that have the raw stacks but not the breakdowns."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    from driver import SPY
+    from gpu_proof.spy_breakdown import WINDOWS, window_breakdowns
+
+    filled = []
+    for path in sorted(out.glob("variant-*.json")):
+        record = json.loads(path.read_text())
+        spy = record.get("spy")
+        raws = {w: out / "spy" / f"{record['variant']}-{w}.txt.gz" for w in WINDOWS}
+        if not spy or all(w in spy for w in WINDOWS) or not all(raw.exists() for raw in raws.values()):
+            continue
+        if "step_ms" not in spy:  # the driver failed before the request's figures were kept
+            varied = record["probe"]["varied"]["categories"]
+            itl = sum(c["itl_median_ms"] for c in varied) / len(varied)
+            spy["step_ms"] = round(itl * (record["probe"]["varied"].get("mean_acceptance_length") or 1.0), 3)
+            spy["step_ms_source"] = "the variant's varied set: mean of its categories' median ITL x mean acceptance"
+        rate = (spy.setdefault("settings", dict(SPY)))["rate_hz"]
+        spy.update(window_breakdowns(raws, rate, spy["step_ms"]), raw={w: f"spy/{raws[w].name}" for w in WINDOWS})
+        spy["filled_by"] = "gpu_proof/collect.py: spy_breakdown over the kept raw stacks"
+        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        filled.append(path.stem)
+    return filled
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -71,6 +102,12 @@ def main() -> None:
                 data = archive.extractfile(member).read()
                 if name.parent.name == "logs":
                     (out / "logs" / f"{machine}-{name.name}").write_bytes(data)
+                    continue
+                if name.parent.name == "spy":
+                    (out / "spy").mkdir(exist_ok=True)
+                    if name.suffix != ".gz":
+                        data, name = gzip.compress(data, mtime=0), name.with_name(name.name + ".gz")
+                    (out / "spy" / name.name).write_bytes(data)
                     continue
                 record = json.loads(data)
                 record["machine"] = machine
@@ -88,6 +125,8 @@ def main() -> None:
                 target.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     for stem in fill_missing_decode(out):
         print(f"{stem}: decode analysis filled from its machine's records")
+    for stem in fill_missing_spy(out):
+        print(f"{stem}: py-spy breakdowns filled from its kept raw stacks")
 
 
 if __name__ == "__main__":

@@ -576,8 +576,7 @@ PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_prof
 # wall clock (--idle) then on-CPU; the request outlasts both by a margin at up to ~6 ms a token
 PY_SPY = os.environ.get("PY_SPY", "/tmp/pyspy/bin/py-spy")
 ENGINE_CORE_TITLE = "VLLM::EngineCore"  # vLLM's setproctitle of the engine core process
-SPY_ANCHOR = "step_with_batch_queue (core.py)"  # one engine step under async scheduling: its parts a step
-SPY = {"rate_hz": 1000, "window_s": 6.0, "lead_s": 2.0, "prompt_tokens": 64, "output_tokens": 6144}
+SPY = {"rate_hz": 1000, "window_s": 6, "lead_s": 2.0, "prompt_tokens": 64, "output_tokens": 6144}
 
 
 class Driver:
@@ -936,7 +935,12 @@ class Driver:
         if spec["profile"]:
             self.run_profile(record, name, base, settings, varied)
         if spec["spy"]:
-            self.run_spy(record, name, base, settings, varied)
+            try:
+                self.run_spy(record, name, base, settings, varied)
+            except Exception as error:  # noqa: BLE001  recorded; the bake and later variants go on
+                self.log(f"spy FAILED: {error}")
+                record["spy"] = {**(record.get("spy") or {}), "error": str(error)[-2000:]}
+                self.record(name, record)
         if spec["reference"]:  # what scripts/lossless_reference.py records, on the same server
             started = time.monotonic()
             record["reference"] = probe(base, model_name, dict(settings_probe, first_run_only=True), varied, self.log)
@@ -997,7 +1001,7 @@ class Driver:
         each broken down by spy_breakdown with the request's own time a step (ITL x mean acceptance length)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from gpu_proof.spy_breakdown import breakdown
+        from gpu_proof.spy_breakdown import window_breakdowns
         from lib.probe import build_prompt, mean_acceptance_length, spec_counters, timed_completion, varied_paragraphs
 
         model_name = settings["served_model_name"]
@@ -1006,7 +1010,7 @@ class Driver:
         raw_dir = self.results / "spy"
         raw_dir.mkdir(exist_ok=True)
         before = spec_counters(base)
-        windows = {}
+        windows: dict[str, Path] = {}
         with ThreadPoolExecutor(1) as pool:
             request = pool.submit(
                 timed_completion, base, model_name, prompt, self.spy["output_tokens"], ignore_eos=True
@@ -1016,25 +1020,31 @@ class Driver:
                 raw = raw_dir / f"{record['variant']}-{window}.txt"
                 command = [*self.spy_cmd, "record", "--pid", str(engine), "--rate", str(self.spy["rate_hz"])]
                 command += ["--duration", str(self.spy["window_s"]), "--format", "raw", "--threads", "--nonblocking"]
-                subprocess.run([*command, *flags, "-o", str(raw)], check=True, capture_output=True, timeout=120)
+                spied = subprocess.run([*command, *flags, "-o", str(raw)], capture_output=True, text=True, timeout=120)
+                if spied.returncode != 0:
+                    raise RuntimeError(f"py-spy exited {spied.returncode}: {(spied.stderr or spied.stdout)[-1500:]}")
                 windows[window] = raw
             outlasted = not request.done()
             done = request.result()
+        raws = {}
+        for window, raw in windows.items():  # kept gzipped whatever follows (collect.py can break them down again)
+            raws[window] = raw.with_name(raw.name + ".gz")
+            raws[window].write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
+            raw.unlink()
         if not outlasted:
             raise RuntimeError(f"the spied request ended before py-spy's windows: raise SPY output_tokens ({done})")
         acceptance = mean_acceptance_length(before, spec_counters(base)) or 1.0
         step_ms = done["itl_ms"] * acceptance
         record["spy"] = {
             "settings": dict(self.spy),
+            "raw": {window: str(raw.relative_to(self.results)) for window, raw in raws.items()},
             "request": {k: round(done[k], 3) for k in ("latency_ms", "ttft_ms", "itl_ms")}
             | {"output_tokens": done["output_tokens"], "mean_acceptance_length": acceptance},
             "step_ms": round(step_ms, 3),
+            "step_ms_source": "the spied request's ITL x its mean acceptance length",
         }
-        for window, raw in windows.items():
-            text = raw.read_text()
-            record["spy"][window] = breakdown(text, self.spy["rate_hz"], step_ms, anchor=SPY_ANCHOR)
-            raw.with_name(raw.name + ".gz").write_bytes(gzip.compress(text.encode(), mtime=0))
-            raw.unlink()
+        self.record(name, record)
+        record["spy"].update(window_breakdowns(raws, self.spy["rate_hz"], step_ms))
         self.log(f"spy: {step_ms:.2f} ms a step, main thread {record['spy']['wall']['main_thread']}")
         self.record(name, record)
 

@@ -5,9 +5,11 @@ stacks of a running process from outside at a fixed rate, so a function's share 
 share of that thread's time. Sampled with `--idle` (wall clock) the main thread has a sample at every tick, and a
 share times the measured step time is milliseconds a step; sampled without it, the shares are of on-CPU time.
 
-A raw line is `thread (TID): NAME;frame;frame;... COUNT`, root first, each frame `function (file.py:line)`.
+A raw line is `thread (TID): NAME;frame;frame;... COUNT`, root first, each frame `function (file.py:line)`; py-spy
+names a method by its class (`EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:1364)`), so a function given by
+its bare name (`run_busy_loop`) matches any class and file.
 
-    python3 gpu_proof/spy_breakdown.py RAW.txt[.gz] [--step-ms 4.7] [--anchor "step_with_batch_queue (core.py)"]
+    python3 gpu_proof/spy_breakdown.py RAW.txt[.gz] [--step-ms 4.7] [--anchor step_with_batch_queue]
 """
 
 import argparse
@@ -20,7 +22,13 @@ from pathlib import Path
 LINE = re.compile(r"^thread \((?P<tid>[^)]*)\): (?P<stack>.*) (?P<count>\d+)$")
 FRAME_LINE = re.compile(r":\d+\)$")
 # the engine core's busy loop: one pass schedules, executes and samples one step (async scheduling: one queued)
-ENGINE_LOOP = "run_busy_loop (core.py)"
+ENGINE_LOOP = "run_busy_loop"
+ENGINE_STEP = "step_with_batch_queue"  # one engine step under async scheduling: its parts a step
+WINDOWS = ("wall", "cpu")  # py-spy with --idle (every tick), then without (on-CPU samples only)
+# innermost frames that only wait for the GPU: torch's CUDA event wait, and vLLM 0.26's wait for the previous step's
+# accepted counts (its self time is a C-level event's synchronize and a one-element tolist). CUDA spins while it
+# waits, so these samples count as on-CPU too: they tell GPU waits from host work in either window
+GPU_WAITS = ("Event.synchronize", "_get_valid_sampled_token_count")
 
 
 def read_raw(path: Path) -> str:
@@ -30,6 +38,16 @@ def read_raw(path: Path) -> str:
 def function_of(frame: str) -> str:
     """`execute_model (gpu_model_runner.py:4111)` -> `execute_model (gpu_model_runner.py)`: one entry per function."""
     return FRAME_LINE.sub(")", frame)
+
+
+def is_named(function: str, name: str) -> bool:
+    """Whether `function` (`Class.method (file)`) is `name`: the same label, or the same bare or qualified name."""
+    qualified = function.split(" (", 1)[0]
+    return function == name or qualified == name or qualified.endswith("." + name)
+
+
+def first_named(frames: tuple[str, ...], name: str) -> int | None:
+    return next((index for index, frame in enumerate(frames) if is_named(frame, name)), None)
 
 
 def parse(text: str) -> list[tuple[str, tuple[str, ...], int]]:
@@ -59,7 +77,7 @@ def main_thread(samples, loop: str = ENGINE_LOOP) -> str:
     """The thread that runs the engine loop (most samples inside `loop`)."""
     inside = Counter()
     for thread, frames, count in samples:
-        if loop in frames:
+        if first_named(frames, loop) is not None:
             inside[thread] += count
     if not inside:
         raise ValueError(f"no thread runs {loop}: not an engine core's stacks")
@@ -68,7 +86,7 @@ def main_thread(samples, loop: str = ENGINE_LOOP) -> str:
 
 def _entries(counts: Counter, total: int, step_ms: float | None, top: int) -> list[dict]:
     rows = []
-    for name, count in counts.most_common(top):
+    for name, count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]:  # ties by name
         share = count / total
         row = {"function": name, "samples": count, "share": round(share, 4)}
         if step_ms is not None:
@@ -82,9 +100,9 @@ def callees(samples, thread: str, anchor: str) -> Counter:
     (`(self)` where the stack ends at the anchor)."""
     below = Counter()
     for label, frames, count in samples:
-        if label != thread or anchor not in frames:
+        index = first_named(frames, anchor) if label == thread else None
+        if index is None:
             continue
-        index = frames.index(anchor)
         below[frames[index + 1] if index + 1 < len(frames) else "(self)"] += count
     return below
 
@@ -92,26 +110,29 @@ def callees(samples, thread: str, anchor: str) -> Counter:
 def breakdown(
     text: str, rate_hz: float, step_ms: float | None = None, anchor: str | None = None, top: int = 40
 ) -> dict:
-    """Per thread, samples and seconds; for the engine loop's thread, the functions by inclusive samples (each
-    counted once per stack) and by self samples (the innermost frame), as shares of its samples and, with the
-    measured `step_ms`, as milliseconds a step; with `anchor`, its direct callees the same way."""
+    """Per thread, samples and seconds; for the engine loop's thread, its GPU waits (GPU_WAITS), the functions by
+    inclusive samples (each counted once per stack) and by self samples (the innermost frame), as shares of its
+    samples and, with the measured `step_ms`, as milliseconds a step; with `anchor`, its direct callees the same way."""
     samples = parse(text)
     totals = thread_totals(samples)
     main = main_thread(samples)
     total = totals[main]
-    inclusive, own = Counter(), Counter()
+    inclusive, own, waits = Counter(), Counter(), 0
     for label, frames, count in samples:
         if label != main:
             continue
         for function in set(frames):
             inclusive[function] += count
         own[frames[-1] if frames else "(no frame)"] += count
+        waits += count if frames and any(is_named(frames[-1], name) for name in GPU_WAITS) else 0
     result = {
         "rate_hz": rate_hz,
         "threads": {label: {"samples": n, "seconds": round(n / rate_hz, 3)} for label, n in totals.items()},
         "main_thread": main,
         "main_samples": total,
         "step_ms": step_ms,
+        "gpu_wait": {"samples": waits, "share": round(waits / total, 4)}
+        | ({"ms_per_step": round(waits / total * step_ms, 3)} if step_ms is not None else {}),
         "inclusive": _entries(inclusive, total, step_ms, top),
         "self": _entries(own, total, step_ms, top),
     }
@@ -119,6 +140,11 @@ def breakdown(
         below = callees(samples, main, anchor)
         result["anchor"] = {"function": anchor, "callees": _entries(below, total, step_ms, top)}
     return result
+
+
+def window_breakdowns(raws: dict[str, Path], rate_hz: float, step_ms: float | None) -> dict[str, dict]:
+    """The breakdown of each window's raw file (gzipped or not), the engine step as the anchor."""
+    return {window: breakdown(read_raw(raw), rate_hz, step_ms, anchor=ENGINE_STEP) for window, raw in raws.items()}
 
 
 def main() -> None:

@@ -1335,51 +1335,61 @@ def test_the_kernels_section_is_its_records():
 
 # ---- py-spy on the engine core (run_spy, gpu_proof/spy_breakdown.py) ----
 
+# as py-spy 0.4 writes them on the H100 host: methods by their class, files by their path under site-packages
+LOOP = (
+    "<module> (<string>:1);EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:1364);"
+    "EngineCore.step_with_batch_queue (vllm/v1/engine/core.py"
+)
+RUNNER = "GPUModelRunner.{} (vllm/v1/worker/gpu_model_runner.py:{})"
 SPY_RAW = "\n".join(
     [
-        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
-        "step_with_batch_queue (core.py:617);schedule (scheduler.py:300) 30",
-        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
-        "step_with_batch_queue (core.py:617);execute_model (gpu_model_runner.py:4111);"
-        "_update_states (gpu_model_runner.py:1169) 50",
-        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
-        "step_with_batch_queue (core.py:617);execute_model (gpu_model_runner.py:4200) 20",
+        f"thread (2388): MainThread;{LOOP}:645);Scheduler.schedule (vllm/v1/core/sched/scheduler.py:300) 30",
+        f"thread (2388): MainThread;{LOOP}:647);{RUNNER.format('execute_model', 4111)};"
+        f"{RUNNER.format('_update_states', 1169)} 50",
+        f"thread (2388): MainThread;{LOOP}:647);{RUNNER.format('execute_model', 4200)} 20",
+        # the end of execute_model waits for the previous step's accepted counts
+        f"thread (2388): MainThread;{LOOP}:647);{RUNNER.format('execute_model', 4477)};"
+        f"{RUNNER.format('_get_valid_sampled_token_count', 4922)} 40",
+        f"thread (2388): MainThread;{LOOP}:650);AsyncGPUModelRunnerOutput.get_output (gpu_model_runner.py:300);"
+        "Event.synchronize (torch/cuda/streams.py:254) 10",
         # recursion: a function twice on one stack counts once inclusive
-        "thread (0x1): MainThread;run_engine_core (core.py:1290);run_busy_loop (core.py:1358);"
-        "step_with_batch_queue (core.py:640);sample_tokens (gpu_model_runner.py:4497);"
-        "sample_tokens (gpu_model_runner.py:4510) 100",
-        "thread (0x2): Thread-2 (process_output_sockets);process_output_sockets (core.py:1500) 60",
+        f"thread (2388): MainThread;{LOOP}:660);{RUNNER.format('sample_tokens', 4497)};"
+        f"{RUNNER.format('sample_tokens', 4510)} 100",
+        "thread (2960): Thread-2 (process_output_sockets);"
+        "EngineCoreProc.process_output_sockets (vllm/v1/engine/core.py:1500) 60",
     ]
 )
+SAMPLE = "GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py)"
+EXECUTE = "GPUModelRunner.execute_model (vllm/v1/worker/gpu_model_runner.py)"
+SCHEDULE = "Scheduler.schedule (vllm/v1/core/sched/scheduler.py)"
 
 
 def test_spy_breakdown_reads_py_spys_raw_stacks_per_function_and_per_step():
     from gpu_proof.spy_breakdown import breakdown, parse
 
-    result = breakdown(SPY_RAW, rate_hz=100, step_ms=4.0, anchor="step_with_batch_queue (core.py)")
-    assert result["main_thread"] == "MainThread (0x1)" and result["main_samples"] == 200
-    assert result["threads"]["Thread-2 (process_output_sockets) (0x2)"] == {"samples": 60, "seconds": 0.6}
+    result = breakdown(SPY_RAW, rate_hz=100, step_ms=4.0, anchor="step_with_batch_queue")
+    assert result["main_thread"] == "MainThread (2388)" and result["main_samples"] == 250
+    assert result["gpu_wait"] == {"samples": 50, "share": 0.2, "ms_per_step": 0.8}  # both kinds of wait
+    assert result["threads"]["Thread-2 (process_output_sockets) (2960)"] == {"samples": 60, "seconds": 0.6}
     inclusive = {row["function"]: row for row in result["inclusive"]}
-    assert inclusive["step_with_batch_queue (core.py)"]["share"] == 1.0
-    assert inclusive["sample_tokens (gpu_model_runner.py)"] == {
-        "function": "sample_tokens (gpu_model_runner.py)",
-        "samples": 100,
-        "share": 0.5,
-        "ms_per_step": 2.0,
-    }
-    assert inclusive["execute_model (gpu_model_runner.py)"]["samples"] == 70  # two lines, one function
+    assert inclusive["EngineCore.step_with_batch_queue (vllm/v1/engine/core.py)"]["share"] == 1.0
+    assert inclusive[SAMPLE] == {"function": SAMPLE, "samples": 100, "share": 0.4, "ms_per_step": 1.6}
+    assert inclusive[EXECUTE]["samples"] == 110  # three lines, one function
     own = {row["function"]: row["samples"] for row in result["self"]}
     assert own == {
-        "sample_tokens (gpu_model_runner.py)": 100,
-        "_update_states (gpu_model_runner.py)": 50,
-        "schedule (scheduler.py)": 30,
-        "execute_model (gpu_model_runner.py)": 20,
+        SAMPLE: 100,
+        "GPUModelRunner._update_states (vllm/v1/worker/gpu_model_runner.py)": 50,
+        "GPUModelRunner._get_valid_sampled_token_count (vllm/v1/worker/gpu_model_runner.py)": 40,
+        SCHEDULE: 30,
+        EXECUTE: 20,
+        "Event.synchronize (torch/cuda/streams.py)": 10,
     }
     callees = {row["function"]: row["ms_per_step"] for row in result["anchor"]["callees"]}
     assert callees == {
-        "sample_tokens (gpu_model_runner.py)": 2.0,
-        "execute_model (gpu_model_runner.py)": 1.4,
-        "schedule (scheduler.py)": 0.6,
+        EXECUTE: 1.76,
+        SAMPLE: 1.6,
+        SCHEDULE: 0.48,
+        "AsyncGPUModelRunnerOutput.get_output (gpu_model_runner.py)": 0.16,
     }
     with pytest.raises(ValueError, match="not py-spy raw output"):
         parse("MainThread;f (a.py:1) 3")
@@ -1398,10 +1408,10 @@ assert "fake_server.py" in cmdline, cmdline
 time.sleep(float(args[args.index("--duration") + 1]))
 busy = 100 if "--idle" in args else 40
 open(out, "w").write(
-    f"thread (0x1): MainThread;run_busy_loop (core.py:1358);step_with_batch_queue (core.py:617);"
-    f"sample_tokens (gpu_model_runner.py:4497) {busy}\\n"
-    "thread (0x1): MainThread;run_busy_loop (core.py:1358);step_with_batch_queue (core.py:617);"
-    "schedule (scheduler.py:300) 20\\n"
+    f"thread (1): MainThread;EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:1364);"
+    f"EngineCore.step_with_batch_queue (vllm/v1/engine/core.py:647);sample_tokens (gpu_model_runner.py:4497) {busy}\\n"
+    "thread (1): MainThread;EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:1364);"
+    "EngineCore.step_with_batch_queue (vllm/v1/engine/core.py:645);schedule (scheduler.py:300) 20\\n"
 )
 """
 
@@ -1417,7 +1427,7 @@ def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
     fake_spy = tmp_path / "py_spy.py"
     fake_spy.write_text(FAKE_PY_SPY)
     d.spy_cmd, d.engine_core_title = [sys.executable, str(fake_spy)], "fake_server.py"
-    d.spy.update(window_s=0.2, lead_s=0.2, output_tokens=400)
+    d.spy.update(window_s=1, lead_s=0.2, output_tokens=1000)  # py-spy's --duration takes whole seconds
     d.serve_env = {"FAKE_TOKEN_DELAY_S": "0.003"}
     probe_settings = d.probe_settings()  # a short probe: the slow tokens are for the spied request
     d.probe_settings = lambda: dict(probe_settings, categories=[dict(probe_settings["categories"][0], output_tokens=4)])
@@ -1425,7 +1435,7 @@ def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
     record = json.loads((tmp_path / "results" / "variant-awq-broad-spied.json").read_text())
     assert record["status"] == "ok", record
     spy = record["spy"]
-    assert spy["request"]["output_tokens"] == 400 and spy["step_ms"] == pytest.approx(spy["request"]["itl_ms"])
+    assert spy["request"]["output_tokens"] == 1000 and spy["step_ms"] == pytest.approx(spy["request"]["itl_ms"])
     assert spy["wall"]["main_samples"] == 120 and spy["cpu"]["main_samples"] == 60
     callees = {row["function"]: row["share"] for row in spy["wall"]["anchor"]["callees"]}
     assert callees == {"sample_tokens (gpu_model_runner.py)": 0.8333, "schedule (scheduler.py)": 0.1667}
@@ -1434,6 +1444,93 @@ def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
         "awq-broad-spied-wall.txt.gz",
     ]
     d.spy.update(output_tokens=10)
-    d.run_steps(["serve-awq-broad-ngramgpu4-spied"])
-    failed = json.loads((tmp_path / "results" / "failed-serve-awq-broad-ngramgpu4-spied.json").read_text())
-    assert "ended before py-spy's windows" in failed["error"]
+    d.run_steps(["serve-awq-broad-ngramgpu4-spied"])  # the bake above left the cache it starts from
+    record = json.loads((tmp_path / "results" / "variant-awq-broad-ngramgpu4-spied.json").read_text())
+    assert record["status"] == "ok" and "ended before py-spy's windows" in record["spy"]["error"]
+
+
+def test_collect_keeps_the_raw_stacks_and_fills_a_spied_variants_missing_breakdowns(tmp_path):
+    """machine29's driver kept py-spy's stacks but failed to break them down (its parser missed py-spy's class-
+    qualified names): collect.py gzips the stacks into OUT/spy/ and fills the breakdowns, the step time from the
+    variant's varied set when the spied request's own was not recorded."""
+    import io
+    import tarfile
+
+    record = {
+        "kind": "variant",
+        "status": "ok",
+        "variant": "x-spied",
+        "spy": {"error": "the old parser failed"},
+        "probe": {"varied": {"categories": [{"itl_median_ms": 3.0}, {"itl_median_ms": 5.0}]}},
+        "decode": {},
+    }
+    tarball = tmp_path / "results.tar.gz"
+    with tarfile.open(tarball, "w:gz") as archive:
+        for name, text in (
+            ("results/variant-x-spied.json", json.dumps(record)),
+            ("results/spy/x-spied-wall.txt", SPY_RAW),
+            ("results/spy/x-spied-cpu.txt", SPY_RAW),
+            ("results/logs/x-spied-first.log", "log"),
+        ):
+            data = text.encode()
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    out = tmp_path / "lease"
+    subprocess.run([sys.executable, str(ROOT / "gpu_proof" / "collect.py"), str(out), f"m9={tarball}"], check=True)
+    spy = json.loads((out / "variant-x-spied.json").read_text())["spy"]
+    assert spy["error"] == "the old parser failed" and "collect.py" in spy["filled_by"]
+    assert spy["step_ms"] == 4.0 and "varied set" in spy["step_ms_source"]
+    assert spy["wall"]["gpu_wait"]["ms_per_step"] == 0.8 and spy["cpu"]["main_samples"] == 250
+    assert spy["raw"] == {"wall": "spy/x-spied-wall.txt.gz", "cpu": "spy/x-spied-cpu.txt.gz"}
+    assert sorted(p.name for p in (out / "spy").iterdir()) == ["x-spied-cpu.txt.gz", "x-spied-wall.txt.gz"]
+    assert (out / "logs" / "m9-x-spied-first.log").read_text() == "log"
+
+
+def engine_step_part(window: dict, name: str) -> float:
+    """ms a step of the engine step's direct callee `name` (bare method name) in a spy window."""
+    return sum(c["ms_per_step"] for c in window["anchor"]["callees"] if c["function"].split(" (")[0].endswith(name))
+
+
+def test_the_spy_section_is_its_records():
+    """machine29: the served table and the host-time table recomputed from the records and the kept raw stacks; the
+    silent step waits on the GPU more than the plain one, MTP on V2 hardly at all; each filled spy says how."""
+    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
+
+    folder = RESULTS.parent / "h100-spy"
+    found = lease_records(folder)
+    assert_lease(found, "machine29")
+    section = "# Where the engine core's host time goes"
+    rows = {
+        "AWQ broad": "awq-broad-spied",
+        "AWQ + ngram_gpu K=4, padded, graphs, every plugin": "awq-broad-ngramgpu4-spied",
+        "AWQ + MTP K=2, runner V2": "awq-broad-mtp2-runner2-spied",
+    }
+    plain = found["variant-awq-broad-spied"]
+    for label, name in rows.items():
+        itl_cells(section, label, found[f"variant-{name}"], plain)
+    host_labels = ("plain step, AWQ broad", "ngram_gpu K=4, padded, every plugin", "MTP K=2, runner V2")
+    host_rows = dict(zip(host_labels, rows.values(), strict=True))
+    for label, name in host_rows.items():
+        record = found[f"variant-{name}"]
+        assert_plugins_on(record)
+        spy, wall = record["spy"], record["spy"]["wall"]
+        assert spy["step_ms"] == round(mean_itl(record, "varied"), 3) and "varied set" in spy["step_ms_source"]
+        for window in WINDOWS:  # the breakdowns are what the kept stacks say
+            raw = read_raw(folder / spy["raw"][window])
+            assert spy[window] == breakdown(raw, 1000, spy["step_ms"], anchor="step_with_batch_queue"), window
+        wait = wall["gpu_wait"]["ms_per_step"]
+        parts = ("execute_model", "sample_tokens")
+        assert doc_row(section, label) == [
+            f"{spy['step_ms']:.2f}",
+            f"{wait:.2f}",
+            f"{spy['step_ms'] - wait:.2f}",
+            *(f"{engine_step_part(wall, part):.2f}" for part in parts),
+            f"{engine_step_part(wall, '.schedule') + engine_step_part(wall, 'update_from_output'):.2f}",
+            f"{engine_step_part(wall, 'AsyncOutputFuture.result'):.2f}",
+            f"{spy['cpu']['main_samples'] / wall['main_samples']:.2f}",
+        ], label
+    waits = {name: found[f"variant-{name}"]["spy"]["wall"]["gpu_wait"]["share"] for name in rows.values()}
+    assert waits["awq-broad-ngramgpu4-spied"] > waits["awq-broad-spied"] > waits["awq-broad-mtp2-runner2-spied"]
+    failures = [name for name in found if name.startswith("failed-")]
+    assert all("--duration', '6.0'" in found[name]["error"] for name in failures if name.endswith("broad-spied"))
