@@ -1001,7 +1001,7 @@ class Driver:
         each broken down by spy_breakdown with the request's own time a step (ITL x mean acceptance length)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from gpu_proof.spy_breakdown import window_breakdowns
+        from gpu_proof.spy_breakdown import WINDOW_FLAGS, window_breakdowns
         from lib.probe import build_prompt, mean_acceptance_length, spec_counters, timed_completion, varied_paragraphs
 
         model_name = settings["served_model_name"]
@@ -1016,7 +1016,7 @@ class Driver:
                 timed_completion, base, model_name, prompt, self.spy["output_tokens"], ignore_eos=True
             )
             time.sleep(self.spy["lead_s"])
-            for window, flags in (("wall", ["--idle"]), ("cpu", [])):
+            for window, flags in WINDOW_FLAGS.items():
                 raw = raw_dir / f"{record['variant']}-{window}.txt"
                 command = [*self.spy_cmd, "record", "--pid", str(engine), "--rate", str(self.spy["rate_hz"])]
                 command += ["--duration", str(self.spy["window_s"]), "--format", "raw", "--threads", "--nonblocking"]
@@ -1032,7 +1032,10 @@ class Driver:
             raws[window].write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
             raw.unlink()
         if not outlasted:
-            raise RuntimeError(f"the spied request ended before py-spy's windows: raise SPY output_tokens ({done})")
+            raise RuntimeError(
+                f"the spied request ended before py-spy's windows ({done['output_tokens']} tokens in "
+                f"{done['latency_ms']:.0f} ms): raise SPY output_tokens"
+            )
         acceptance = mean_acceptance_length(before, spec_counters(base)) or 1.0
         step_ms = done["itl_ms"] * acceptance
         record["spy"] = {

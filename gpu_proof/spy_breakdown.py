@@ -24,7 +24,9 @@ FRAME_LINE = re.compile(r":\d+\)$")
 # the engine core's busy loop: one pass schedules, executes and samples one step (async scheduling: one queued)
 ENGINE_LOOP = "run_busy_loop"
 ENGINE_STEP = "step_with_batch_queue"  # one engine step under async scheduling: its parts a step
-WINDOWS = ("wall", "cpu")  # py-spy with --idle (every tick), then without (on-CPU samples only)
+# the two windows and their py-spy flags: with --idle (a sample every tick), then without (on-CPU samples only)
+WINDOW_FLAGS = {"wall": ("--idle",), "cpu": ()}
+WINDOWS = tuple(WINDOW_FLAGS)
 # innermost frames that only wait for the GPU: torch's CUDA event wait, and vLLM 0.26's wait for the previous step's
 # accepted counts (its self time is a C-level event's synchronize and a one-element tolist). CUDA spins while it
 # waits, so these samples count as on-CPU too: they tell GPU waits from host work in either window
