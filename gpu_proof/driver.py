@@ -456,6 +456,20 @@ VARIANTS = {
         "serve": {"model_runner": "v2"},
         "spy": True,
     },
+    # next (issue 14, item 3): machine29 found the silent K=4 step no longer host-bound (host work 3.29 ms, GPU 3.6
+    # ms), so a shorter verify is the lever left: the same captured padded ngram_gpu at K=2 and K=1, beside the plain
+    # step and K=4 on one host: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,
+    # serve-awq-broad-spied,serve-awq-broad-ngramgpu2-spied,serve-awq-broad-ngramgpu1-spied,
+    # serve-awq-broad-ngramgpu4-spied
+    **{
+        f"awq-broad-ngramgpu{k}-spied": {
+            "recipe": BROAD,
+            "speculative": {**NGRAM_GPU4_GRAPH, "k": k},
+            "first": "from:awq-broad-spied",
+            "spy": True,
+        }
+        for k in (2, 1)
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -568,6 +582,8 @@ STEPS = [
     "serve-awq-broad-spied",
     "serve-awq-broad-ngramgpu4-spied",
     "serve-awq-broad-mtp2-runner2-spied",
+    "serve-awq-broad-ngramgpu2-spied",
+    "serve-awq-broad-ngramgpu1-spied",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
