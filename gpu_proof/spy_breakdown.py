@@ -86,15 +86,17 @@ def main_thread(samples, loop: str = ENGINE_LOOP) -> str:
     return inside.most_common(1)[0][0]
 
 
+def _share(count: int, total: int, step_ms: float | None) -> dict:
+    """Samples, their share of the thread's, and with the measured step time, ms a step."""
+    row = {"samples": count, "share": round(count / total, 4)}
+    if step_ms is not None:
+        row["ms_per_step"] = round(count / total * step_ms, 3)
+    return row
+
+
 def _entries(counts: Counter, total: int, step_ms: float | None, top: int) -> list[dict]:
-    rows = []
-    for name, count in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]:  # ties by name
-        share = count / total
-        row = {"function": name, "samples": count, "share": round(share, 4)}
-        if step_ms is not None:
-            row["ms_per_step"] = round(share * step_ms, 3)
-        rows.append(row)
-    return rows
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]  # ties by name
+    return [{"function": name, **_share(count, total, step_ms)} for name, count in ranked]
 
 
 def callees(samples, thread: str, anchor: str) -> Counter:
@@ -133,8 +135,7 @@ def breakdown(
         "main_thread": main,
         "main_samples": total,
         "step_ms": step_ms,
-        "gpu_wait": {"samples": waits, "share": round(waits / total, 4)}
-        | ({"ms_per_step": round(waits / total * step_ms, 3)} if step_ms is not None else {}),
+        "gpu_wait": _share(waits, total, step_ms),
         "inclusive": _entries(inclusive, total, step_ms, top),
         "self": _entries(own, total, step_ms, top),
     }

@@ -1488,8 +1488,10 @@ def test_collect_keeps_the_raw_stacks_and_fills_a_spied_variants_missing_breakdo
 
 
 def engine_step_part(window: dict, name: str) -> float:
-    """ms a step of the engine step's direct callee `name` (bare method name) in a spy window."""
-    return sum(c["ms_per_step"] for c in window["anchor"]["callees"] if c["function"].split(" (")[0].endswith(name))
+    """ms a step of the engine step's direct callee `name` (bare or qualified, as spy_breakdown matches names)."""
+    from gpu_proof.spy_breakdown import is_named
+
+    return sum(c["ms_per_step"] for c in window["anchor"]["callees"] if is_named(c["function"], name))
 
 
 def test_the_spy_section_is_its_records():
@@ -1526,7 +1528,7 @@ def test_the_spy_section_is_its_records():
             f"{wait:.2f}",
             f"{spy['step_ms'] - wait:.2f}",
             *(f"{engine_step_part(wall, part):.2f}" for part in parts),
-            f"{engine_step_part(wall, '.schedule') + engine_step_part(wall, 'update_from_output'):.2f}",
+            f"{engine_step_part(wall, 'schedule') + engine_step_part(wall, 'update_from_output'):.2f}",
             f"{engine_step_part(wall, 'AsyncOutputFuture.result'):.2f}",
             f"{spy['cpu']['main_samples'] / wall['main_samples']:.2f}",
         ], label
