@@ -11,7 +11,8 @@ A variant probed while its machine had no checkpoint or bandwidth record yet get
 from that machine's own records, by the driver's decode_bound (the record says so in decode.filled_by).
 py-spy's raw stacks (results/spy/, gzipped) go to OUT_DIR/spy/; a spied variant whose breakdowns are missing (the
 driver failed after keeping them) gets them here by spy_breakdown, the step time from its varied set's ITL when
-the spied request's own was not recorded (spy.filled_by says so).
+the spied request's own was not recorded (spy.filled_by says so). Stacks of a spied request that ended inside the
+windows are dropped: they picture no step.
 """
 
 import gzip
@@ -66,7 +67,7 @@ def fill_missing_spy(out: Path) -> list[str]:
     """spy_breakdown's windows for spied variants that have the raw stacks but not the breakdowns."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "gpu_proof"))
-    from driver import SPY
+    from driver import SHORT_SPY_REQUEST, SPY
     from gpu_proof.spy_breakdown import WINDOWS, window_breakdowns
 
     filled = []
@@ -74,6 +75,11 @@ def fill_missing_spy(out: Path) -> list[str]:
         record = json.loads(path.read_text())
         spy = record.get("spy")
         raws = {w: out / "spy" / f"{record['variant']}-{w}.txt.gz" for w in WINDOWS}
+        if spy and spy.get("error", "").startswith(SHORT_SPY_REQUEST):
+            # windows that span the request's end picture no step (machine30's driver still kept them)
+            for raw in raws.values():
+                raw.unlink(missing_ok=True)
+            continue
         if not spy or all(w in spy for w in WINDOWS) or not all(raw.exists() for raw in raws.values()):
             continue
         if "step_ms" not in spy:  # the driver failed before the request's figures were kept

@@ -20,6 +20,7 @@ A step that succeeded leaves STATE/done/<step>; a relaunch skips those (fix, res
 import argparse
 import gzip
 import json
+import math
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from lib.cache_tar import deterministic_tar  # noqa: E402
 from lib.containers import free_port, wait_for_ping  # noqa: E402
 from lib.decode_bytes import draft_passes, part_bytes, step_bytes  # noqa: E402
-from lib.probe import probe, warm_up  # noqa: E402
+from lib.probe import probe, prompt_sets, warm_up  # noqa: E402
 from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
 from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
@@ -589,10 +590,34 @@ STEPS = [
 # that the profile is partly about)
 PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
 # py-spy (its wheel carried as .device-stage/pyspy/c0, installed by device.sh): two windows of one long request,
-# wall clock (--idle) then on-CPU; the request outlasts both by a margin at up to ~6 ms a token
+# wall clock (--idle) then on-CPU. output_tokens None sizes the request from the variant's probe (spy_output_tokens):
+# machine30's plain AWQ request of a fixed 6,144 tokens (3.35 ms each) ended inside the second window, because each
+# py-spy run took 3-5 s more than its --duration (attaching, reading symbols) on top of it
 PY_SPY = os.environ.get("PY_SPY", "/tmp/pyspy/bin/py-spy")
 ENGINE_CORE_TITLE = "VLLM::EngineCore"  # vLLM's setproctitle of the engine core process
-SPY = {"rate_hz": 1000, "window_s": 6, "lead_s": 2.0, "prompt_tokens": 64, "output_tokens": 6144}
+SHORT_SPY_REQUEST = "the spied request ended before py-spy's windows"  # how such a record's spy error begins
+SPY = {
+    "rate_hz": 1000,
+    "window_s": 6,
+    "lead_s": 2.0,
+    "pyspy_start_s": 6.0,  # a margin over the 3-5 s that machine30's py-spy runs took beyond their --duration
+    "prompt_tokens": 64,
+    "output_tokens": None,  # an int fixes the count (the tests do)
+}
+
+
+def spy_output_tokens(spy: dict, probe: dict, max_model_len: int) -> int:
+    """Tokens for the spied request: spy["output_tokens"] where fixed, else enough to outlast the lead and every
+    window (each with py-spy's own start) at the fastest inter-token latency the variant's probe measured, within
+    the context the prompt leaves."""
+    if spy["output_tokens"] is not None:
+        return spy["output_tokens"]
+    from gpu_proof.spy_breakdown import WINDOWS
+
+    itls = [c["itl_median_ms"] for probed in prompt_sets(probe).values() for c in probed["categories"]]
+    fastest_ms = min(itl for itl in itls if itl)
+    needed_s = spy["lead_s"] + len(WINDOWS) * (spy["window_s"] + spy["pyspy_start_s"])
+    return min(max_model_len - 2 * spy["prompt_tokens"], math.ceil(needed_s * 1000 / fastest_ms))
 
 
 class Driver:
@@ -1028,9 +1053,8 @@ class Driver:
         before = spec_counters(base)
         windows: dict[str, Path] = {}
         with ThreadPoolExecutor(1) as pool:
-            request = pool.submit(
-                timed_completion, base, model_name, prompt, self.spy["output_tokens"], ignore_eos=True
-            )
+            tokens = spy_output_tokens(self.spy, record["probe"], settings["max_model_len"])
+            request = pool.submit(timed_completion, base, model_name, prompt, tokens, ignore_eos=True)
             time.sleep(self.spy["lead_s"])
             for window, flags in WINDOW_FLAGS.items():
                 raw = raw_dir / f"{record['variant']}-{window}.txt"
@@ -1042,16 +1066,18 @@ class Driver:
                 windows[window] = raw
             outlasted = not request.done()
             done = request.result()
+        if not outlasted:  # a window that spans the request's end is no step's picture: nothing is kept
+            for raw in windows.values():
+                raw.unlink()
+            raise RuntimeError(
+                f"{SHORT_SPY_REQUEST} ({done['output_tokens']} tokens in {done['latency_ms']:.0f} ms): raise SPY's "
+                "pyspy_start_s or output_tokens"
+            )
         raws = {}
         for window, raw in windows.items():  # kept gzipped whatever follows (collect.py can break them down again)
             raws[window] = raw.with_name(raw.name + ".gz")
             raws[window].write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
             raw.unlink()
-        if not outlasted:
-            raise RuntimeError(
-                f"the spied request ended before py-spy's windows ({done['output_tokens']} tokens in "
-                f"{done['latency_ms']:.0f} ms): raise SPY output_tokens"
-            )
         acceptance = mean_acceptance_length(before, spec_counters(base)) or 1.0
         step_ms = done["itl_ms"] * acceptance
         record["spy"] = {

@@ -1447,6 +1447,25 @@ def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
     d.run_steps(["serve-awq-broad-ngramgpu4-spied"])  # the bake above left the cache it starts from
     record = json.loads((tmp_path / "results" / "variant-awq-broad-ngramgpu4-spied.json").read_text())
     assert record["status"] == "ok" and "ended before py-spy's windows" in record["spy"]["error"]
+    assert not list((tmp_path / "results" / "spy").glob("awq-broad-ngramgpu4-*")), "stacks past the request kept"
+
+
+def test_the_spied_request_is_sized_to_outlast_py_spys_windows():
+    """machine30: AWQ broad's spied request, a fixed 6,144 tokens at 3.35 ms (20.6 s), ended inside py-spy's second
+    window, each py-spy run taking 3-5 s beyond its --duration. Sized from the variant's fastest probed ITL, the
+    request lasts the lead and both windows with py-spy's start, longer than that failed one; a fixed count is
+    kept as given, and the context the prompt leaves caps the count."""
+    from gpu_proof.driver import SHORT_SPY_REQUEST, SPY, spy_output_tokens
+    from gpu_proof.spy_breakdown import WINDOWS
+
+    plain = lease_records(RESULTS.parent / "h100-silent-k")["variant-awq-broad-spied"]
+    assert plain["spy"]["error"].startswith(f"{SHORT_SPY_REQUEST} (6144 tokens in 20586 ms)")
+    fastest = min(c["itl_median_ms"] for s in SETS for c in set_categories(plain, s))
+    tokens = spy_output_tokens(SPY, plain["probe"], plain["serve_settings"]["max_model_len"])
+    lasts_s = tokens * fastest / 1000
+    assert lasts_s >= SPY["lead_s"] + len(WINDOWS) * (SPY["window_s"] + SPY["pyspy_start_s"]) > 20.586 + 3
+    assert spy_output_tokens(dict(SPY, output_tokens=1000), plain["probe"], 13568) == 1000
+    assert spy_output_tokens(SPY, plain["probe"], 4096) == 4096 - 2 * SPY["prompt_tokens"]
 
 
 def test_collect_keeps_the_raw_stacks_and_fills_a_spied_variants_missing_breakdowns(tmp_path):
