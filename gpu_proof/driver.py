@@ -1079,13 +1079,13 @@ class Driver:
             raws[window].write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
             raw.unlink()
         acceptance = mean_acceptance_length(before, spec_counters(base)) or 1.0
-        step_ms = done["itl_ms"] * acceptance
+        step_ms = round(done["itl_ms"] * acceptance, 3)  # one value for the record and its windows' ms a step
         record["spy"] = {
             "settings": dict(self.spy),
             "raw": {window: str(raw.relative_to(self.results)) for window, raw in raws.items()},
             "request": {k: round(done[k], 3) for k in ("latency_ms", "ttft_ms", "itl_ms")}
             | {"output_tokens": done["output_tokens"], "mean_acceptance_length": acceptance},
-            "step_ms": round(step_ms, 3),
+            "step_ms": step_ms,
             "step_ms_source": "the spied request's ITL x its mean acceptance length",
         }
         self.record(name, record)
