@@ -457,11 +457,11 @@ VARIANTS = {
         "serve": {"model_runner": "v2"},
         "spy": True,
     },
-    # next (issue 14, item 3): machine29 found the silent K=4 step no longer host-bound (host work 3.29 ms, GPU 3.6
-    # ms), so a shorter verify is the lever left: the same captured padded ngram_gpu at K=2 and K=1, beside the plain
-    # step and K=4 on one host: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,
-    # serve-awq-broad-spied,serve-awq-broad-ngramgpu2-spied,serve-awq-broad-ngramgpu1-spied,
-    # serve-awq-broad-ngramgpu4-spied
+    # twenty-third lease (issue 14, item 3; machine30, results/gpu-proof/h100-silent-k): machine29 found the silent
+    # K=4 step no longer host-bound, so a shorter verify looked like the lever: the same captured padded ngram_gpu at
+    # K=2 and K=1 beside the plain step (K=4 was lost with the machine). Both were host-bound again and no cheaper:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,
+    # serve-awq-broad-ngramgpu2-spied,serve-awq-broad-ngramgpu1-spied,serve-awq-broad-ngramgpu4-spied
     **{
         f"awq-broad-ngramgpu{k}-spied": {
             "recipe": BROAD,
