@@ -1621,6 +1621,17 @@ def test_the_silent_k_section_is_its_records():
     for phrase, ms in named.items():
         assert phrase in text and f"{ms:.2f} ms" in phrase, (phrase, ms)
     assert f"(0.{round(self_ms(plain_spy['wall'], '_prepare_input_ids') * 100):02d} plain)" in text
+    first, *others = (c for set_name in SETS for c in set_categories(plain, set_name))
+    runs = [round(ms) for ms in first["latencies_ms"]]
+    assert f"{first['itl_median_ms']:.2f} ms a token" in text and f"from {runs[0]} to {min(runs[1:])}-" in text
+    rest = sorted(c["itl_median_ms"] for c in others)
+    assert f"against {rest[0]:.2f}-{rest[-1]:.2f} ms for its other eight" in text
+    k2_long, plain_long = (
+        sorted(round(ms) for ms in set_categories(record, "repeated")[2]["latencies_ms"])
+        for record in (rows["AWQ + ngram_gpu K=2, padded, graphs, every plugin"], plain)
+    )
+    assert f"K=2's repeated/long requests took {k2_long[0]}-{k2_long[-1]} ms" in text
+    assert f"the plain step's {plain_long[0]}-{plain_long[-1]} ms" in text
     assert plain["spy"]["error"].startswith("the spied request ended before py-spy's windows")
     assert not list((folder / "spy").glob("awq-broad-spied-*")), "stacks past the request's end kept"
     assert found["variant-awq-broad-ngramgpu4-spied"]["status"] == "running"
