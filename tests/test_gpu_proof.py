@@ -1506,11 +1506,16 @@ def test_collect_keeps_the_raw_stacks_and_fills_a_spied_variants_missing_breakdo
     assert (out / "logs" / "m9-x-spied-first.log").read_text() == "log"
 
 
-def engine_step_part(window: dict, name: str) -> float:
-    """ms a step of the engine step's direct callee `name` (bare or qualified, as spy_breakdown matches names)."""
+def named_ms(rows: list[dict], name: str) -> float:
+    """ms a step of the py-spy rows of function `name` (bare or qualified, as spy_breakdown matches names)."""
     from gpu_proof.spy_breakdown import is_named
 
-    return sum(c["ms_per_step"] for c in window["anchor"]["callees"] if is_named(c["function"], name))
+    return sum(row["ms_per_step"] for row in rows if is_named(row["function"], name))
+
+
+def engine_step_part(window: dict, name: str) -> float:
+    """ms a step of the engine step's direct callee `name`."""
+    return named_ms(window["anchor"]["callees"], name)
 
 
 def host_time_cells(spy: dict) -> list[str]:
@@ -1563,13 +1568,6 @@ def test_the_spy_section_is_its_records():
     assert all("--duration', '6.0'" in found[name]["error"] for name in failures if name.endswith("broad-spied"))
 
 
-def self_ms(window: dict, name: str) -> float:
-    """ms a step of self time in the function `name` (bare or qualified) of a py-spy window."""
-    from gpu_proof.spy_breakdown import is_named
-
-    return sum(row["ms_per_step"] for row in window["self"] if is_named(row["function"], name))
-
-
 def test_the_silent_k_section_is_its_records():
     """machine30: the served table and the host-time table recomputed from the records and the kept raw stacks. At
     K=2 and K=1 the silent step waits on the GPU less than K=4 did on machine29 and its host work exceeds machine29's
@@ -1608,19 +1606,19 @@ def test_the_silent_k_section_is_its_records():
         assert wait < k4_wait / 2 and spy["step_ms"] - wait > plain_host + 0.9, k
     k2 = found["variant-awq-broad-ngramgpu2-spied"]["spy"]["wall"]
     named = {
-        "`_prepare_input_ids` 0.26 ms": self_ms(k2, "_prepare_input_ids"),
-        "`_get_valid_sampled_token_count` 0.29 ms": self_ms(k2, "_get_valid_sampled_token_count"),
-        "`update_ngram_gpu_tensors_incremental` with its `_sync_num_tokens` 0.30 ms": self_ms(
-            k2, "update_ngram_gpu_tensors_incremental"
+        "`_prepare_input_ids` 0.26 ms": named_ms(k2["self"], "_prepare_input_ids"),
+        "`_get_valid_sampled_token_count` 0.29 ms": named_ms(k2["self"], "_get_valid_sampled_token_count"),
+        "`update_ngram_gpu_tensors_incremental` with its `_sync_num_tokens` 0.30 ms": named_ms(
+            k2["self"], "update_ngram_gpu_tensors_incremental"
         )
-        + self_ms(k2, "_sync_num_tokens"),
-        "the GDN spec metadata 0.18 ms": self_ms(k2, "build_all_spec"),
-        "the greedy rejection 0.16 ms": self_ms(k2, "greedy_forward.<locals>.forward"),
+        + named_ms(k2["self"], "_sync_num_tokens"),
+        "the GDN spec metadata 0.18 ms": named_ms(k2["self"], "build_all_spec"),
+        "the greedy rejection 0.16 ms": named_ms(k2["self"], "greedy_forward.<locals>.forward"),
     }
     text = " ".join(GPU_PROOF_DOC.read_text()[GPU_PROOF_DOC.read_text().index(section) :].split())
     for phrase, ms in named.items():
         assert phrase in text and f"{ms:.2f} ms" in phrase, (phrase, ms)
-    assert f"(0.{round(self_ms(plain_spy['wall'], '_prepare_input_ids') * 100):02d} plain)" in text
+    assert f"(0.{round(named_ms(plain_spy['wall']['self'], '_prepare_input_ids') * 100):02d} plain)" in text
     first, *others = (c for set_name in SETS for c in set_categories(plain, set_name))
     runs = [round(ms) for ms in first["latencies_ms"]]
     assert f"{first['itl_median_ms']:.2f} ms a token" in text and f"from {runs[0]} to {min(runs[1:])}-" in text
