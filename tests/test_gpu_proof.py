@@ -1615,7 +1615,8 @@ def test_the_silent_k_section_is_its_records():
         "the GDN spec metadata 0.18 ms": named_ms(k2["self"], "build_all_spec"),
         "the greedy rejection 0.16 ms": named_ms(k2["self"], "greedy_forward.<locals>.forward"),
     }
-    text = " ".join(GPU_PROOF_DOC.read_text()[GPU_PROOF_DOC.read_text().index(section) :].split())
+    doc = GPU_PROOF_DOC.read_text()
+    text = " ".join(doc[doc.index(section) :].split())
     for phrase, ms in named.items():
         assert phrase in text and f"{ms:.2f} ms" in phrase, (phrase, ms)
     assert f"({named_ms(plain_spy['wall']['self'], '_prepare_input_ids'):.2f} plain)" in text
