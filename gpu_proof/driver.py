@@ -41,9 +41,11 @@ from lib.decode_bytes import draft_passes, part_bytes, step_bytes  # noqa: E402
 from lib.probe import probe, prompt_sets, warm_up  # noqa: E402
 from lib.schema import section_defaults  # noqa: E402
 from lib.vllm_logs import cache_evidence  # noqa: E402
+from serving.draft_input_ids import ENV as DRAFT_INPUT_IDS_OFF  # noqa: E402
 from serving.gdn_spec_metadata import ENV as GDN_SLICES_OFF  # noqa: E402
 from serving.greedy_rejection import ENV as GREEDY_REJECTION_OFF  # noqa: E402
 from serving.marlin_reduce import ENV as MARLIN_REDUCE  # noqa: E402
+from serving.ngram_token_counts import ENV as NGRAM_TOKEN_COUNTS_OFF  # noqa: E402
 from serving.spec_decode_indices import ENV as KEPT_INDICES_OFF  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -471,6 +473,27 @@ VARIANTS = {
         }
         for k in (2, 1)
     },
+    # twenty-fourth lease (issue 14, item 3): machine30's K=2 step was host-bound, and two of its largest host costs
+    # beyond a plain step were vLLM writing the verify step's input ids (four index lists pinned and scattered) and
+    # ngram_gpu's token counts (gathered and scattered by slot) every step. serving/draft_input_ids.py and
+    # serving/ngram_token_counts.py (on by default) write both as slices when the batch is steady. K=2 with them and
+    # without (machine30's form), then K=4 with them, beside the plain step on one host: --only environment,
+    # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-ngramgpu2-slices-spied,
+    # serve-awq-broad-ngramgpu2-scatter-spied,serve-awq-broad-ngramgpu4-slices-spied
+    **{
+        f"awq-broad-ngramgpu{k}-{form}-spied": {
+            "recipe": BROAD,
+            "speculative": {**NGRAM_GPU4_GRAPH, "k": k},
+            "first": "from:awq-broad-spied",
+            "spy": True,
+            "env": env,
+        }
+        for k, form, env in (
+            (2, "slices", {}),
+            (2, "scatter", {DRAFT_INPUT_IDS_OFF: "0", NGRAM_TOKEN_COUNTS_OFF: "0"}),
+            (4, "slices", {}),
+        )
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -585,6 +608,9 @@ STEPS = [
     "serve-awq-broad-mtp2-runner2-spied",
     "serve-awq-broad-ngramgpu2-spied",
     "serve-awq-broad-ngramgpu1-spied",
+    "serve-awq-broad-ngramgpu2-slices-spied",
+    "serve-awq-broad-ngramgpu2-scatter-spied",
+    "serve-awq-broad-ngramgpu4-slices-spied",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

@@ -671,3 +671,141 @@ def test_greedy_rejection_equals_vllms_rejection_sampler():
     assert batches["logprobs asked: vLLM's path"]["logprobs"] == [True, True]
     assert not any(seen["fast"].values()), seen["fast"]
     assert seen["registered_once"]
+
+
+# vLLM 0.26's own _prepare_input_ids (the async-scheduling path) on a runner-like object, against
+# serving.draft_input_ids' strided copies, step after step: each starts from the same garbage in the GPU buffer
+DRAFT_INPUT_IDS = r"""
+import json, sys, numpy as np, torch
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+from vllm.v1.utils import CpuGpuBuffer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from serving import draft_input_ids
+
+vllm_prepare = GPUModelRunner._prepare_input_ids
+fast_prepare = draft_input_ids.strided_input_ids(vllm_prepare)
+SIZE = 64
+
+def runner():
+    ids = CpuGpuBuffer(SIZE, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
+    return SimpleNamespace(input_ids=ids, device=torch.device("cpu"), enable_prompt_embeds=False,
+                           prev_positions=SimpleNamespace(np=np.zeros(16, dtype=np.int64)),
+                           input_batch=SimpleNamespace(prev_sampled_token_ids=None, req_ids=[]),
+                           _draft_token_ids=None, prev_num_spec_tokens=0)
+
+# (requests, each one's slot last step (-1: new), drafts scheduled per request, the previous draft tensor's width)
+# batch 1 at K=2 twice; three requests; one moved; a new one beside a drafted one; uneven drafts; fewer drafts than
+# the tensor holds; plain decodes; no previous step
+STEPS = [(["a"], [0], [2], 2), (["a"], [0], [2], 2), (["a", "b", "c"], [0, 1, 2], [2, 2, 2], 2),
+         (["a", "b", "c"], [0, 2, 1], [2, 2, 2], 2), (["a", "d"], [0, -1], [2, 0], 2),
+         (["a", "b"], [0, 1], [2, 1], 2), (["a"], [0], [1], 2), (["a", "b"], [0, 1], [0, 0], 0),
+         (["a"], None, [2], 2)]
+runners = {"vllm": runner(), "fast": runner()}
+report = []
+for seed, (req_ids, previous, drafts, width) in enumerate(STEPS):
+    gen = torch.Generator().manual_seed(seed)
+    garbage = torch.randint(0, 9999, (SIZE,), generator=gen, dtype=torch.int32)
+    cpu_ids = torch.randint(0, 9999, (SIZE,), generator=gen, dtype=torch.int32)
+    sampled = torch.randint(0, 9999, (4, 1), generator=gen, dtype=torch.int32)
+    tensor = torch.randint(0, 9999, (4, width), generator=gen, dtype=torch.int64) if width else None
+    spec = {r: list(range(100, 100 + d)) for r, d in zip(req_ids, drafts) if d}
+    cu = np.cumsum([d + 1 for d in drafts])
+    for r in runners.values():
+        r.input_ids.gpu.copy_(garbage)
+        r.input_ids.cpu.copy_(cpu_ids)
+        r.input_batch.req_ids = req_ids
+        r.input_batch.prev_sampled_token_ids = None if previous is None else sampled
+        r.prev_positions.np[: len(req_ids)] = previous or -1
+        r._draft_token_ids, r.prev_num_spec_tokens = tensor, width
+    args = (SimpleNamespace(scheduled_spec_decode_tokens=spec), len(req_ids), int(cu[-1]), cu)
+    fast = draft_input_ids.uniform_drafts(runners["fast"], *args) is not None
+    vllm_prepare(runners["vllm"], *args)
+    fast_prepare(runners["fast"], *args)
+    expected, got = runners["vllm"].input_ids.gpu, runners["fast"].input_ids.gpu
+    report.append({"fast": fast, "equal": torch.equal(expected, got),
+                   "written": int((expected != garbage).sum())})
+draft_input_ids.register()
+draft_input_ids.register()  # twice: still one wrapper
+wrapped = getattr(GPUModelRunner._prepare_input_ids, draft_input_ids._WRAPPED, None)
+print(json.dumps({"steps": report, "registered_once": wrapped is vllm_prepare}))
+"""
+
+
+@pytest.mark.e2e
+def test_draft_input_ids_write_what_vllms_scatter_writes():
+    """serving.draft_input_ids against vLLM 0.26's own runner code: the same input ids at every step. Steady batches
+    whose requests verify the same number of drafts take the strided copies (batch 1 and 3 at K=2, fewer drafts than
+    the tensor holds); a moved request, a new one, uneven drafts, plain decodes and a first step go to vLLM's code."""
+    result = subprocess.run([str(SERVE_PY), "-c", DRAFT_INPUT_IDS, str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [step["fast"] for step in seen["steps"]] == [True, True, True, False, False, False, True, False, False]
+    assert all(step["equal"] for step in seen["steps"]), seen["steps"]
+    # every step wrote ids (a step that wrote none would be equal for nothing): batch 1 at K=2 writes 3, batch 3 9
+    assert [step["written"] for step in seen["steps"][:3]] == [3, 3, 9], seen["steps"]
+    assert seen["registered_once"]
+
+
+# vLLM 0.26's own update_ngram_gpu_tensors_incremental against serving.ngram_token_counts' slice copy, step after step
+NGRAM_TOKEN_COUNTS = r"""
+import json, sys, numpy as np, torch
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+from vllm.v1.spec_decode import ngram_proposer_gpu
+from vllm.v1.worker import gpu_model_runner
+from serving import ngram_token_counts
+
+torch.Tensor.pin_memory = lambda self, *a, **k: self  # no CUDA here: vLLM pins what it copies to the GPU
+vllm_update = gpu_model_runner.update_ngram_gpu_tensors_incremental
+fast_update = ngram_token_counts.counts_as_slice(vllm_update)
+SLOTS, LEN = 8, 32
+
+def state():
+    return SimpleNamespace(tokens=torch.full((SLOTS, LEN), -5, dtype=torch.int32),
+                           counts=torch.full((SLOTS,), -5, dtype=torch.int32),
+                           idx=torch.zeros(SLOTS, dtype=torch.long), val=torch.zeros(SLOTS, dtype=torch.int32))
+
+# (last step's slots, this step's slots, new requests): the first step; steady twice; a request finished; a new
+# one; two swapped; a gap in the slots
+STEPS = [(None, {"a": 0, "b": 1}, []), ({"a": 0, "b": 1}, {"a": 0, "b": 1}, []),
+         ({"a": 0, "b": 1}, {"a": 0, "b": 1}, []), ({"a": 0, "b": 1}, {"a": 0}, []),
+         ({"a": 0}, {"a": 0, "c": 1}, ["c"]), ({"a": 0, "c": 1}, {"a": 1, "c": 0}, []),
+         ({"a": 0, "c": 2}, {"a": 0, "c": 2}, [])]
+states = {"vllm": state(), "fast": state()}
+report = []
+for seed, (previous, current, new) in enumerate(STEPS):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, LEN, (SLOTS,), generator=gen, dtype=torch.int32)
+    batch = SimpleNamespace(prev_req_id_to_index=previous, req_id_to_index=current,
+                            num_tokens_no_spec=counts.numpy(), num_tokens_no_spec_cpu_tensor=counts,
+                            token_ids_cpu_tensor=torch.randint(0, 9999, (SLOTS, LEN), generator=gen, dtype=torch.int32))
+    news = [SimpleNamespace(req_id=r) for r in new]
+    fast = ngram_token_counts.steady_slots(batch, news) is not None
+    for name, update in (("vllm", vllm_update), ("fast", fast_update)):
+        s = states[name]
+        update(batch, s.tokens, s.counts, news, torch.device("cpu"), _pinned_idx_buf=s.idx, _pinned_val_buf=s.val)
+    report.append({"fast": fast, "equal": all(torch.equal(getattr(states["vllm"], k), getattr(states["fast"], k))
+                                             for k in ("tokens", "counts")),
+                   "counts": states["fast"].counts.tolist()})
+ngram_token_counts.register()
+ngram_token_counts.register()  # twice: still one wrapper
+wrapped = getattr(gpu_model_runner.update_ngram_gpu_tensors_incremental, ngram_token_counts._WRAPPED, None)
+print(json.dumps({"steps": report, "registered_once": wrapped is vllm_update,
+                  "proposer_module_untouched": ngram_proposer_gpu.update_ngram_gpu_tensors_incremental is vllm_update}))
+"""
+
+
+@pytest.mark.e2e
+def test_ngram_token_counts_copy_what_vllms_scatter_copies():
+    """serving.ngram_token_counts against vLLM 0.26's own code: the same token buffer and counts on the device at every
+    step. Steady batches in slots 0..n-1 take the slice copy; the first step, a finished, new or moved request and a gap
+    in the slots go to vLLM's code. The runner's name is patched, not the proposer module's."""
+    result = subprocess.run([str(SERVE_PY), "-c", NGRAM_TOKEN_COUNTS, str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [step["fast"] for step in seen["steps"]] == [False, True, True, False, False, False, False]
+    assert all(step["equal"] for step in seen["steps"]), seen["steps"]
+    # the fast steps moved the counts (each step draws new ones): equal is not equal for nothing
+    assert seen["steps"][1]["counts"][:2] != seen["steps"][2]["counts"][:2]
+    assert seen["registered_once"] and seen["proposer_module_untouched"]
