@@ -477,7 +477,9 @@ VARIANTS = {
     # beyond a plain step were vLLM writing the verify step's input ids (four index lists pinned and scattered) and
     # ngram_gpu's token counts (gathered and scattered by slot) every step. serving/draft_input_ids.py and
     # serving/ngram_token_counts.py (on by default) write both as slices when the batch is steady. K=2 with them and
-    # without (machine30's form), then K=4 with them, beside the plain step on one host: --only environment,
+    # without (machine30's form), then K=4 with them, beside the plain step on one host (machine31,
+    # results/gpu-proof/h100-input-slices: the two costs fell from 0.48 to 0.21 ms a step, the step did not measurably
+    # shorten): --only environment,
     # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-ngramgpu2-slices-spied,
     # serve-awq-broad-ngramgpu2-scatter-spied,serve-awq-broad-ngramgpu4-slices-spied
     **{

@@ -1634,3 +1634,102 @@ def test_the_silent_k_section_is_its_records():
     assert plain["spy"]["error"].startswith("the spied request ended before py-spy's windows")
     assert not list((folder / "spy").glob("awq-broad-spied-*")), "stacks past the request's end kept"
     assert found["variant-awq-broad-ngramgpu4-spied"]["status"] == "running"
+
+
+def test_the_input_slices_section_is_its_records():
+    """machine31: the served table and the host-time table recomputed from the records and the kept raw stacks; the
+    two plugins' own costs fell (the named self times), the step did not; the new plugins are off only in the scatter
+    row; the ids the docs compare are the records' (K=2 without the plugins equal to machine30's K=2 on every pair)."""
+    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
+    from serving.draft_input_ids import ENV as DRAFT_INPUT_IDS
+    from serving.ngram_token_counts import ENV as NGRAM_TOKEN_COUNTS
+
+    folder = RESULTS.parent / "h100-input-slices"
+    found = lease_records(folder)
+    assert_lease(found, "machine31")
+    section = "# A steady verify step's input ids and token counts as slices"
+    plain = found["variant-awq-broad-spied"]
+    slices, scatter = (found[f"variant-awq-broad-ngramgpu2-{form}-spied"] for form in ("slices", "scatter"))
+    k4 = found["variant-awq-broad-ngramgpu4-slices-spied"]
+    rows = {
+        "AWQ broad": plain,
+        "AWQ + ngram_gpu K=2, padded, graphs, every plugin": slices,
+        "AWQ + ngram_gpu K=2, padded, graphs, the two new plugins off": scatter,
+        "AWQ + ngram_gpu K=4, padded, graphs, every plugin": k4,
+    }
+    for label, record in rows.items():
+        itl_cells(section, label, record, plain)
+    assert_plugins_on(plain, slices, k4)
+    assert {k: v for k, v in scatter["serve_env"].items() if k.startswith("SERVING_")} == {
+        DRAFT_INPUT_IDS: "0",
+        NGRAM_TOKEN_COUNTS: "0",
+    }
+    spies = {
+        "plain step, AWQ broad": plain,
+        "ngram_gpu K=2, the two new plugins off": scatter,
+        "ngram_gpu K=2, every plugin": slices,
+        "ngram_gpu K=4, every plugin": k4,
+    }
+    for label, record in spies.items():
+        spy = record["spy"]
+        assert spy["step_ms"] == round(spy["request"]["itl_ms"], 3) and "error" not in spy, label
+        for window in WINDOWS:
+            raw, step_ms = read_raw(folder / spy["raw"][window]), spy[window]["step_ms"]
+            assert round(step_ms, 3) == spy["step_ms"], (label, window)
+            assert spy[window] == breakdown(raw, 1000, step_ms, anchor="step_with_batch_queue"), (label, window)
+        assert doc_row(section, label) == host_time_cells(spy), label
+    for record in (slices, scatter, k4):
+        assert all(c["mean_acceptance_length"] == 1.0 for s in SETS for c in set_categories(record, s))
+    off, on = scatter["spy"]["wall"]["self"], slices["spy"]["wall"]["self"]
+    ids_off = named_ms(off, "_prepare_input_ids")
+    ids_on = named_ms(on, "strided_input_ids.<locals>.prepare")
+    counts_parts = [named_ms(off, name) for name in ("update_ngram_gpu_tensors_incremental", "_sync_num_tokens")]
+    counts_on = named_ms(on, "counts_as_slice.<locals>.update")
+    # the plugin's frames replace vLLM's in the stacks: vLLM's functions never ran on the plugins' server
+    assert named_ms(on, "_prepare_input_ids") == named_ms(on, "_sync_num_tokens") == 0 and ids_on and counts_on
+    assert ids_off + sum(counts_parts) > 2 * (ids_on + counts_on)
+    doc = GPU_PROOF_DOC.read_text()
+    text = " ".join(doc[doc.index(section) :].split())
+    assert f"fell from {ids_off:.2f} ms a step (`_prepare_input_ids`) to {ids_on:.2f} ms" in text
+    plain_ids = named_ms(plain["spy"]["wall"]["self"], "_prepare_input_ids")
+    assert f"the plain step's own `_prepare_input_ids` is {plain_ids:.2f} ms" in text
+    assert (
+        f"from {sum(counts_parts):.2f} ms (`update_ngram_gpu_tensors_incremental` {counts_parts[0]:.2f} with "
+        f"`_sync_num_tokens` {counts_parts[1]:.2f}) to {counts_on:.2f} ms" in text
+    )
+    assert f"Together {ids_off + sum(counts_parts):.2f} ms became {ids_on + counts_on:.2f} ms" in text
+    assert f"{slices['spy']['step_ms']:.2f} ms a step with the plugins and {scatter['spy']['step_ms']:.2f} ms" in text
+    assert slices["spy"]["step_ms"] >= scatter["spy"]["step_ms"]  # the step did not shorten
+    grew = {
+        "_prepare_inputs": (named_ms(off, "_prepare_inputs"), named_ms(on, "_prepare_inputs")),
+        "sample_tokens": tuple(engine_step_part(r["spy"]["wall"], "sample_tokens") for r in (scatter, slices)),
+    }
+    for name, (before, after) in grew.items():
+        assert f"`{name}` {before:.2f} → {after:.2f} ms" in text and after > before, name
+    slow = [c["itl_median_ms"] for c in set_categories(scatter, "fresh")[:2]]
+    rest = sorted(
+        c["itl_median_ms"] for s in SETS for c in set_categories(scatter, s) if s != "fresh" or c["name"] == "long"
+    )
+    assert (
+        f"ran at {slow[0]:.2f} and {slow[1]:.2f} ms a token" in text
+        and f"against {rest[0]:.2f}-{rest[-1]:.2f} ms" in text
+    )
+    assert min(slow) > rest[-1]
+
+    def first_differences(a, b):
+        """Per set/category pair, the first output position where the two records' first-run ids differ."""
+        pairs = [(x, y) for s in SETS for x, y in zip(set_categories(a, s), set_categories(b, s), strict=True)]
+        ids = [(x["first_run_token_ids"], y["first_run_token_ids"]) for x, y in pairs]
+        return [next((i for i, (m, n) in enumerate(zip(u, v, strict=True)) if m != n), None) for u, v in ids]
+
+    earlier = lease_records(RESULTS.parent / "h100-silent-k")
+    assert first_differences(scatter, earlier["variant-awq-broad-ngramgpu2-spied"]) == [None] * 9
+    assert first_differences(plain, earlier["variant-awq-broad-spied"]) == [None] * 9
+    parted = first_differences(slices, scatter)
+    assert None not in parted and f"at output tokens {min(parted)}-{max(parted)}" in text
+    assert parted[SETS.index("varied") * 3 + 1] == 0 and "Varied/medium parts at token 0" in text
+    session = found["session"]
+    assert f"2026-11-28, {session['device_time_used_s']:,} s of device time)" in text
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"cut those two costs from {ids_off + sum(counts_parts):.2f} to {ids_on + counts_on:.2f} ms a step" in readme
+    assert f"({slices['spy']['step_ms']:.2f} ms a step with them, {scatter['spy']['step_ms']:.2f} without" in readme
