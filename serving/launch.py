@@ -34,6 +34,12 @@ CACHE_DIRS = {
     # inductor's CPU instruction-set probes, remembered by serving/aot_load_fix.py once per cache, not per compile
     "SERVING_ISA_PROBES_DIR": "isa-probes",
 }
+# Triton's autotuner times every config of a kernel at each start and keeps the fastest only in memory, unless told
+# to keep it in its cache dir (above, baked). vLLM's GDN prefill kernels are autotuned over block sizes, which set the
+# order of their sums: picked anew by timing, the last bits of a prefill can change from one start to the next, and
+# on flat logits a greedy token with them (results/gpu-proof/h100-input-slices: two starts parted at token 0). Kept,
+# every start of a baked image and every variant on one cache picks what the first start picked, and skips the timing.
+KEEP_AUTOTUNING = {"TRITON_CACHE_AUTOTUNING": "1"}
 
 
 def child_env(environ: dict, settings: dict | None = None) -> dict:
@@ -56,6 +62,8 @@ def child_env(environ: dict, settings: dict | None = None) -> dict:
     if cache_root.is_dir():
         for key, sub in CACHE_DIRS.items():
             env.setdefault(key, str(cache_root / sub))
+        for key, value in KEEP_AUTOTUNING.items():
+            env.setdefault(key, value)
     return env
 
 

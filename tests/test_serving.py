@@ -153,6 +153,33 @@ def test_child_env_fixes_every_path_in_vllms_compile_cache_key_under_the_cache(t
         assert env["SERVING_ISA_PROBES_DIR"] == str(tmp_path / "isa-probes")  # one per cache, not per compile
 
 
+def test_child_env_keeps_tritons_autotuning_picks_in_the_baked_cache(tmp_path):
+    """With a cache dir, Triton keeps its autotune picks there (baked with it); a caller's own choice stands."""
+    assert child_env({"CACHE_DIR": str(tmp_path)})["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert child_env({"CACHE_DIR": str(tmp_path), "TRITON_CACHE_AUTOTUNING": "0"})["TRITON_CACHE_AUTOTUNING"] == "0"
+    assert "TRITON_CACHE_AUTOTUNING" not in child_env({"CACHE_DIR": str(tmp_path / "absent")})
+
+
+# the Triton that vLLM brings reads the variable child_env sets: its autotuner then caches to disk
+TRITON_KNOB = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from serving.launch import KEEP_AUTOTUNING
+os.environ.update(KEEP_AUTOTUNING)
+from triton import knobs
+print(json.dumps({"cache": bool(knobs.autotuning.cache)}))
+"""
+
+
+@pytest.mark.e2e
+def test_the_serving_venvs_triton_reads_the_autotuning_switch(tiny_venvs):
+    out = subprocess.run(
+        [str(tiny_venvs["serve-cpu"]), "-c", TRITON_KNOB, str(ROOT)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"cache": True}
+
+
 def test_child_env_carries_middleware_settings():
     env = child_env({}, {"default_thinking": True, "thinking_reserve_tokens": 64})
     assert env["DEFAULT_THINKING"] == "1" and env["THINKING_RESERVE_TOKENS"] == "64"
