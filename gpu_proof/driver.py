@@ -496,6 +496,19 @@ VARIANTS = {
             (4, "slices", {}),
         )
     },
+    # twenty-fifth lease (prepared, not yet run; issue 14, item 4): on machine31 two starts of one code path parted at
+    # a prefill's first token, and Triton re-times its autotuned kernels (vLLM's GDN prefill among them) at every
+    # start; serving/launch.KEEP_AUTOTUNING now keeps the picks in the shared cache. Each form started twice from one
+    # cache, their ids compared start to start (TRITON_PRINT_AUTOTUNING=1 logs the picks): --only environment,
+    # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-again,
+    # serve-awq-broad-ngramgpu2-slices-spied,serve-awq-broad-ngramgpu2-slices-again
+    # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
+    "awq-broad-again": {"recipe": BROAD, "speculative": NO_SPECULATION, "first": "from:awq-broad-spied"},
+    "awq-broad-ngramgpu2-slices-again": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
+        "first": "from:awq-broad-spied",
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -613,6 +626,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu2-slices-spied",
     "serve-awq-broad-ngramgpu2-scatter-spied",
     "serve-awq-broad-ngramgpu4-slices-spied",
+    "serve-awq-broad-again",
+    "serve-awq-broad-ngramgpu2-slices-again",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)
