@@ -1716,18 +1716,22 @@ def test_the_input_slices_section_is_its_records():
     )
     assert min(slow) > rest[-1]
 
-    def first_differences(a, b):
-        """Per set/category pair, the first output position where the two records' first-run ids differ."""
-        pairs = [(x, y) for s in SETS for x, y in zip(set_categories(a, s), set_categories(b, s), strict=True)]
-        ids = [(x["first_run_token_ids"], y["first_run_token_ids"]) for x, y in pairs]
-        return [next((i for i, (m, n) in enumerate(zip(u, v, strict=True)) if m != n), None) for u, v in ids]
+    def first_differences(a, b) -> dict:
+        """(set, category) -> the first output position where the two records' first-run ids differ (None: equal),
+        as the pipeline's lossless check finds it."""
+        from lib.lossless import compare
+
+        rows = compare(a["probe"], b["probe"])
+        assert not any(row["problem"] for row in rows), rows
+        return {(row["set"], row["category"]): (row["first_difference"] or {}).get("position") for row in rows}
 
     earlier = lease_records(RESULTS.parent / "h100-silent-k")
-    assert first_differences(scatter, earlier["variant-awq-broad-ngramgpu2-spied"]) == [None] * 9
-    assert first_differences(plain, earlier["variant-awq-broad-spied"]) == [None] * 9
+    for record, same in ((scatter, "variant-awq-broad-ngramgpu2-spied"), (plain, "variant-awq-broad-spied")):
+        assert list(first_differences(record, earlier[same]).values()) == [None] * 9, same
     parted = first_differences(slices, scatter)
-    assert None not in parted and f"at output tokens {min(parted)}-{max(parted)}" in text
-    assert parted[SETS.index("varied") * 3 + 1] == 0 and "Varied/medium parts at token 0" in text
+    positions = list(parted.values())
+    assert None not in positions and f"at output tokens {min(positions)}-{max(positions)}" in text
+    assert parted[("varied", "medium")] == 0 and "Varied/medium parts at token 0" in text
     session = found["session"]
     assert f"2026-11-28, {session['device_time_used_s']:,} s of device time)" in text
     readme = " ".join((ROOT / "README.md").read_text().split())
