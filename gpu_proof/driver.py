@@ -496,10 +496,11 @@ VARIANTS = {
             (4, "slices", {}),
         )
     },
-    # twenty-fifth lease (prepared, not yet run; issue 14, item 4): on machine31 two starts of one code path parted at
-    # a prefill's first token, and Triton re-times its autotuned kernels (vLLM's GDN prefill among them) at every
+    # twenty-fifth lease (machine32; issue 14, items 3 and 4): on machine31 two starts of one code path parted at a
+    # prefill's first token, and Triton re-times its autotuned kernels (vLLM's GDN prefill among them) at every
     # start; serving/launch.KEEP_AUTOTUNING now keeps the picks in the shared cache. Each form started twice from one
-    # cache, their ids compared start to start (TRITON_PRINT_AUTOTUNING=1 logs the picks): --only environment,
+    # cache, their ids compared start to start (TRITON_PRINT_AUTOTUNING=1 logs the picks; K=2's second start was
+    # lost with the lease's budget): --only environment,
     # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-again,
     # serve-awq-broad-ngramgpu2-slices-spied,serve-awq-broad-ngramgpu2-slices-again
     # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1

@@ -36,9 +36,9 @@ CACHE_DIRS = {
 }
 # Triton's autotuner times every config of a kernel at each start and keeps the fastest only in memory, unless told
 # to keep it in its cache dir (above, baked). vLLM's GDN prefill kernels are autotuned over block sizes, which set the
-# order of their sums: picked anew by timing, the last bits of a prefill can change from one start to the next, and
-# on flat logits a greedy token with them (results/gpu-proof/h100-input-slices: two starts parted at token 0). Kept,
-# every start of a baked image and every variant on one cache picks what the first start picked, and skips the timing.
+# order of their sums. Kept, every start of a baked image and every variant on one cache runs the block sizes the
+# first start picked instead of whatever this start's timing favours (on an H100 the later starts timed nothing:
+# results/gpu-proof/h100-autotune-kept). It does not make a random model's near-tie tokens reproducible across starts.
 KEEP_AUTOTUNING = {"TRITON_CACHE_AUTOTUNING": "1"}
 
 

@@ -2,11 +2,13 @@
 that wrote them runs its serve/bake/probe flow against a fake server (no GPU needed)."""
 
 import json
+import re
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import jsonschema
@@ -1716,15 +1718,6 @@ def test_the_input_slices_section_is_its_records():
     )
     assert min(slow) > rest[-1]
 
-    def first_differences(a, b) -> dict:
-        """(set, category) -> the first output position where the two records' first-run ids differ (None: equal),
-        as the pipeline's lossless check finds it."""
-        from lib.lossless import compare
-
-        rows = compare(a["probe"], b["probe"])
-        assert not any(row["problem"] for row in rows), rows
-        return {(row["set"], row["category"]): (row["first_difference"] or {}).get("position") for row in rows}
-
     earlier = lease_records(RESULTS.parent / "h100-silent-k")
     for record, same in ((scatter, "variant-awq-broad-ngramgpu2-spied"), (plain, "variant-awq-broad-spied")):
         assert list(first_differences(record, earlier[same]).values()) == [None] * 9, same
@@ -1737,3 +1730,139 @@ def test_the_input_slices_section_is_its_records():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"cut those two costs from {ids_off + sum(counts_parts):.2f} to {ids_on + counts_on:.2f} ms a step" in readme
     assert f"({slices['spy']['step_ms']:.2f} ms a step with them, {scatter['spy']['step_ms']:.2f} without" in readme
+
+
+def first_differences(a, b) -> dict:
+    """(set, category) -> the first output position where two records' first-run ids differ (None: equal), as the
+    pipeline's lossless check finds it."""
+    from lib.lossless import compare
+
+    rows = compare(a["probe"], b["probe"])
+    assert not any(row["problem"] for row in rows), rows
+    return {(row["set"], row["category"]): (row["first_difference"] or {}).get("position") for row in rows}
+
+
+def ratio_range(record, plain) -> str:
+    """The lowest and highest per-set mean ITL of `record` against `plain`'s, as the docs write a range."""
+    ratios = [mean_itl(record, s) / mean_itl(plain, s) for s in SETS]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def test_the_autotune_kept_section_is_its_records():
+    """machine32: the served table and the host-time table recomputed from the records and the kept raw stacks; the
+    first start timed its kernels and the later ones none (their logs); two plain starts give the same ids, and the
+    speculative start on the same picks parts at the prefill's token; that token's tally over the project's records;
+    the same code's silent step against machine31's and machine30's."""
+    from gpu_proof.driver import VARIANTS
+    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
+
+    folder = RESULTS.parent / "h100-autotune-kept"
+    found = lease_records(folder)
+    assert_lease(found, "machine32")
+    section = "# Kept autotune picks, and a second start of each form"
+    plain, again = found["variant-awq-broad-spied"], found["variant-awq-broad-again"]
+    k2 = found["variant-awq-broad-ngramgpu2-slices-spied"]
+    rows = {
+        "AWQ broad": plain,
+        "AWQ broad, second start": again,
+        "AWQ + ngram_gpu K=2, padded, graphs, every plugin": k2,
+    }
+    for label, record in rows.items():
+        itl_cells(section, label, record, plain)
+        assert record["status"] == "ok" and record["serve_env"]["TRITON_PRINT_AUTOTUNING"] == "1", label
+    assert_plugins_on(plain, again, k2)
+    assert all(c["mean_acceptance_length"] == 1.0 for s in SETS for c in set_categories(k2, s))
+    # the later starts began on the first start's cache: what makes their picks its picks
+    for name in ("awq-broad-again", "awq-broad-ngramgpu2-slices-spied", "awq-broad-ngramgpu2-slices-again"):
+        assert VARIANTS[name]["first"] == "from:awq-broad-spied", name
+    assert found["variant-awq-broad-ngramgpu2-slices-again"]["status"] == "running"  # lost with the lease
+
+    spies = {"plain step, AWQ broad": plain, "ngram_gpu K=2, every plugin": k2}
+    for label, record in spies.items():
+        spy = record["spy"]
+        assert spy["step_ms"] == round(spy["request"]["itl_ms"], 3) and "error" not in spy, label
+        for window in WINDOWS:
+            raw, step_ms = read_raw(folder / spy["raw"][window]), spy[window]["step_ms"]
+            assert spy[window] == breakdown(raw, 1000, step_ms, anchor="step_with_batch_queue"), (label, window)
+        assert doc_row(section, label) == host_time_cells(spy), label
+
+    doc = GPU_PROOF_DOC.read_text()
+    text = " ".join(doc[doc.index(section) :].split())
+    starts = (
+        "awq-broad-spied",
+        "awq-broad-again",
+        "awq-broad-ngramgpu2-slices-spied",
+        "awq-broad-ngramgpu2-slices-again",
+    )
+    logs = {name: (folder / "logs" / f"machine32-{name}-first.log").read_text() for name in starts}
+    timed = {name: log.count("Autotuning kernel") for name, log in logs.items()}
+    kernels = set(re.findall(r"Triton autotuning for function (\w+)", logs["awq-broad-spied"]))
+    first_timed = timed.pop("awq-broad-spied")
+    assert first_timed > 0 and set(timed.values()) == {0}, timed
+    assert f"timed {first_timed} configs of {len(kernels)} kernels" in text
+    assert any(kernel.startswith("chunk_") for kernel in kernels)
+
+    for other in (
+        again,
+        lease_records(RESULTS.parent / "h100-input-slices")["variant-awq-broad-spied"],
+        lease_records(RESULTS.parent / "h100-silent-k")["variant-awq-broad-spied"],
+    ):
+        assert list(first_differences(plain, other).values()) == [None] * 9, other["machine"]
+    assert first_differences(k2, plain)[("varied", "medium")] == 0
+    again_ratios = [mean_itl(again, s) / mean_itl(plain, s) for s in SETS]
+    assert f"differs by {min(again_ratios):.2f}-{max(again_ratios):.2f}x" in text
+
+    # varied/medium's first token over every AWQ broad record since machine8 (the tied random checkpoint), and bf16's
+    records_by_token, plain_hosts, bf16_hosts = Counter(), defaultdict(set), defaultdict(set)
+    for path in RESULTS.parent.glob("h100-*/variant-*.json"):
+        record = json.loads(path.read_text())
+        medium = ((record.get("probe") or {}).get("varied") or {}).get("categories", [None, None])[1]
+        machine = int(record["machine"].removeprefix("machine"))
+        if not medium or not medium.get("first_run_token_ids") or machine < 8:
+            continue
+        token = medium["first_run_token_ids"][0]
+        if record.get("recipe") == "recipes/awq-w4a16-g32-broad.yaml":
+            records_by_token[token] += 1
+            if record["speculative"]["method"] == "none":
+                plain_hosts[token].add(machine)
+        elif record["variant"].startswith("bf16"):
+            bf16_hosts[token].add(machine)
+    plain_token = set_categories(plain, "varied")[1]["first_run_token_ids"][0]
+    k2_token = set_categories(k2, "varied")[1]["first_run_token_ids"][0]
+    assert set(records_by_token) == set(plain_hosts) == {plain_token, k2_token}
+    assert (
+        f"{plain_token} ({records_by_token[plain_token]} records) or {k2_token} ({records_by_token[k2_token]}), plain "
+        f"starts included ({plain_token} on {len(plain_hosts[plain_token])} hosts, {k2_token} on "
+        f"{len(plain_hosts[k2_token])})" in text
+    )
+    assert len(bf16_hosts) == 1 and f"the same on all {len(next(iter(bf16_hosts.values())))} hosts" in text
+
+    m31 = lease_records(RESULTS.parent / "h100-input-slices")
+    m30 = lease_records(RESULTS.parent / "h100-silent-k")
+    assert f"costs {ratio_range(k2, plain)} a plain one" in text
+    assert (
+        f"cost {ratio_range(m31['variant-awq-broad-ngramgpu2-slices-spied'], m31['variant-awq-broad-spied'])} on "
+        f"machine31 ({ratio_range(m30['variant-awq-broad-ngramgpu2-spied'], m30['variant-awq-broad-spied'])} on "
+        "machine30" in text
+    )
+    before, after = m31["variant-awq-broad-ngramgpu2-slices-spied"]["spy"], k2["spy"]
+    assert (
+        f"host work is {after['step_ms'] - after['wall']['gpu_wait']['ms_per_step']:.2f} ms a step against "
+        f"machine31's {before['step_ms'] - before['wall']['gpu_wait']['ms_per_step']:.2f} ms" in text
+    )
+    parts = {
+        "`_prepare_inputs`": "_prepare_inputs",
+        "the GDN spec metadata": "build_all_spec",
+        "the greedy rejection": "greedy_forward.<locals>.forward",
+        "the token counts": "counts_as_slice.<locals>.update",
+    }
+    for words, name in parts.items():
+        old, new = (named_ms(spy["wall"]["self"], name) for spy in (before, after))
+        assert f"{words} {old:.2f} → {new:.2f}" in text and new > old, name
+    assert f"thread hardly waits for the GPU ({after['wall']['gpu_wait']['ms_per_step']:.2f} ms a step)" in text
+    assert f"2026-11-28, {found['session']['device_time_used_s']:,} s of device time" in text
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    m31_range = ratio_range(m31["variant-awq-broad-ngramgpu2-slices-spied"], m31["variant-awq-broad-spied"])
+    assert (
+        f"same silent K=2 step cost {ratio_range(k2, plain)} a plain one, against {m31_range} on the fourth" in readme
+    )
