@@ -115,7 +115,11 @@ VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
 # The session's background build: {"process": Popen, "log": Path, "targets": [...]}.
 _background: dict = {}
-POLL_S = 15  # how often a fixture checks whether the background build has made its targets
+# How often a fixture asks Snakemake (a dry run, ~2.5 s of CPU) whether the background build has made its targets,
+POLL_S = 15
+# ...and, until they all exist, how often it looks for them (a stat; no dry run needed before): a fixture whose
+# targets appeared mid-sleep waited up to POLL_S for nothing (CI: 5-12 s after the venvs and the checkpoint).
+EXISTS_POLL_S = 1
 
 
 def background_targets(items) -> list[list[str]]:
@@ -178,8 +182,12 @@ def pytest_sessionfinish(session):
         process.wait(120)
 
 
+def _all_exist(targets: tuple[str, ...]) -> bool:
+    return all((ROOT / target).exists() for target in targets)
+
+
 def _up_to_date(targets: tuple[str, ...], config: list[str]) -> bool:
-    if not all((ROOT / target).exists() for target in targets):
+    if not _all_exist(targets):
         return False
     result = snakemake("-n", "--nolock", *targets, *config, check=False)
     return result.returncode == 0 and "Nothing to be done" in result.stdout
@@ -197,7 +205,7 @@ def build(*targets: str, config: list[str] | None = None) -> None:
     while process is not None and process.poll() is None:
         if _up_to_date(targets, config):
             return
-        time.sleep(POLL_S)
+        time.sleep(POLL_S if _all_exist(targets) else EXISTS_POLL_S)
     if process is not None and process.returncode != 0:
         log = _background["log"].read_text()
         raise AssertionError(

@@ -125,3 +125,24 @@ def test_its_failure_fails_the_fixture_with_its_log(runs):
     runs(Background(polls=1, code=1), up_to_date_after=None)
     with pytest.raises(AssertionError, match="background build of t failed \\(1\\):\n.*MissingInputException"):
         conftest.build("results/quantize/other/manifest.json")
+
+
+def test_it_looks_for_missing_targets_every_second_and_dry_runs_only_every_poll(runs, monkeypatch, tmp_path):
+    """While a target is missing a look costs a stat: the next is a second away. Once all exist, the dry runs that
+    follow are POLL_S apart (each costs seconds of CPU beside the build)."""
+    monkeypatch.setattr(conftest, "ROOT", tmp_path)
+    target = tmp_path / "weights" / "m" / "manifest.json"
+    calls = runs(Background(polls=10), up_to_date_after=None)
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        if len(slept) == 3:  # the background build writes the target during the third sleep
+            target.parent.mkdir(parents=True)
+            target.write_text("{}")
+
+    monkeypatch.setattr(conftest.time, "sleep", sleep)
+    conftest.build("weights/m/manifest.json")
+    assert slept[:3] == [conftest.EXISTS_POLL_S] * 3 and set(slept[3:]) == {conftest.POLL_S}
+    assert calls["dry"] == len(slept) == 10  # one look a poll of the build, then a run of its own once it has ended
+    assert calls["run"] == [("--cores", "2", "weights/m/manifest.json", *conftest.TINY)]
