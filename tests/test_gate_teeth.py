@@ -22,16 +22,17 @@ CHANCE = {"tiny_mc": 0.25, "tiny_mc_think": 0.25}  # four options, letters balan
 
 # Every language-model matrix keeps its values but in a seeded random order: the same dtype, shapes, norms and
 # value statistics (nothing a loader or a NaN check would notice), none of what training put there.
+# Every shard in one process (argv[1:]): torch's import is most of a run.
 SCRAMBLE = """
 import sys, torch
 from safetensors.torch import load_file, save_file
-path = sys.argv[1]
-tensors = load_file(path)
-gen = torch.Generator().manual_seed(0)
-for name, t in tensors.items():
-    if t.dim() == 2 and "language_model" in name:
-        tensors[name] = t.flatten()[torch.randperm(t.numel(), generator=gen)].reshape(t.shape).contiguous()
-save_file(tensors, path, metadata={"format": "pt"})
+for path in sys.argv[1:]:
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if t.dim() == 2 and "language_model" in name:
+            tensors[name] = t.flatten()[torch.randperm(t.numel(), generator=gen)].reshape(t.shape).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 """
 
 
@@ -73,8 +74,8 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
     it and the container stopped, is test_pipeline_e2e's test_gate_with_teeth_fails_and_stops_its_container.)"""
     model = tmp_path / "scrambled"
     shutil.copytree(ROOT / "weights" / TINY["model"]["name"] / "checkpoint", model)
-    for shard in sorted(model.glob("*.safetensors")):  # the script leaves non-language-model tensors
-        subprocess.run([str(COMPRESS), "-c", SCRAMBLE, str(shard)], check=True)
+    shards = sorted(map(str, model.glob("*.safetensors")))  # the script leaves non-language-model tensors
+    subprocess.run([str(COMPRESS), "-c", SCRAMBLE, *shards], check=True)
     # the gate reads answers, not speed: no speculation, and eager (a compile would add ~40 s on 2 cores)
     serve = {**serve_json(TINY["variants"][VARIANT]["serve"], {"method": "none"}), "enforce_eager": True}
     with host_server(model, serve, tmp_path / "server") as base:
