@@ -120,6 +120,9 @@ POLL_S = 15
 # ...and, until they all exist, how often it looks for them (a stat; no dry run needed before): a fixture whose
 # targets appeared mid-sleep waited up to POLL_S for nothing (CI: 5-12 s after the venvs and the checkpoint).
 EXISTS_POLL_S = 1
+# ...and the second dry run's delay: a job's outputs appear a moment before Snakemake has marked it done (a torch
+# stage's exit), and the first dry run may still find it running
+APPEARED_RETRY_S = 3
 
 
 def background_targets(items) -> list[list[str]]:
@@ -202,10 +205,12 @@ def build(*targets: str, config: list[str] | None = None) -> None:
     process = _background.get("process")
     if not targets and process is not None:
         process.wait()  # the default target is more than the background build makes
+    dry_runs = 0  # since the targets all exist
     while process is not None and process.poll() is None:
         if _up_to_date(targets, config):
             return
-        time.sleep(POLL_S if _all_exist(targets) else EXISTS_POLL_S)
+        dry_runs = dry_runs + 1 if _all_exist(targets) else 0
+        time.sleep({0: EXISTS_POLL_S, 1: APPEARED_RETRY_S}.get(dry_runs, POLL_S))
     if process is not None and process.returncode != 0:
         log = _background["log"].read_text()
         raise AssertionError(

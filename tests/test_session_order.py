@@ -128,8 +128,9 @@ def test_its_failure_fails_the_fixture_with_its_log(runs):
 
 
 def test_it_looks_for_missing_targets_every_second_and_dry_runs_only_every_poll(runs, monkeypatch, tmp_path):
-    """While a target is missing a look costs a stat: the next is a second away. Once all exist, the dry runs that
-    follow are POLL_S apart (each costs seconds of CPU beside the build)."""
+    """While a target is missing a look costs a stat: the next is a second away. Once all exist, a second dry run
+    soon (the first may find the job that wrote them still ending), then POLL_S apart (each costs seconds of CPU
+    beside the build)."""
     monkeypatch.setattr(conftest, "ROOT", tmp_path)
     target = tmp_path / "weights" / "m" / "manifest.json"
     calls = runs(Background(polls=10), up_to_date_after=None)
@@ -143,6 +144,7 @@ def test_it_looks_for_missing_targets_every_second_and_dry_runs_only_every_poll(
 
     monkeypatch.setattr(conftest.time, "sleep", sleep)
     conftest.build("weights/m/manifest.json")
-    assert slept[:3] == [conftest.EXISTS_POLL_S] * 3 and set(slept[3:]) == {conftest.POLL_S}
+    assert slept[:3] == [conftest.EXISTS_POLL_S] * 3  # looks while the target is missing
+    assert slept[3] == conftest.APPEARED_RETRY_S and set(slept[4:]) == {conftest.POLL_S}  # dry runs once it exists
     assert calls["dry"] == len(slept) == 10  # one look a poll of the build, then a run of its own once it has ended
     assert calls["run"] == [("--cores", "2", "weights/m/manifest.json", *conftest.TINY)]
