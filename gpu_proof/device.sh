@@ -3,7 +3,9 @@
 #   bash gpu_proof/device.sh chunk NAME K     copy a staged bundle chunk (.device-stage/NAME/cK, carried) to /root/stash
 #   bash gpu_proof/device.sh start            unpack the bundles, start gpu_proof/driver.py detached (setsid)
 #   bash gpu_proof/device.sh restart          stop the driver and its server, start again (done steps are skipped)
-#   bash gpu_proof/device.sh wait SECONDS     follow the driver; copy results.tar.gz and driver.log to $OUT
+#   bash gpu_proof/device.sh wait SECONDS     follow the driver; copy results.tar.gz and driver.log to $OUT (ask
+#                                             for a minute less than the device time left: a call cut at the budget
+#                                             brings nothing back, machine32's last 506 s)
 #   bash gpu_proof/device.sh traces           the six newest kept profiler traces to $OUT (with wait's two files,
 #                                             the eight files a call brings back)
 # The driver runs from a copy of the tree in /tmp/gp/repo, so a later call's fresh tree does not move under it.

@@ -500,7 +500,8 @@ VARIANTS = {
     # prefill's first token, and Triton re-times its autotuned kernels (vLLM's GDN prefill among them) at every
     # start; serving/launch.KEEP_AUTOTUNING now keeps the picks in the shared cache. Each form started twice from one
     # cache, their ids compared start to start (TRITON_PRINT_AUTOTUNING=1 logs the picks; K=2's second start was
-    # lost with the lease's budget): --only environment,
+    # lost with the lease's budget, so the next lease runs the same list without serve-awq-broad-again, its
+    # environment record naming the host CPU): --only environment,
     # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-again,
     # serve-awq-broad-ngramgpu2-slices-spied,serve-awq-broad-ngramgpu2-slices-again
     # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
@@ -664,6 +665,20 @@ def spy_output_tokens(spy: dict, probe: dict, max_model_len: int) -> int:
     return min(max_model_len - 2 * spy["prompt_tokens"], math.ceil(needed_s * 1000 / fastest_ms))
 
 
+def host_cpu(cpuinfo: str, governor: str | None) -> dict:
+    """The host CPU from /proc/cpuinfo's text: its model and its cores' clocks when read, and the frequency governor
+    (None where the host exposes none). A host-bound step follows them: machine32's silent K=2 step did 5.30 ms of host
+    work where machine31's did 4.03 ms with the same code, and the environment record did not say why."""
+    fields = [line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line]
+    models = {value.strip() for key, value in fields if key.strip() == "model name"}
+    clocks = [float(value) for key, value in fields if key.strip() == "cpu MHz"]
+    return {
+        "model": " / ".join(sorted(models)) or None,
+        "mhz_min_max": [min(clocks), max(clocks)] if clocks else None,
+        "governor": governor,
+    }
+
+
 class Driver:
     def __init__(self, state: Path, warmup: int, runs: int, serve_env: dict[str, str] | None = None):
         self.state = state
@@ -765,6 +780,8 @@ class Driver:
         cuda = subprocess.run(
             [sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True
         ).stdout.strip()
+        governor_file = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+        governor = governor_file.read_text().strip() if governor_file.exists() else None
         self.record(
             "environment",
             {
@@ -779,6 +796,7 @@ class Driver:
                 },
                 "gpu_count": len(smi.splitlines()),
                 "cpu_count": os.cpu_count(),
+                "cpu": host_cpu(Path("/proc/cpuinfo").read_text(), governor),
                 "python": sys.version.split()[0],
                 "torch_cuda": cuda,
                 "versions": versions,

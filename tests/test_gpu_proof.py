@@ -1866,3 +1866,39 @@ def test_the_autotune_kept_section_is_its_records():
     assert (
         f"same silent K=2 step cost {ratio_range(k2, plain)} a plain one, against {m31_range} on the fourth" in readme
     )
+
+
+def test_the_environment_names_the_host_cpu_a_host_bound_step_follows():
+    """The driver's environment record carries the CPU model, the cores' clock range and the governor, read from
+    /proc/cpuinfo (this machine's, and a two-model text), valid against the record's schema."""
+    from gpu_proof.driver import host_cpu
+
+    mixed = (
+        "processor\t: 0\nmodel name\t: CPU B\ncpu MHz\t\t: 3400.5\n\n"
+        "processor\t: 1\nmodel name\t: CPU A\ncpu MHz\t: 1500\n"
+    )
+    assert host_cpu(mixed, "performance") == {
+        "model": "CPU A / CPU B",
+        "mhz_min_max": [1500.0, 3400.5],
+        "governor": "performance",
+    }
+    assert host_cpu("", None) == {"model": None, "mhz_min_max": None, "governor": None}
+    here = host_cpu(Path("/proc/cpuinfo").read_text(), None)
+    assert here["model"] and here["model"] in Path("/proc/cpuinfo").read_text()
+    environment = {
+        "kind": "environment",
+        "status": "ok",
+        "gpu": {"name": "NVIDIA H100 80GB HBM3", "driver": "580", "memory_total": "81559 MiB"},
+        "versions": {
+            "host": {},
+            "vllm_bundle": {"vllm": "0.26.0"},
+            "llmcompressor_bundle": {"llmcompressor": "absent"},
+        },
+        "python": "3.12.3",
+        "torch_cuda": "13.0",
+        "driver_command": "python3 gpu_proof/driver.py",
+    }
+    for cpu in (here, host_cpu(mixed, "performance")):
+        jsonschema.validate({**environment, "cpu": cpu}, SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**environment, "cpu": {**here, "mhz_min_max": [1.0]}}, SCHEMA)
