@@ -1536,6 +1536,21 @@ def host_time_cells(spy: dict) -> list[str]:
     ]
 
 
+def assert_spied_rows(folder: Path, section: str, spies: dict) -> None:
+    """Each docs row `label` of `section`'s host-time table is its record's py-spy breakdown, recomputed from the kept
+    raw stacks at the step time of the spied request's own ITL (the driver's since machine31)."""
+    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
+
+    for label, record in spies.items():
+        spy = record["spy"]
+        assert spy["step_ms"] == round(spy["request"]["itl_ms"], 3) and "error" not in spy, label
+        for window in WINDOWS:
+            raw, step_ms = read_raw(folder / spy["raw"][window]), spy[window]["step_ms"]
+            assert round(step_ms, 3) == spy["step_ms"], (label, window)
+            assert spy[window] == breakdown(raw, 1000, step_ms, anchor="step_with_batch_queue"), (label, window)
+        assert doc_row(section, label) == host_time_cells(spy), label
+
+
 def test_the_spy_section_is_its_records():
     """machine29: the served table and the host-time table recomputed from the records and the kept raw stacks; the
     silent step waits on the GPU more than the plain one, MTP on V2 hardly at all; each filled spy says how."""
@@ -1642,7 +1657,6 @@ def test_the_input_slices_section_is_its_records():
     """machine31: the served table and the host-time table recomputed from the records and the kept raw stacks; the
     two plugins' own costs fell (the named self times), the step did not; the new plugins are off only in the scatter
     row; the ids the docs compare are the records' (K=2 without the plugins equal to machine30's K=2 on every pair)."""
-    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
     from serving.draft_input_ids import ENV as DRAFT_INPUT_IDS
     from serving.ngram_token_counts import ENV as NGRAM_TOKEN_COUNTS
 
@@ -1672,14 +1686,7 @@ def test_the_input_slices_section_is_its_records():
         "ngram_gpu K=2, every plugin": slices,
         "ngram_gpu K=4, every plugin": k4,
     }
-    for label, record in spies.items():
-        spy = record["spy"]
-        assert spy["step_ms"] == round(spy["request"]["itl_ms"], 3) and "error" not in spy, label
-        for window in WINDOWS:
-            raw, step_ms = read_raw(folder / spy["raw"][window]), spy[window]["step_ms"]
-            assert round(step_ms, 3) == spy["step_ms"], (label, window)
-            assert spy[window] == breakdown(raw, 1000, step_ms, anchor="step_with_batch_queue"), (label, window)
-        assert doc_row(section, label) == host_time_cells(spy), label
+    assert_spied_rows(folder, section, spies)
     for record in (slices, scatter, k4):
         assert all(c["mean_acceptance_length"] == 1.0 for s in SETS for c in set_categories(record, s))
     off, on = scatter["spy"]["wall"]["self"], slices["spy"]["wall"]["self"]
@@ -1754,7 +1761,6 @@ def test_the_autotune_kept_section_is_its_records():
     speculative start on the same picks parts at the prefill's token; that token's tally over the project's records;
     the same code's silent step against machine31's and machine30's."""
     from gpu_proof.driver import VARIANTS
-    from gpu_proof.spy_breakdown import WINDOWS, breakdown, read_raw
 
     folder = RESULTS.parent / "h100-autotune-kept"
     found = lease_records(folder)
@@ -1778,13 +1784,7 @@ def test_the_autotune_kept_section_is_its_records():
     assert found["variant-awq-broad-ngramgpu2-slices-again"]["status"] == "running"  # lost with the lease
 
     spies = {"plain step, AWQ broad": plain, "ngram_gpu K=2, every plugin": k2}
-    for label, record in spies.items():
-        spy = record["spy"]
-        assert spy["step_ms"] == round(spy["request"]["itl_ms"], 3) and "error" not in spy, label
-        for window in WINDOWS:
-            raw, step_ms = read_raw(folder / spy["raw"][window]), spy[window]["step_ms"]
-            assert spy[window] == breakdown(raw, 1000, step_ms, anchor="step_with_batch_queue"), (label, window)
-        assert doc_row(section, label) == host_time_cells(spy), label
+    assert_spied_rows(folder, section, spies)
 
     doc = GPU_PROOF_DOC.read_text()
     text = " ".join(doc[doc.index(section) :].split())
