@@ -991,6 +991,8 @@ class Driver:
                 self.run_probe(record, name, base, settings, spec)
         finally:
             self.stop(proc, log_path)
+        record["kernel_picks"] = kernel_picks(first_cache)
+        self.record(name, record)
         if spec["bake"]:
             # bf16's archive seeds the kernel caches of every later variant (prepare_cache)
             tar_path = self.state / "cache" / f"{'bf16' if spec['recipe'] is None else variant}.tar"
@@ -1378,6 +1380,56 @@ def cache_by_dir(cache: Path) -> dict:
         files = [p for p in sub.rglob("*") if p.is_file()]
         out[sub.name] = {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
     return out
+
+
+# what a best_config file records beside the pick itself: the time it measured and the compiled binary's hash
+INDUCTOR_NOT_PICKS = ("time_taken_ms", "triton_cache_hash")
+
+
+def kernel_picks(cache: Path) -> dict:
+    """What the kernels autotuned at a start picked, read from its cache dir: Triton's kept results (one
+    `<kernel>.autotune.json` a kernel and tuning key, in a dir named by their hash; the pick is the fastest config),
+    and inductor's `.best_config` of every kernel it generated with several configs, by path (vLLM keeps an inductor
+    cache a compile hash, so each variant tunes its own, beside those a seeded cache brought). Another pick sums in
+    another order: machine32's K=2 start timed no Triton kernel on the plain start's picks and still parted from it
+    at a prefill's near tie. Unreadable files (a start killed mid-write) are counted, not read."""
+    picks: dict = {"triton": {}, "inductor": {}, "unreadable": 0}
+    for path in sorted(cache.rglob("*.autotune.json")):
+        try:
+            data = json.loads(path.read_text())
+            config, _ = min(data["configs_timings"], key=lambda pair: pair[1])
+        except (OSError, ValueError, KeyError, TypeError):
+            picks["unreadable"] += 1
+            continue
+        picks["triton"][f"{path.parent.name}/{path.name}"] = {"key": data["key"], "config": config}
+    for path in sorted(cache.rglob("*.best_config")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            picks["unreadable"] += 1
+            continue
+        picks["inductor"][str(path.relative_to(cache))] = {k: v for k, v in data.items() if k not in INDUCTOR_NOT_PICKS}
+    return picks
+
+
+def differing_picks(a: dict, b: dict) -> dict:
+    """Two starts' kernel_picks side by side, per kind: the kernels both tuned, and those among them that one start
+    picked differently. A Triton kernel is its dir hash and name; an inductor kernel is its file name (its source
+    hash) under any compile hash, with the set of picks found for it."""
+
+    def by_kernel(picks: dict, kind: str) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for path, pick in picks[kind].items():
+            kernel = path if kind == "triton" else Path(path).name
+            out.setdefault(kernel, set()).add(json.dumps(pick, sort_keys=True))
+        return out
+
+    result = {}
+    for kind in ("triton", "inductor"):
+        left, right = by_kernel(a, kind), by_kernel(b, kind)
+        shared = sorted(set(left) & set(right))
+        result[kind] = {"shared": len(shared), "differ": [kernel for kernel in shared if left[kernel] != right[kernel]]}
+    return result
 
 
 def engine_core_pid(server_session: int, title: str) -> int:

@@ -109,6 +109,15 @@ def main() -> None:
     (CACHE / "vllm" / "compiled").write_text("graph")
     (CACHE / "triton").mkdir(exist_ok=True)
     (CACHE / "triton" / "kernel.cubin").write_text("kernel")
+    # an autotuned kernel's kept result, as Triton writes it with TRITON_CACHE_AUTOTUNING=1 (the driver reads picks)
+    tuned = CACHE / "triton" / "H0" / "fake_kernel.autotune.json"
+    if not tuned.exists():
+        tuned.parent.mkdir(exist_ok=True)
+        timings = [
+            [{"kwargs": {"BLOCK": 64}, "num_warps": 4}, [0.02]],
+            [{"kwargs": {"BLOCK": 128}, "num_warps": 4}, [0.01]],
+        ]
+        tuned.write_text(json.dumps({"key": [1], "configs_timings": timings}))
     ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
 
 

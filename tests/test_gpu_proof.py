@@ -206,6 +206,15 @@ def test_driver_bakes_restarts_and_probes_against_a_fake_server(tmp_path):
     assert bf16["probe"]["varied"] is not None and mtp["probe"]["varied"] is None
     assert mtp["decode"]["weights_bytes_per_step"] == 1000 + 500 + 2 * (100 + 500)
     assert (tmp_path / "done" / "serve-bf16").exists() and (tmp_path / "results.tar.gz").exists()
+    # each start's kernel picks, read from its cache after it stopped: the seeded start kept bf16's
+    from gpu_proof.driver import differing_picks
+
+    assert list(bf16["kernel_picks"]["triton"].values()) == [
+        {"key": [1], "config": {"kwargs": {"BLOCK": 128}, "num_warps": 4}}
+    ]
+    assert differing_picks(bf16["kernel_picks"], mtp["kernel_picks"])["triton"] == {"shared": 1, "differ": []}
+    for record in (bf16, mtp):
+        jsonschema.validate(record, SCHEMA)
 
 
 def test_driver_runs_only_its_steps_in_the_order_given_with_the_run_serve_env(tmp_path):
@@ -1902,3 +1911,45 @@ def test_the_environment_names_the_host_cpu_a_host_bound_step_follows():
         jsonschema.validate({**environment, "cpu": cpu}, SCHEMA)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**environment, "cpu": {**here, "mhz_min_max": [1.0]}}, SCHEMA)
+
+
+def test_kernel_picks_read_triton_and_inductor_tuning_from_a_cache_and_say_which_differ(tmp_path):
+    """The driver's record of what a start's autotuned kernels picked: Triton's kept result (its fastest config) and
+    inductor's best config without its timing; two caches compared kernel by kernel, a seeded copy of the same pick
+    not counted as a difference, another pick for the same inductor kernel under another compile hash counted."""
+    from gpu_proof.driver import INDUCTOR_NOT_PICKS, differing_picks, kernel_picks
+
+    def write(cache: Path, relative: str, data) -> None:
+        path = cache / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+    slow = {"kwargs": {"BK": 64}, "num_warps": 4, "num_stages": 2}
+    fast = {"kwargs": {"BK": 128}, "num_warps": 2, "num_stages": 3}
+    tuned = {"key": [2048, "torch.bfloat16"], "configs_timings": [[slow, [0.020, 0.019]], [fast, [0.015, 0.016]]]}
+    best = {"XBLOCK": 1, "R0_BLOCK": 2048, "num_warps": 16, "num_stages": 1, "configs_hash": "c1"}
+    best = {**best, "found_by_coordesc": False, "time_taken_ms": 3, "triton_cache_hash": "t1"}
+    inductor = "vllm/torch_compile_cache/torch_aot_compile/{}/inductor_cache/ab/cabc.best_config"
+    plain, spec = tmp_path / "plain", tmp_path / "spec"
+    for cache in (plain, spec):
+        write(cache, "triton/H0/chunk_fwd_kernel_o.autotune.json", tuned)
+        write(cache, inductor.format("P"), best)  # the spec cache was seeded from the plain one
+    write(plain, "triton/H9/broken.autotune.json", "{")
+    write(spec, inductor.format("S"), {**best, "R0_BLOCK": 512})  # the spec variant's own compile hash
+
+    picks = kernel_picks(plain)
+    assert picks["triton"] == {"H0/chunk_fwd_kernel_o.autotune.json": {"key": tuned["key"], "config": fast}}
+    assert picks["inductor"] == {inductor.format("P"): {k: v for k, v in best.items() if k not in INDUCTOR_NOT_PICKS}}
+    assert picks["unreadable"] == 1
+    assert differing_picks(picks, picks) == {
+        "triton": {"shared": 1, "differ": []},
+        "inductor": {"shared": 1, "differ": []},
+    }
+    assert differing_picks(picks, kernel_picks(spec)) == {
+        "triton": {"shared": 1, "differ": []},
+        "inductor": {"shared": 1, "differ": ["cabc.best_config"]},
+    }
+    record = lease_records(RESULTS.parent / "h100-autotune-kept")["variant-awq-broad-spied"]
+    jsonschema.validate({**record, "kernel_picks": picks}, SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**record, "kernel_picks": {**picks, "unreadable": -1}}, SCHEMA)
