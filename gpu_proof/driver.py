@@ -511,6 +511,27 @@ VARIANTS = {
         "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
         "first": "from:awq-broad-spied",
     },
+    # twenty-sixth lease (prepared, not yet run; issue 14, items 3 and 4): machine32's K=2 start reused the plain
+    # start's Triton picks and still parted from it at a prefill's near tie; the candidate is inductor, which tunes the
+    # kernels of each compile hash in that hash's own cache (kernel_picks records them now). K=2 baked from the plain
+    # start's cache, then started twice more: once from its own baked cache (its own inductor and Triton picks, so
+    # under the candidate the same ids on every pair) and once from the plain start's (its inductor kernels tuned
+    # anew): --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,
+    # serve-awq-broad-ngramgpu2-baked,serve-awq-broad-ngramgpu2-rebaked,serve-awq-broad-ngramgpu2-slices-again
+    # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
+    "awq-broad-ngramgpu2-baked": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
+        "first": "from:awq-broad-spied",
+        "bake": True,
+        "restart": False,
+        "spy": True,
+    },
+    "awq-broad-ngramgpu2-rebaked": {
+        "recipe": BROAD,
+        "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
+        "first": "from:awq-broad-ngramgpu2-baked",
+    },
 }
 SPEC_DEFAULTS = {
     "serve": {},  # over config.yaml's real serve section
@@ -630,6 +651,8 @@ STEPS = [
     "serve-awq-broad-ngramgpu4-slices-spied",
     "serve-awq-broad-again",
     "serve-awq-broad-ngramgpu2-slices-again",
+    "serve-awq-broad-ngramgpu2-baked",
+    "serve-awq-broad-ngramgpu2-rebaked",
 ]
 # vLLM's torch profiler (its ProfilerConfig): kernels and host ranges, no Python stacks (they slow the host side
 # that the profile is partly about)

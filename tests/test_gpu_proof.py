@@ -1427,10 +1427,8 @@ open(out, "w").write(
 """
 
 
-def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
-    """A `spy` variant: after the probe, py-spy samples the server's engine core (found by its title in the server's
-    session) in two windows of one long request; the record holds both breakdowns with the request's time a step, and
-    the raw stacks are kept gzipped. A request shorter than the windows fails the step instead of recording them."""
+def spied_fake_driver(tmp_path):
+    """fake_driver with AWQ broad's quantized checkpoint (a copy), a fake py-spy, short windows and a short probe."""
     d = fake_driver(tmp_path)
     quantized = tmp_path / "quant" / "awq-w4a16-g32-broad" / "model"
     shutil.copytree(d.model_dir, quantized)
@@ -1442,6 +1440,34 @@ def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
     d.serve_env = {"FAKE_TOKEN_DELAY_S": "0.003"}
     probe_settings = d.probe_settings()  # a short probe: the slow tokens are for the spied request
     d.probe_settings = lambda: dict(probe_settings, categories=[dict(probe_settings["categories"][0], output_tokens=4)])
+    return d
+
+
+def test_the_next_lease_restarts_k2_from_its_own_baked_cache_and_from_the_plain_one(tmp_path):
+    """The twenty-sixth lease's chain: K=2 bakes its cache from the plain start's, one more K=2 start runs on that
+    baked cache (the picks its first start made) and one on the plain start's (its own tuned anew)."""
+    from gpu_proof.driver import VARIANTS, differing_picks
+
+    d = spied_fake_driver(tmp_path)
+    steps = ["awq-broad-spied", "awq-broad-ngramgpu2-baked", "awq-broad-ngramgpu2-rebaked"]
+    steps.append("awq-broad-ngramgpu2-slices-again")
+    d.run_steps([f"serve-{step}" for step in steps])
+    found = {step: json.loads((tmp_path / "results" / f"variant-{step}.json").read_text()) for step in steps}
+    assert all(record["status"] == "ok" for record in found.values())
+    baked, rebaked, again = (found[step] for step in steps[1:])
+    assert baked["speculative"] == rebaked["speculative"] == again["speculative"]
+    assert baked["cold_start"]["first_start_cache"] == rebaked["cold_start"]["first_start_cache"] == "seeded"
+    assert (tmp_path / "cache" / "awq-broad-ngramgpu2-baked.tar").exists()  # the cache the second start began on
+    assert VARIANTS["awq-broad-ngramgpu2-rebaked"]["first"] == "from:awq-broad-ngramgpu2-baked"
+    assert VARIANTS["awq-broad-ngramgpu2-slices-again"]["first"] == "from:awq-broad-spied"
+    assert differing_picks(baked["kernel_picks"], rebaked["kernel_picks"])["triton"] == {"shared": 1, "differ": []}
+
+
+def test_driver_spies_on_the_engine_core_during_one_long_request(tmp_path):
+    """A `spy` variant: after the probe, py-spy samples the server's engine core (found by its title in the server's
+    session) in two windows of one long request; the record holds both breakdowns with the request's time a step, and
+    the raw stacks are kept gzipped. A request shorter than the windows fails the step instead of recording them."""
+    d = spied_fake_driver(tmp_path)
     d.run_steps(["serve-awq-broad-spied"])
     record = json.loads((tmp_path / "results" / "variant-awq-broad-spied.json").read_text())
     assert record["status"] == "ok", record
