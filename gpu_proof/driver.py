@@ -500,8 +500,7 @@ VARIANTS = {
     # prefill's first token, and Triton re-times its autotuned kernels (vLLM's GDN prefill among them) at every
     # start; serving/launch.KEEP_AUTOTUNING now keeps the picks in the shared cache. Each form started twice from one
     # cache, their ids compared start to start (TRITON_PRINT_AUTOTUNING=1 logs the picks; K=2's second start was
-    # lost with the lease's budget, so the next lease runs the same list without serve-awq-broad-again, its
-    # environment record naming the host CPU): --only environment,
+    # lost with the lease's budget, and the twenty-sixth lease below takes it up): --only environment,
     # checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,serve-awq-broad-again,
     # serve-awq-broad-ngramgpu2-slices-spied,serve-awq-broad-ngramgpu2-slices-again
     # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
