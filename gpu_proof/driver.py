@@ -510,18 +510,28 @@ VARIANTS = {
         "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
         "first": "from:awq-broad-spied",
     },
-    # twenty-sixth lease (prepared, not yet run; issue 14, items 3 and 4): machine32's K=2 start reused the plain
-    # start's Triton picks and still parted from it at a prefill's near tie; the candidate is inductor, which tunes the
-    # kernels of each compile hash in that hash's own cache (kernel_picks records them now). K=2 baked from the plain
-    # start's cache, then started twice more: once from its own baked cache (its own inductor and Triton picks, so
-    # under the candidate the same ids on every pair) and once from the plain start's (its inductor kernels tuned
-    # anew): --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,serve-awq-broad-spied,
-    # serve-awq-broad-ngramgpu2-baked,serve-awq-broad-ngramgpu2-rebaked,serve-awq-broad-ngramgpu2-slices-again
+    # twenty-sixth lease, the first on an H200 (HBM3e at 4.8 TB/s against the H100's 3.35, and another host CPU, which
+    # the environment record now names). The plain AWQ token was host-bound on every H100 host (2.8-3.2 ms of host
+    # work a step): spied and profiled (GPU busy a step) here, it says whether faster memory or this host reaches issue
+    # 15's 2.2 ms. Then issue 14, item 3's silent K=2 step on this host, baked from the plain start's cache; bf16 on
+    # the same host; and K=2 started again on its own baked cache. machine32's K=2 start reused the plain start's
+    # Triton picks and still parted from it at a prefill's near tie; the candidate is inductor, which tunes the kernels
+    # of each compile hash in that hash's own cache (kernel_picks records them), so under it a start on its own baked
+    # cache gives the same ids on every pair: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,
+    # serve-awq-broad-spied-profile,serve-awq-broad-ngramgpu2-baked,serve-bf16-base,serve-awq-broad-ngramgpu2-rebaked
     # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
+    "awq-broad-spied-profile": {
+        "recipe": BROAD,
+        "speculative": NO_SPECULATION,
+        "bake": True,
+        "restart": False,
+        "spy": True,
+        "profile": True,
+    },
     "awq-broad-ngramgpu2-baked": {
         "recipe": BROAD,
         "speculative": {**NGRAM_GPU4_GRAPH, "k": 2},
-        "first": "from:awq-broad-spied",
+        "first": "from:awq-broad-spied-profile",
         "bake": True,
         "restart": False,
         "spy": True,
@@ -650,6 +660,7 @@ STEPS = [
     "serve-awq-broad-ngramgpu4-slices-spied",
     "serve-awq-broad-again",
     "serve-awq-broad-ngramgpu2-slices-again",
+    "serve-awq-broad-spied-profile",
     "serve-awq-broad-ngramgpu2-baked",
     "serve-awq-broad-ngramgpu2-rebaked",
 ]

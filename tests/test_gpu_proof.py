@@ -1443,23 +1443,22 @@ def spied_fake_driver(tmp_path):
     return d
 
 
-def test_the_next_lease_restarts_k2_from_its_own_baked_cache_and_from_the_plain_one(tmp_path):
-    """The twenty-sixth lease's chain: K=2 bakes its cache from the plain start's, one more K=2 start runs on that
-    baked cache (the picks its first start made) and one on the plain start's (its own tuned anew)."""
+def test_the_h200_lease_profiles_the_plain_step_and_restarts_k2_from_its_own_baked_cache(tmp_path):
+    """The twenty-sixth lease's chain: the plain start is spied and profiled, K=2 bakes its cache from the plain
+    start's, and one more K=2 start runs on that baked cache (the picks its first start made)."""
     from gpu_proof.driver import VARIANTS, differing_picks
 
     d = spied_fake_driver(tmp_path)
-    steps = ["awq-broad-spied", "awq-broad-ngramgpu2-baked", "awq-broad-ngramgpu2-rebaked"]
-    steps.append("awq-broad-ngramgpu2-slices-again")
+    steps = ["awq-broad-spied-profile", "awq-broad-ngramgpu2-baked", "awq-broad-ngramgpu2-rebaked"]
     d.run_steps([f"serve-{step}" for step in steps])
-    found = {step: json.loads((tmp_path / "results" / f"variant-{step}.json").read_text()) for step in steps}
-    assert all(record["status"] == "ok" for record in found.values())
-    baked, rebaked, again = (found[step] for step in steps[1:])
-    assert baked["speculative"] == rebaked["speculative"] == again["speculative"]
+    plain, baked, rebaked = (json.loads((tmp_path / "results" / f"variant-{step}.json").read_text()) for step in steps)
+    assert all(record["status"] == "ok" for record in (plain, baked, rebaked))
+    assert set(plain["profile"]["sets"]) == {"repeated", "fresh"} and plain["spy"]["wall"]["main_samples"] > 0
+    assert baked["speculative"] == rebaked["speculative"] and baked["speculative"]["k"] == 2
     assert baked["cold_start"]["first_start_cache"] == rebaked["cold_start"]["first_start_cache"] == "seeded"
     assert (tmp_path / "cache" / "awq-broad-ngramgpu2-baked.tar").exists()  # the cache the second start began on
+    assert VARIANTS["awq-broad-ngramgpu2-baked"]["first"] == "from:awq-broad-spied-profile"
     assert VARIANTS["awq-broad-ngramgpu2-rebaked"]["first"] == "from:awq-broad-ngramgpu2-baked"
-    assert VARIANTS["awq-broad-ngramgpu2-slices-again"]["first"] == "from:awq-broad-spied"
     assert differing_picks(baked["kernel_picks"], rebaked["kernel_picks"])["triton"] == {"shared": 1, "differ": []}
 
 
