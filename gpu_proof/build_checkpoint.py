@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
+from lib.stage import sha256_file  # noqa: E402
 from lib.tiny.synthesis import build_tiny_checkpoint  # noqa: E402
 from lib.tiny.tokenizer import train_tokenizer  # noqa: E402
 
@@ -117,6 +118,9 @@ def main() -> None:
         "total_params": sum(g["params"] for g in groups.values()),
         "total_bytes": sum(g["bytes"] for g in groups.values()),
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
+        # machine33-34 (the first H200) gave other greedy ids than the H100s, and nothing said whether the weights
+        # were the same: a digest per weights file says it (a few seconds for the full-size checkpoint)
+        "weights_sha256": {p.name: sha256_file(p) for p in sorted(out.glob("*.safetensors"))},
         "tokenizer_s": round(tokenizer_s, 1),
         "build_s": round(build_s, 1),
         "peak_gpu_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else 0.0,

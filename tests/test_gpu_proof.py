@@ -1,6 +1,7 @@
 """The GPU proof (issue #7): the committed H100 records validate and agree with each other, and the driver
 that wrote them runs its serve/bake/probe flow against a fake server (no GPU needed)."""
 
+import hashlib
 import json
 import re
 import shutil
@@ -330,6 +331,11 @@ def test_checkpoint_builder_runs_on_the_current_tiny_model_api(tmp_path, tiny_ve
     data = json.loads(result.read_text())
     assert data["text_config"]["hidden_size"] == 64 and data["text_config"]["vocab_size"] == 4160
     assert data["text_config"]["full_attention_layers"] == 1 and data["tensor_groups"]["mtp"]["tensors"] > 0
+    shards = sorted(p.name for p in (tmp_path / "model").glob("*.safetensors"))
+    assert shards and sorted(data["weights_sha256"]) == shards
+    assert (
+        data["weights_sha256"][shards[0]] == hashlib.sha256((tmp_path / "model" / shards[0]).read_bytes()).hexdigest()
+    )
     # the schema pins the real shapes, so a small record can only be checked for the keys it must carry
     required = set(SCHEMA["$defs"]["checkpoint"]["required"]) - {"command"}  # the driver adds the command
     assert required <= set(data), sorted(required - set(data))
@@ -636,6 +642,7 @@ def test_ngram_gpu_keeps_async_scheduling_and_padding_makes_its_silent_step_chea
 
 GPU_PROOF_DOC = ROOT / "docs" / "gpu-proof.md"
 SETS = ("repeated", "varied", "fresh")
+BROAD_RECIPE = "recipes/awq-w4a16-g32-broad.yaml"
 
 
 def set_categories(record, set_name):
@@ -1853,7 +1860,7 @@ def test_the_autotune_kept_section_is_its_records():
         if not medium or not medium.get("first_run_token_ids") or machine < 8:
             continue
         token = medium["first_run_token_ids"][0]
-        if record.get("recipe") == "recipes/awq-w4a16-g32-broad.yaml":
+        if record.get("recipe") == BROAD_RECIPE:
             records_by_token[token] += 1
             if record["speculative"]["method"] == "none":
                 plain_hosts[token].add(machine)
@@ -1973,3 +1980,141 @@ def test_kernel_picks_read_triton_and_inductor_tuning_from_a_cache_and_say_which
     jsonschema.validate({**record, "kernel_picks": picks}, SCHEMA)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**record, "kernel_picks": {**picks, "unreadable": -1}}, SCHEMA)
+
+
+def plain_h100_records(recipe) -> dict[str, dict]:
+    """machine -> the H100 records of `recipe` served without speculation, every plugin at its default on runner V1
+    (no SERVING_* switch, no other kernel or runner: the form the H200 section compares with), probed."""
+    quiet = {"VLLM_USE_FLASHINFER_SAMPLER", "TRITON_PRINT_AUTOTUNING"}
+    found = defaultdict(list)
+    for path in sorted(RESULTS.parent.glob("h100*/variant-*.json")):
+        record = json.loads(path.read_text())
+        if record["status"] != "ok" or not record.get("probe"):
+            continue
+        if record["recipe"] != recipe or record["speculative"]["method"] != "none":
+            continue
+        if set(record.get("serve_env") or {}) - quiet or record["serve_settings"].get("model_runner") not in (
+            None,
+            "v1",
+        ):
+            continue
+        found[record["machine"]].append(record)
+    return found
+
+
+def test_the_h200_section_is_its_records():
+    """machine33-34: the served table from the records; the H100 ranges it compares with, over every plain record of
+    the same form; the weights' bound and the work beyond it; the prefill times, the autotune counts, where the ids
+    part from the H100s', the bandwidth and the CPU the records name."""
+    folder = RESULTS.parent / "h200"
+    found = lease_records(folder)
+    assert_lease(found, "machine33", "machine34")
+    section = "# The first H200: faster memory, the same quantized token"
+    awq, bf16 = found["variant-awq-broad-spied-profile"], found["variant-bf16-base"]
+    assert awq["status"] == "running" and bf16["status"] == "ok"  # AWQ broad's profile was lost with machine33
+    assert (awq["machine"], bf16["machine"]) == ("machine33", "machine34")
+    itl_cells(section, "AWQ broad (machine33)", awq, awq, bf16)
+    itl_cells(section, "bf16 (machine34)", bf16, awq)
+    assert_plugins_on(awq, bf16)
+    doc = GPU_PROOF_DOC.read_text()
+    text = " ".join(doc[doc.index(section) :].split())
+
+    def span(values, digits=2):
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+    awq_itls = [mean_itl(awq, s) for s in SETS]
+    h100_awq, h100_bf16 = plain_h100_records(BROAD_RECIPE), plain_h100_records(None)
+    h100_awq_itls = [
+        mean_itl(r, s) for rs in h100_awq.values() for r in rs for s in SETS if s == "repeated" or r["probe"].get(s)
+    ]
+    h100_bf16_itls = [
+        mean_itl(r, s) for rs in h100_bf16.values() for r in rs for s in SETS if s == "repeated" or r["probe"].get(s)
+    ]
+    assert f"took {span(awq_itls)} ms here, against {span(h100_awq_itls)} ms on {len(h100_awq)} H100 hosts" in text
+    assert f"fell from {span(h100_bf16_itls)} ms ({len(h100_bf16)} H100 hosts) to {mean_itl(bf16):.2f} ms" in text
+    assert len({round(mean_itl(bf16, s), 2) for s in SETS}) == 1
+
+    # the weights' time at this GPU's copy rate, and what each token takes beyond it
+    awq_bound = {c["weights_bound_ms"] for c in awq["decode"]["categories"]}.pop()
+    bf16_bound = {c["weights_bound_ms"] for c in bf16["decode"]["categories"]}.pop()
+    assert f"would take {awq_bound:.2f} ms, and its token is {span([i / awq_bound for i in awq_itls], 1)}x that" in text
+    assert f"would take {bf16_bound:.2f} ms, and its token is {mean_itl(bf16) / bf16_bound:.2f}x that" in text
+    beyond = lambda record: [c["itl_median_ms"] - c["weights_bound_ms"] for c in record["decode"]["categories"]]  # noqa: E731
+    h100_beyond = [gap for rs in h100_bf16.values() for r in rs for gap in beyond(r)]
+    assert f"plus {span(beyond(bf16))} ms here, and plus {span(h100_beyond)} ms on {len(h100_bf16)} H100 hosts" in text
+
+    # AWQ broad against bf16 on the H100 hosts that served both: per set, and on the competition's set alone
+    def speedups(fast, slow, sets):
+        return {
+            s: statistics.mean(
+                b["median_ms"] / a["median_ms"]
+                for a, b in zip(set_categories(fast, s), set_categories(slow, s), strict=True)
+            )
+            for s in sets
+            if s == "repeated" or (fast["probe"].get(s) and slow["probe"].get(s))
+        }
+
+    both = [(h100_awq[m][0], h100_bf16[m][0]) for m in sorted(set(h100_awq) & set(h100_bf16))]
+    h100_sets = [speedups(a, b, SETS) for a, b in both]
+    here = speedups(awq, bf16, SETS)
+    assert f"AWQ broad is {span(here.values())}x bf16 here" in text
+    assert f"against {span([v for d in h100_sets for v in d.values()])}x on the {len(both)} H100 hosts" in text
+    competition = [d["repeated"] for d in h100_sets]
+    assert f"({span(competition)}x on the competition set, where the H200 gives {here['repeated']:.2f}x)" in text
+    assert here["repeated"] < min(competition)
+
+    # prefill of the long category, the starts, the autotuned configs
+    h100_awq_spied = [
+        lease_records(RESULTS.parent / f)["variant-awq-broad-spied"]
+        for f in ("h100-input-slices", "h100-autotune-kept")
+    ]
+
+    def long_ttfts(record):
+        return [set_categories(record, s)[2]["ttft_median_ms"] for s in SETS]
+
+    assert f"came after {span(long_ttfts(awq), 0)} ms for AWQ broad and {span(long_ttfts(bf16), 0)} ms for bf16" in text
+    m32 = h100_awq_spied[1]
+    assert m32["machine"] == "machine32" and m32["cold_start"]["first_start_cache"] == "empty"
+    assert f"AWQ broad answered after {awq['cold_start']['empty_cache_s']:.0f} s" in text
+    assert f"({m32['cold_start']['empty_cache_s']:.0f} s on machine32)" in text
+    assert f"bf16 after {bf16['cold_start']['empty_cache_s']:.0f} s" in text
+    logs = [folder / "logs" / f"{r['machine']}-{r['variant']}-first.log" for r in (awq, bf16)]
+    timed = {log.read_text().count("Autotuning kernel") for log in logs}
+    assert len(timed) == 1 and f"Both timed {timed.pop()} autotune configs" in text
+
+    # where the ids part from the H100s'
+    def parting(record, others):
+        positions = [p for other in others for p in first_differences(record, other).values()]
+        assert None not in positions
+        return f"{min(positions)}-{max(positions)}"
+
+    h100_bf16_refs = [
+        lease_records(RESULTS.parent / "h100-suffix-plugins")["variant-bf16-all"],
+        lease_records(RESULTS.parent / "h100-runner2-lossless")["variant-bf16-reference"],
+    ]
+    assert (
+        f"at output tokens {parting(awq, h100_awq_spied)} for AWQ broad and {parting(bf16, h100_bf16_refs)} for bf16"
+        in text
+    )
+
+    # the hosts: bandwidth, the H100s' range, the CPU
+    copies = [found[n]["copy_gbps"] for n in ("bandwidth", "bandwidth-machine34")]
+    h100_copies = [json.loads(p.read_text())["copy_gbps"] for p in RESULTS.parent.glob("h100*/bandwidth*.json")]
+    assert f"measured {min(copies):,.0f} and {max(copies):,.0f} GB/s" in text
+    assert f"a GPU {min(copies) / max(h100_copies):.1f}x faster at reading weights" in text
+    assert (
+        f"against {min(h100_copies):,.0f}-{max(h100_copies):,.0f} GB/s on every H100 host ({len(h100_copies)} records)"
+        in text
+    )
+    for name in ("environment", "environment-machine34"):
+        cpu = found[name]["cpu"]
+        assert cpu["governor"] is None and f'"{cpu["model"]}" at {cpu["mhz_min_max"][1]:,.0f} MHz' in text
+        assert found[name]["gpu"]["name"] == "NVIDIA H200"
+    session = found["session"]
+    assert f"2026-11-28, {session['device_time_used_s']:,} s of device time)" in text
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"copying at {min(copies):,.0f}-{max(copies):,.0f} GB/s" in readme
+    assert f"fell from {span(h100_bf16_itls)} ms on the H100 hosts to {mean_itl(bf16):.2f} ms" in readme
+    assert f"stayed at {span(awq_itls)} ms ({span(h100_awq_itls)} on the H100s), " in readme
+    assert f"{span([i / awq_bound for i in awq_itls], 1)}x the time its weights take" in readme
+    assert f"AWQ broad is {here['repeated']:.2f}x bf16 on the competition set there ({span(competition)}x" in readme
