@@ -517,7 +517,9 @@ VARIANTS = {
     # the same host; and K=2 started again on its own baked cache. machine32's K=2 start reused the plain start's
     # Triton picks and still parted from it at a prefill's near tie; the candidate is inductor, which tunes the kernels
     # of each compile hash in that hash's own cache (kernel_picks records them), so under it a start on its own baked
-    # cache gives the same ids on every pair: --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,
+    # cache gives the same ids on every pair. machine33 probed the plain start and went back idle before its profile
+    # (results/gpu-proof/h200: bf16 ran on machine34 with the time left); the rest waits for the next lease:
+    # --only environment,checkpoint,bandwidth,quantize-awq-w4a16-g32-broad,
     # serve-awq-broad-spied-profile,serve-awq-broad-ngramgpu2-baked,serve-bf16-base,serve-awq-broad-ngramgpu2-rebaked
     # --serve-env VLLM_USE_FLASHINFER_SAMPLER=0 --serve-env TRITON_PRINT_AUTOTUNING=1
     "awq-broad-spied-profile": {
