@@ -672,16 +672,27 @@ def medians(record, set_name) -> str:
     return " / ".join(str(round(c["median_ms"])) for c in set_categories(record, set_name))
 
 
+def speedup_over(base, record, set_name) -> float:
+    """`record`'s mean speedup over `base` on one prompt set: the mean over categories of base's median over its own,
+    the competition's measure."""
+    return statistics.mean(
+        b["median_ms"] / c["median_ms"]
+        for b, c in zip(set_categories(base, set_name), set_categories(record, set_name), strict=True)
+    )
+
+
+def span(values, digits: int = 2) -> str:
+    """The lowest and highest of `values`, as the docs write a range."""
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
 def set_cells(section: str, label: str, record, bf16) -> list[str]:
     """The docs row `label` of `section`, its per-set cells checked against `record`: medians, and the speedup over
     `bf16` of the same host (mean over categories) where a cell gives one. Returns the row's cells."""
     cells = doc_row(section, label)
     for cell, set_name in zip(cells, SETS, strict=False):
         assert cell.startswith(medians(record, set_name)), (label, set_name, cell)
-        speedup = statistics.mean(
-            b["median_ms"] / c["median_ms"]
-            for b, c in zip(set_categories(bf16, set_name), set_categories(record, set_name), strict=True)
-        )
+        speedup = speedup_over(bf16, record, set_name)
         assert "x" not in cell or f"{speedup:.2f}x" in cell, (label, set_name, cell)
     return cells
 
@@ -752,8 +763,7 @@ def test_the_drafter_graphs_section_of_the_docs_is_its_records():
         assert cells[3] == f"{min(fresh_itl):.1f}-{max(fresh_itl):.1f}", label
 
     def set_range(record):
-        means = [mean_itl(record, set_name) for set_name in SETS]
-        return f"{min(means):.1f}-{max(means):.1f}"
+        return span([mean_itl(record, set_name) for set_name in SETS], 1)
 
     text = GPU_PROOF_DOC.read_text()
     graphed, padded = (
@@ -762,7 +772,7 @@ def test_the_drafter_graphs_section_of_the_docs_is_its_records():
     )
     assert f"mean ITL falls from {set_range(padded)} ms to {set_range(graphed)} ms" in text
     ratios = [mean_itl(graphed, s) / mean_itl(rows["AWQ broad"], s) for s in SETS]
-    assert f"still costs **{min(ratios):.1f}-{max(ratios):.1f}x** a plain AWQ token" in text
+    assert f"still costs **{span(ratios, 1)}x** a plain AWQ token" in text
 
 
 def test_the_captured_step_is_host_bound_by_vllms_speculative_path_at_k4_and_k16():
@@ -860,12 +870,9 @@ def test_gdn_metadata_from_slices_section_is_its_records():
         if record.get("profile"):
             assert cells[4] == f"{record['profile']['sets']['fresh']['breakdown']['per_step']['busy_ms']:.2f} ms"
 
-    def cost(record):
-        ratios = [mean_itl(record, s) / mean_itl(plain, s) for s in SETS]
-        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
-
     text = GPU_PROOF_DOC.read_text()
-    assert f"now costs {cost(slices)} a plain AWQ token" in text and f"against {cost(vllm_build)} with vLLM" in text
+    assert f"now costs {ratio_range(slices, plain)} a plain AWQ token" in text
+    assert f"against {ratio_range(vllm_build, plain)} with vLLM" in text
     for set_name in ("fresh", "repeated"):
         ops = json.loads((folder / f"host-ops-{set_name}.json").read_text())
         assert ops["steps"] == {"vllm_build": 128, "slices": 128}
@@ -1792,8 +1799,7 @@ def first_differences(a, b) -> dict:
 
 def ratio_range(record, plain) -> str:
     """The lowest and highest per-set mean ITL of `record` against `plain`'s, as the docs write a range."""
-    ratios = [mean_itl(record, s) / mean_itl(plain, s) for s in SETS]
-    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    return span([mean_itl(record, s) / mean_itl(plain, s) for s in SETS]) + "x"
 
 
 def test_the_autotune_kept_section_is_its_records():
@@ -1993,13 +1999,17 @@ def plain_h100_records(recipe) -> dict[str, dict]:
             continue
         if record["recipe"] != recipe or record["speculative"]["method"] != "none":
             continue
-        if set(record.get("serve_env") or {}) - quiet or record["serve_settings"].get("model_runner") not in (
-            None,
-            "v1",
-        ):
+        if set(record.get("serve_env") or {}) - quiet:
+            continue
+        if record["serve_settings"].get("model_runner") not in (None, "v1"):
             continue
         found[record["machine"]].append(record)
     return found
+
+
+def probed_sets(*records) -> list[str]:
+    """The prompt sets every one of `records` probed (the earliest leases probed only some)."""
+    return [s for s in SETS if s == "repeated" or all(r["probe"].get(s) for r in records)]
 
 
 def test_the_h200_section_is_its_records():
@@ -2019,17 +2029,12 @@ def test_the_h200_section_is_its_records():
     doc = GPU_PROOF_DOC.read_text()
     text = " ".join(doc[doc.index(section) :].split())
 
-    def span(values, digits=2):
-        return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
-
     awq_itls = [mean_itl(awq, s) for s in SETS]
     h100_awq, h100_bf16 = plain_h100_records(BROAD_RECIPE), plain_h100_records(None)
-    h100_awq_itls = [
-        mean_itl(r, s) for rs in h100_awq.values() for r in rs for s in SETS if s == "repeated" or r["probe"].get(s)
-    ]
-    h100_bf16_itls = [
-        mean_itl(r, s) for rs in h100_bf16.values() for r in rs for s in SETS if s == "repeated" or r["probe"].get(s)
-    ]
+    h100_awq_itls, h100_bf16_itls = (
+        [mean_itl(r, s) for rs in by_machine.values() for r in rs for s in probed_sets(r)]
+        for by_machine in (h100_awq, h100_bf16)
+    )
     assert f"took {span(awq_itls)} ms here, against {span(h100_awq_itls)} ms on {len(h100_awq)} H100 hosts" in text
     assert f"fell from {span(h100_bf16_itls)} ms ({len(h100_bf16)} H100 hosts) to {mean_itl(bf16):.2f} ms" in text
     assert len({round(mean_itl(bf16, s), 2) for s in SETS}) == 1
@@ -2039,24 +2044,20 @@ def test_the_h200_section_is_its_records():
     bf16_bound = {c["weights_bound_ms"] for c in bf16["decode"]["categories"]}.pop()
     assert f"would take {awq_bound:.2f} ms, and its token is {span([i / awq_bound for i in awq_itls], 1)}x that" in text
     assert f"would take {bf16_bound:.2f} ms, and its token is {mean_itl(bf16) / bf16_bound:.2f}x that" in text
-    beyond = lambda record: [c["itl_median_ms"] - c["weights_bound_ms"] for c in record["decode"]["categories"]]  # noqa: E731
+
+    def beyond(record):
+        return [c["itl_median_ms"] - c["weights_bound_ms"] for c in record["decode"]["categories"]]
+
     h100_beyond = [gap for rs in h100_bf16.values() for r in rs for gap in beyond(r)]
     assert f"plus {span(beyond(bf16))} ms here, and plus {span(h100_beyond)} ms on {len(h100_bf16)} H100 hosts" in text
 
     # AWQ broad against bf16 on the H100 hosts that served both: per set, and on the competition's set alone
-    def speedups(fast, slow, sets):
-        return {
-            s: statistics.mean(
-                b["median_ms"] / a["median_ms"]
-                for a, b in zip(set_categories(fast, s), set_categories(slow, s), strict=True)
-            )
-            for s in sets
-            if s == "repeated" or (fast["probe"].get(s) and slow["probe"].get(s))
-        }
+    def speedups(fast, slow):
+        return {s: speedup_over(slow, fast, s) for s in probed_sets(fast, slow)}
 
     both = [(h100_awq[m][0], h100_bf16[m][0]) for m in sorted(set(h100_awq) & set(h100_bf16))]
-    h100_sets = [speedups(a, b, SETS) for a, b in both]
-    here = speedups(awq, bf16, SETS)
+    h100_sets = [speedups(a, b) for a, b in both]
+    here = speedups(awq, bf16)
     assert f"AWQ broad is {span(here.values())}x bf16 here" in text
     assert f"against {span([v for d in h100_sets for v in d.values()])}x on the {len(both)} H100 hosts" in text
     competition = [d["repeated"] for d in h100_sets]
