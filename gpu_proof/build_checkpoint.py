@@ -2,6 +2,8 @@
 project's own builder (scripts/lib/tiny: same tensor names, config keys, MTP layer, processor files).
 
     python3 gpu_proof/build_checkpoint.py OUT_DIR RESULT_JSON [--corpus data/tiny/corpus.txt] [--seed 0]
+    python3 gpu_proof/build_checkpoint.py --drafter OUT_DIR RESULT_JSON --target TARGET_DIR   (a random DFlash
+        drafter of z-lab/Qwen3.5-4B-DFlash's shapes for that target: scripts/lib/tiny/drafter.py)
 
 (--device cpu with --dims '{...}' --vocab N makes a small one: the tests' check of this script on CPU.)
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from lib.safetensors import model_part, read_header, tensor_bytes  # noqa: E402
 from lib.stage import sha256_file  # noqa: E402
+from lib.tiny.drafter import QWEN35_4B_DRAFTER, build_random_drafter  # noqa: E402
 from lib.tiny.synthesis import build_tiny_checkpoint  # noqa: E402
 from lib.tiny.tokenizer import train_tokenizer  # noqa: E402
 
@@ -72,9 +75,27 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dims", default="{}", help="JSON overrides of the Qwen3.5-4B dims (tests only)")
     parser.add_argument("--vocab", type=int, default=QWEN35_4B_VOCAB)
+    parser.add_argument("--drafter", action="store_true", help="a random DFlash drafter for --target instead")
+    parser.add_argument("--target", help="the target checkpoint a --drafter is made for")
     args = parser.parse_args()
 
     import torch
+
+    if args.drafter:
+        with torch.device(args.device):
+            config = build_random_drafter(
+                args.out_dir, args.target, QWEN35_4B_DRAFTER | json.loads(args.dims), args.seed
+            )
+        groups = tensor_groups(Path(args.out_dir))
+        result = {
+            "kind": "drafter",
+            "status": "ok",
+            "config": config,
+            "total_params": sum(g["params"] for g in groups.values()),
+        }
+        result["total_bytes"] = sum(g["bytes"] for g in groups.values())
+        Path(args.result).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        return
 
     dims = QWEN35_4B_DIMS | json.loads(args.dims)
     on_gpu = args.device.startswith("cuda")

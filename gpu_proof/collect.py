@@ -1,139 +1,137 @@
-"""Gather what the device calls brought back (results.tar.gz of each machine) into results/gpu-proof/h100/.
+"""Turn what a lease brought back (the driver's results.tar.gz) into the committed records: small, schema-checked,
+one folder per GPU model (results/gpu-proof/<gpu>/), one file per host and variant.
 
-    python3 gpu_proof/collect.py OUT_DIR MACHINE=TARBALL [MACHINE=TARBALL ...]
+    python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out results/gpu-proof]
 
-Each record gets `machine` (the lease it ran on). A later machine's record of a name replaces an earlier
-one only when the earlier is not finished (status running); the environment, checkpoint and bandwidth
-records of later machines are kept beside the first as <name>-<machine>.json. Logs go to OUT_DIR/logs/
-(prefixed with the machine).
-
-A variant probed while its machine had no checkpoint or bandwidth record yet gets its decode analysis here,
-from that machine's own records, by the driver's decode_bound (the record says so in decode.filled_by).
-py-spy's raw stacks (results/spy/, gzipped) go to OUT_DIR/spy/; a spied variant whose breakdowns are missing (the
-driver failed after keeping them) gets them here by spy_breakdown, the step time from its varied set's ITL when
-the spied request's own was not recorded (spy.filled_by says so). Stacks of a spied request that ended inside the
-windows are dropped: they picture no step.
+The driver's records keep every token id and every run's latency (the lossless step needs them on the host); what
+the generated tables cite is each category's summary per prompt set, the lossless verdict per row, and the host.
+Logs, token ids, logprobs, profiler traces and unfinished variants stay out.
 """
 
-import gzip
+from __future__ import annotations
+
+import argparse
 import json
+import re
 import sys
 import tarfile
 from pathlib import Path
 
-PER_MACHINE = ("environment", "checkpoint", "bandwidth")
+import jsonschema
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "schemas" / "gpu-proof.schema.yaml"
+SETS = ("repeated", "varied", "fresh")
+CATEGORY_FIELDS = (
+    "name",
+    "prompt_tokens",
+    "output_tokens_mean",
+    "median_ms",
+    "p90_ms",
+    "ttft_median_ms",
+    "itl_median_ms",
+    "mean_acceptance_length",
+)
 
 
-def machine_record(out: Path, stem: str, machine: str) -> dict | None:
-    for path in (out / f"{stem}.json", out / f"{stem}-{machine}.json"):
-        if path.exists() and json.loads(path.read_text()).get("machine") == machine:
-            return json.loads(path.read_text())
-    return None
+def gpu_model(name: str) -> str:
+    """The folder a GPU's records go to: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A10G' -> 'a10g'."""
+    model = re.search(r"\b[A-Z]+[0-9]+[A-Z]?\b", name)
+    return (model.group(0) if model else name.split()[-1]).lower()
 
 
-def fill_missing_decode(out: Path) -> list[str]:
-    """Decode analysis for probed variants that lack it, from the same machine's checkpoint and bandwidth."""
-    sys.path.insert(0, str(ROOT / "gpu_proof"))
-    from driver import decode_bound, draft_passes
-
-    filled = []
-    for path in sorted(out.glob("variant-*.json")):
-        record = json.loads(path.read_text())
-        if record.get("decode") is not None or not record.get("probe"):
-            continue
-        checkpoint = machine_record(out, "checkpoint", record["machine"])
-        bandwidth = machine_record(out, "bandwidth", record["machine"])
-        if checkpoint is None or bandwidth is None:
-            continue
-        decode = decode_bound(
-            record["weights"],
-            draft_passes(record["speculative"]),
-            bandwidth["copy_gbps"],
-            checkpoint["text_config"],
-            record["probe"]["categories"],
-        )
-        decode["bandwidth_source"] = f"{record['machine']}'s bandwidth record, copy_gbps"
-        decode["filled_by"] = (
-            f"gpu_proof/collect.py: driver.decode_bound with {record['machine']}'s checkpoint and bandwidth records"
-        )
-        record["decode"] = decode
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        filled.append(path.stem)
-    return filled
+def compact_sets(probe: dict) -> dict:
+    """Each probed prompt set's summary: the competition-style set is the probe's top level, the others nested."""
+    sets = {}
+    for set_name in SETS:
+        probed = probe if set_name == "repeated" else probe.get(set_name)
+        if probed and probed.get("categories"):
+            categories = [{key: category.get(key) for key in CATEGORY_FIELDS} for category in probed["categories"]]
+            sets[set_name] = {"mean_speedup": probed.get("mean_speedup"), "categories": categories}
+    return sets
 
 
-def fill_missing_spy(out: Path) -> list[str]:
-    """spy_breakdown's windows for spied variants that have the raw stacks but not the breakdowns."""
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "gpu_proof"))
-    from driver import SHORT_SPY_REQUEST, SPY
-    from gpu_proof.spy_breakdown import WINDOWS, window_breakdowns
-
-    filled = []
-    for path in sorted(out.glob("variant-*.json")):
-        record = json.loads(path.read_text())
-        spy = record.get("spy")
-        raws = {w: out / "spy" / f"{record['variant']}-{w}.txt.gz" for w in WINDOWS}
-        if spy and spy.get("error", "").startswith(SHORT_SPY_REQUEST):
-            # windows that span the request's end picture no step (machine30's driver still kept them)
-            for raw in raws.values():
-                raw.unlink(missing_ok=True)
-            continue
-        if not spy or all(w in spy for w in WINDOWS) or not all(raw.exists() for raw in raws.values()):
-            continue
-        if "step_ms" not in spy:  # the driver failed before the request's figures were kept
-            varied = record["probe"]["varied"]["categories"]
-            itl = sum(c["itl_median_ms"] for c in varied) / len(varied)
-            spy["step_ms"] = round(itl * (record["probe"]["varied"].get("mean_acceptance_length") or 1.0), 3)
-            spy["step_ms_source"] = "the variant's varied set: mean of its categories' median ITL x mean acceptance"
-        rate = (spy.setdefault("settings", dict(SPY)))["rate_hz"]
-        spy.update(window_breakdowns(raws, rate, spy["step_ms"]), raw={w: f"spy/{raws[w].name}" for w in WINDOWS})
-        spy["filled_by"] = "gpu_proof/collect.py: spy_breakdown over the kept raw stacks"
-        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        filled.append(path.stem)
-    return filled
+def compact_variant(record: dict, host: str, environment: dict) -> dict:
+    return {
+        "kind": "variant",
+        "host": host,
+        "date": environment["date"],
+        "gpu": environment["gpu"],
+        "variant": record["variant"],
+        "recipe": record["recipe"],
+        "speculative": record["speculative"],
+        "serve": record["serve"],
+        "options": record.get("options") or {},
+        "cold_start": record["cold_start"],
+        "bytes_per_step": record["decode"]["weights_bytes_per_step"] if record.get("decode") else None,
+        "warmup": record["probe"]["warmup"],
+        "runs": record["probe"]["runs"],
+        "sets": compact_sets(record["probe"]),
+    }
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    for spec in sys.argv[2:]:
-        machine, tarball = spec.split("=", 1)
-        with tarfile.open(tarball) as archive:
-            for member in archive.getmembers():
-                if not member.isfile():
-                    continue
-                name = Path(member.name)
-                data = archive.extractfile(member).read()
-                if name.parent.name == "logs":
-                    (out / "logs" / f"{machine}-{name.name}").write_bytes(data)
-                    continue
-                if name.parent.name == "spy":
-                    (out / "spy").mkdir(exist_ok=True)
-                    if name.suffix != ".gz":
-                        data, name = gzip.compress(data, mtime=0), name.with_name(name.name + ".gz")
-                    (out / "spy" / name.name).write_bytes(data)
-                    continue
-                record = json.loads(data)
-                record["machine"] = machine
-                target = out / name.name
-                if (
-                    name.stem in PER_MACHINE
-                    and target.exists()
-                    and json.loads(target.read_text())["machine"] != machine
-                ):
-                    target = out / f"{name.stem}-{machine}.json"
-                elif target.exists():
-                    old = json.loads(target.read_text())
-                    if old["machine"] != machine and old["status"] != "running":
-                        continue
-                target.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    for stem in fill_missing_decode(out):
-        print(f"{stem}: decode analysis filled from its machine's records")
-    for stem in fill_missing_spy(out):
-        print(f"{stem}: py-spy breakdowns filled from its kept raw stacks")
+def compact_lossless(record: dict, host: str, environment: dict) -> dict:
+    keep = ("set", "category", "tokens", "passed", "problem")
+    checks = []
+    for check in record["checks"]:
+        rows = []
+        for row in check["rows"]:
+            rows.append(
+                {key: row[key] for key in keep}
+                | {
+                    "first_difference": (row["first_difference"] or {}).get("position"),
+                    "near_tie_nats": (row["near_tie"] or {}).get("margin"),
+                }
+            )
+        checks.append({key: check[key] for key in ("variant", "reference_variant", "passed")} | {"rows": rows})
+    return {"kind": "lossless", "host": host, "date": environment["date"], "gpu": environment["gpu"], "checks": checks}
+
+
+def collect(tarball: Path, host: str, out_root: Path) -> list[Path]:
+    with tarfile.open(tarball) as archive:
+        raw = {
+            Path(member.name).stem: json.load(archive.extractfile(member))
+            for member in archive.getmembers()
+            if member.isfile() and member.name.count("/") == 1 and member.name.endswith(".json")
+        }
+    environment, bandwidth = raw["environment"], raw.get("bandwidth") or {}
+    summary = {
+        "kind": "environment",
+        "host": host,
+        "date": environment["date"],
+        "gpu": environment["gpu"]["name"],
+        "cpu": environment["cpu"],
+        "vllm": environment["versions"]["vllm_bundle"]["vllm"],
+        "copy_gbps": bandwidth.get("copy_gbps"),
+    }
+    records = {"environment": summary}
+    for name, record in raw.items():
+        if name.startswith("variant-") and record.get("status") == "ok":
+            records[record["variant"]] = compact_variant(record, host, summary)
+        elif name == "lossless":
+            records["lossless"] = compact_lossless(record, host, summary)
+    schema = yaml.safe_load(SCHEMA.read_text())
+    out = out_root / gpu_model(summary["gpu"])
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, record in records.items():
+        jsonschema.validate(record, schema)
+        path = out / f"{host}-{name}.json"
+        path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tarball", type=Path)
+    parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-proof")
+    args = parser.parse_args(argv)
+    for path in collect(args.tarball, args.host, args.out):
+        print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

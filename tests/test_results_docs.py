@@ -1,0 +1,77 @@
+"""docs/results.md and the README's results table are what tools/render_results.py makes of the records."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import render_results  # noqa: E402
+
+
+def test_the_committed_docs_are_what_the_records_give(capsys):
+    assert render_results.main(["--check"]) == 0, capsys.readouterr().err
+
+
+@pytest.fixture
+def project_copy(tmp_path, monkeypatch):
+    """The records, docs/results.md and README.md in a scratch tree the renderer is pointed at."""
+    shutil.copytree(ROOT / "results" / "gpu-proof", tmp_path / "records")
+    (tmp_path / "docs").mkdir()
+    for name in ("docs/results.md", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(render_results, "ROOT", tmp_path)
+    monkeypatch.setattr(render_results, "RECORDS", tmp_path / "records")
+    monkeypatch.setattr(render_results, "RESULTS_MD", tmp_path / "docs" / "results.md")
+    monkeypatch.setattr(render_results, "README", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_a_hand_edit_or_a_changed_record_fails_the_check_naming_the_file_and_the_command(project_copy, capsys):
+    assert render_results.main(["--check"]) == 0
+    readme = project_copy / "README.md"
+    readme.write_text(readme.read_text().replace("| H", "| h", 1))  # a table cell edited by hand
+    assert render_results.main(["--check"]) == 1
+    assert "README.md is not what the records give: run `python3 tools/render_results.py`" in capsys.readouterr().err
+    record_path = next((project_copy / "records").glob("*/*-bf16.json"))
+    record = json.loads(record_path.read_text())
+    record["sets"]["repeated"]["categories"][0]["median_ms"] *= 2
+    record_path.write_text(json.dumps(record))
+    assert render_results.main([]) == 0  # regenerates both
+    assert render_results.main(["--check"]) == 0
+
+
+def variant(host: str, name: str, medians: dict[str, list[float]], options: dict | None = None) -> dict:
+    sets = {
+        set_name: {
+            "categories": [
+                {"name": c, "median_ms": m} for c, m in zip(("short", "medium", "long"), values, strict=True)
+            ]
+        }
+        for set_name, values in medians.items()
+    }
+    return {"kind": "variant", "host": host, "variant": name, "options": options or {}, "sets": sets}
+
+
+def test_speedups_are_over_bf16_of_the_same_host_only():
+    records = [
+        variant("a", "bf16", {"repeated": [400, 800, 1200]}),
+        variant("a", "fast", {"repeated": [100, 400, 1200]}),
+        variant("b", "fast", {"repeated": [100, 100, 100]}),
+        variant("b", "bf16", {"repeated": [100, 100, 100]}, options={"gpu_memory_utilization": 0.3}),
+        variant("b", "shared", {"repeated": [50, 50, 50]}, options={"gpu_memory_utilization": 0.3, "drafter": "x"}),
+    ]
+    fast_a, fast_b, shared_b = records[1], records[2], records[4]
+    assert render_results.speedup(fast_a, render_results.reference_of(records, fast_a), "repeated") == pytest.approx(
+        (4 + 2 + 1) / 3
+    )
+    # host b's bf16 shared the GPU: the reference of a variant that did too, not of one that had it alone (and never
+    # a ratio across hosts)
+    assert render_results.reference_of(records, fast_b) is None
+    assert render_results.reference_of(records, shared_b) is records[3]
+    assert render_results.speedup(fast_b, None, "repeated") is None
+    assert render_results.speedup(fast_a, records[0], "fresh") is None  # a set bf16 did not run

@@ -1,0 +1,226 @@
+"""Render docs/results.md and the README's results table from the GPU proof's records (results/gpu-proof/).
+
+    python3 tools/render_results.py           # write both
+    python3 tools/render_results.py --check   # exit 1, naming the file, when a committed one differs
+
+Every number in both comes from a record; a speedup is always over bf16 measured on the same host (same GPU, same
+lease), and never across hosts. tests/test_results_docs.py runs --check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "results" / "gpu-proof"
+RESULTS_MD = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+COMMAND = "python3 tools/render_results.py"
+SETS = ("repeated", "varied", "fresh")
+REFERENCE = "bf16"  # config.yaml's unquantized variant without speculation
+# options a run gives every server of a group (gpu_proof/driver.py --together): a variant is compared with the bf16 of
+# its host that ran with the same ones
+RUN_OPTIONS = ("gpu_memory_utilization",)
+
+
+def load(root: Path = RECORDS) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(root.glob("*/*.json"))]
+
+
+def medians(record: dict, set_name: str) -> dict[str, float]:
+    probed = record["sets"].get(set_name)
+    return {c["name"]: c["median_ms"] for c in probed["categories"]} if probed else {}
+
+
+def speedup(record: dict, reference: dict | None, set_name: str) -> float | None:
+    """Mean over categories of the reference's median over the variant's, on one prompt set."""
+    if reference is None:
+        return None
+    mine, theirs = medians(record, set_name), medians(reference, set_name)
+    shared = [name for name in mine if name in theirs]
+    return statistics.mean(theirs[name] / mine[name] for name in shared) if shared else None
+
+
+def per_set(record: dict, field: str) -> dict[str, float | None]:
+    """A category field's mean over categories, per prompt set (None where not measured)."""
+    out = {}
+    for set_name in SETS:
+        values = [c[field] for c in (record["sets"].get(set_name) or {"categories": []})["categories"]]
+        values = [v for v in values if v is not None]
+        out[set_name] = statistics.mean(values) if values else None
+    return out
+
+
+def long_ttft(record: dict, set_name: str) -> float | None:
+    probed = record["sets"].get(set_name)
+    return next((c["ttft_median_ms"] for c in probed["categories"] if c["name"] == "long"), None) if probed else None
+
+
+def fmt(value, digits: int = 2, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def triple(values, digits: int = 2, suffix: str = "") -> str:
+    return " / ".join(fmt(v, digits, suffix) for v in values)
+
+
+def label(record: dict) -> str:
+    changed = ", ".join(f"{key}: {json.dumps(value)}" for key, value in sorted(record["options"].items()))
+    return f"`{record['variant']}`" + (f" ({changed})" if changed else "")
+
+
+def gpus(records: list[dict]) -> list[str]:
+    return sorted({r["gpu"] for r in records}, key=lambda gpu: max(r["date"] for r in records if r["gpu"] == gpu))[::-1]
+
+
+def run_options(record: dict) -> dict:
+    return {key: value for key, value in record["options"].items() if key in RUN_OPTIONS}
+
+
+def own_options(record: dict) -> dict:
+    """What a record's run changed from its catalog variant beyond what every server of its group shared."""
+    return {key: value for key, value in record["options"].items() if key not in RUN_OPTIONS}
+
+
+def reference_of(records: list[dict], record: dict) -> dict | None:
+    """bf16 served on the same host with the same run options and nothing else changed."""
+    return next(
+        (
+            r
+            for r in records
+            if r["kind"] == "variant"
+            and r["host"] == record["host"]
+            and r["variant"] == REFERENCE
+            and r["options"] == run_options(record)
+        ),
+        None,
+    )
+
+
+def variant_rows(records: list[dict], gpu: str) -> list[str]:
+    rows = [
+        "| variant | host, date | × bf16 same host: repeated / varied / fresh | ITL ms | TTFT long ms: repeated / "
+        "fresh | tokens a step | GB a step | start s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    variants = [r for r in records if r["kind"] == "variant" and r["gpu"] == gpu]
+    for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["variant"], len(r["options"]))):
+        reference = reference_of(records, record)
+        rows.append(
+            f"| {label(record)} | {record['host']}, {record['date']} "
+            f"| {triple(speedup(record, reference, s) for s in SETS)} "
+            f"| {triple(per_set(record, 'itl_median_ms').values())} "
+            f"| {triple((long_ttft(record, 'repeated'), long_ttft(record, 'fresh')), 0)} "
+            f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
+            f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} "
+            f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
+        )
+    return rows
+
+
+def lossless_rows(records: list[dict], gpu: str) -> list[str]:
+    checks = [(r, c) for r in records if r["kind"] == "lossless" and r["gpu"] == gpu for c in r["checks"]]
+    if not checks:
+        return []
+    rows = ["", "Lossless check (greedy ids with speculation against the same recipe without it):", ""]
+    rows += [
+        "| variant | against | host, date | rows equal | near ties | first differences |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record, check in checks:
+        equal = sum(1 for row in check["rows"] if row["first_difference"] is None and row["passed"])
+        ties = sum(1 for row in check["rows"] if row["near_tie_nats"] is not None)
+        firsts = sorted({row["first_difference"] for row in check["rows"] if row["first_difference"] is not None})
+        rows.append(
+            f"| `{check['variant']}` | `{check['reference_variant']}` | {record['host']}, {record['date']} "
+            f"| {equal} of {len(check['rows'])} | {ties} | {', '.join(map(str, firsts)) or '—'} |"
+        )
+    return rows
+
+
+def results_md(records: list[dict]) -> str:
+    lines = [
+        f"<!-- Generated by `{COMMAND}` from results/gpu-proof/*/*.json: edit the records, not this file. -->",
+        "# Results",
+        "",
+        "Speed of catalog variants measured by the GPU proof ([gpu-proof.md](gpu-proof.md)) on lent GPU hosts with a",
+        "full-size **random-weight** checkpoint: what a step costs, never quality, and no acceptance that real text",
+        "would give (random weights accept almost nothing on fresh text and copy-style drafts only on repeated",
+        "output). `× bf16` is the mean over the three categories of bf16's median latency over the variant's, bf16",
+        "served on the same host in the same lease. `repeated` is the competition's prompt (one sentence repeated),",
+        "`varied` real paragraphs, `fresh` a new prompt every run (nothing cached). ITL is the mean over categories",
+        "of each category's median inter-token latency; tokens a step is the mean acceptance length with",
+        "speculation. `options` say what the run changed from the catalog variant.",
+    ]
+    for gpu in gpus(records):
+        lines += ["", f"## {gpu}", "", *variant_rows(records, gpu), *lossless_rows(records, gpu)]
+        environments = [r for r in records if r["kind"] == "environment" and r["gpu"] == gpu]
+        hosts = ", ".join(
+            f"{r['host']} ({r['date']}, vLLM {r['vllm']}, copy {fmt(r['copy_gbps'], 0)} GB/s)" for r in environments
+        )
+        lines += ["", f"Hosts: {hosts}."]
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(records: list[dict]) -> str:
+    """Per GPU model, each variant's latest same-host comparison with bf16."""
+    rows = [
+        "| GPU | variant | × bf16, competition prompt | × bf16, fresh prompts | GB a step |",
+        "|---|---|---|---|---|",
+    ]
+    for gpu in gpus(records):
+        latest: dict[str, dict] = {}
+        for record in records:
+            if (
+                record["kind"] != "variant"
+                or record["gpu"] != gpu
+                or own_options(record)
+                or record["variant"] == REFERENCE
+            ):
+                continue
+            if reference_of(records, record) and record["date"] >= latest.get(record["variant"], {"date": ""})["date"]:
+                latest[record["variant"]] = record
+        for name, record in sorted(
+            latest.items(), key=lambda item: -speedup(item[1], reference_of(records, item[1]), "repeated")
+        ):
+            reference = reference_of(records, record)
+            rows.append(
+                f"| {gpu.removeprefix('NVIDIA ')} | `{name}` | {fmt(speedup(record, reference, 'repeated'), 2, '×')} "
+                f"| {fmt(speedup(record, reference, 'fresh'), 2, '×')} "
+                f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} |"
+            )
+    return "\n".join(rows)
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    if readme.count(START) != 1 or readme.count(END) != 1:
+        raise SystemExit(f"README.md needs one {START} line and one {END} line around the results table")
+    head, rest = readme.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{table}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    records = load()
+    wanted = {RESULTS_MD: results_md(records), README: with_readme_table(README.read_text(), readme_table(records))}
+    stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is not what the records give: run `{COMMAND}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
