@@ -314,7 +314,7 @@ def main(job) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from serving.avx2_fp32 import HalfProductsInFp32
+    from serving.patches.avx2_fp32 import HalfProductsInFp32
 
     if getattr(job, "threads", None):
         torch.set_num_threads(job.threads)
@@ -364,7 +364,7 @@ def main(job) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab, loaded, pruned_dir = None, None, out_dir.with_name(f".{out_dir.name}.pruned")
-    # bf16 products in fp32 where the layers run on the CPU (serving/avx2_fp32.py says why): on an AVX2-only CPU
+    # bf16 products in fp32 where the layers run on the CPU (serving/patches/avx2_fp32.py says why): on an AVX2-only CPU
     # PyTorch has no fast bf16 GEMM or conv, and AWQ's scale search runs the layers many times. With an accelerator
     # the mode stays off: it would pass every op through Python for nothing.
     with HalfProductsInFp32() if default_device() == "cpu" else nullcontext():

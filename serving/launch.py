@@ -1,7 +1,8 @@
 """Map serve.json to vLLM's own OpenAI server and exec it.
 
 Paths come from the image layout unless the environment overrides them, so the same code runs in
-the image, in host tests and in the compile-cache bake.
+the image, in host tests and in the compile-cache bake. Before vLLM runs, every patch serve.json turns on
+(serving/patches) is checked against the installed vLLM: one tested against another version stops the start.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-from serving.settings import SERVE, plugin_env, setting_env, vllm_args
+from serving import patches
+from serving.settings import SERVE, SettingsError, enabled_patches, setting_env, vllm_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-# Holds serving_plugins-0.1.dist-info, whose entry point registers serving.int4_fallback as a
-# vLLM general plugin; it has to be on sys.path of every vLLM process (the engine core is a
-# subprocess), hence PYTHONPATH rather than an import here.
+# Holds serving_plugins-0.1.dist-info, whose entry points register serving/patches as vLLM general plugins; it has
+# to be on sys.path of every vLLM process (the engine core is a subprocess), hence PYTHONPATH rather than an import.
 DIST_DIR = PACKAGE_DIR / "_dist"
-# vLLM's OpenAI server, which main() execs as `python -m` (serving/fork_start.py recognises that process by it)
+# vLLM's OpenAI server, which main() execs as `python -m` (serving/patches/fork_start.py recognises that process by it)
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 # Caches filled at start-up: vLLM's torch.compile artifacts, inductor's, Triton's and FlashInfer's kernels; and
@@ -31,7 +32,7 @@ CACHE_DIRS = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TRITON_CACHE_DIR": "triton",
     "FLASHINFER_WORKSPACE_BASE": "flashinfer",  # FlashInfer appends .cache/flashinfer itself
-    # inductor's CPU instruction-set probes, remembered by serving/aot_load_fix.py once per cache, not per compile
+    # inductor's CPU instruction-set probes, remembered by serving/patches/aot_load_fix.py once a cache, not a compile
     "SERVING_ISA_PROBES_DIR": "isa-probes",
 }
 # Triton's autotuner times every config of a kernel at each start and keeps the fastest only in memory, unless told
@@ -43,14 +44,15 @@ KEEP_AUTOTUNING = {"TRITON_CACHE_AUTOTUNING": "1"}
 
 
 def child_env(environ: dict, settings: dict | None = None) -> dict:
-    """Environment for the vLLM process: plugin dist-info and this package importable, middleware settings."""
+    """Environment for the vLLM process: plugin dist-info and this package importable, the enabled patches,
+    middleware settings."""
     env = dict(environ)
     settings = settings or {}
     # Read by serving.middleware inside vLLM's API server process.
     env["DEFAULT_THINKING"] = "1" if settings.get("default_thinking", SERVE["default_thinking"].default) else "0"
     reserve = settings.get("thinking_reserve_tokens", SERVE["thinking_reserve_tokens"].default)
     env["THINKING_RESERVE_TOKENS"] = str(int(reserve))
-    env.update(plugin_env(settings.get("speculative")))  # read by serving/draft_padding.py in the engine core
+    env[patches.ENV] = patches.env_value(enabled_patches(settings))  # read by each patch's register()
     env.update(setting_env(settings))  # vLLM's own switches that have no flag (serve.model_runner)
     paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
@@ -94,18 +96,37 @@ def restore_ninja_mtimes(root: Path) -> int:
     return changed
 
 
+def cuda_host() -> bool:
+    return Path("/dev/nvidiactl").exists()
+
+
+def patch_refusal(settings: dict, cuda: bool) -> str | None:
+    """Why this server must not start: the enabled patches, on this host's platform, that were tested against a vLLM
+    other than the installed one (None: every one was)."""
+    installed = patches.installed_vllm()
+    refusing = patches.refusing(enabled_patches(settings), installed, "cuda" if cuda else "cpu")
+    return patches.refusal(refusing, installed) if refusing else None
+
+
 def main() -> None:
     config = os.environ.get("SERVE_CONFIG", "/opt/ml/serve.json")
     model_dir = os.environ.get("MODEL_DIR", "/opt/ml/model")
     with open(config) as f:
         settings = json.load(f)
-    args = vllm_args(
-        settings,
-        model_dir,
-        host=os.environ.get("HOST", "0.0.0.0"),
-        port=int(os.environ.get("PORT", "8080")),
-        cuda=Path("/dev/nvidiactl").exists(),
-    )
+    cuda = cuda_host()
+    try:
+        args = vllm_args(
+            settings,
+            model_dir,
+            host=os.environ.get("HOST", "0.0.0.0"),
+            port=int(os.environ.get("PORT", "8080")),
+            cuda=cuda,
+        )
+        refusal = patch_refusal(settings, cuda)
+    except SettingsError as error:
+        sys.exit(f"serving: {config}: {error}")
+    if refusal:
+        sys.exit(f"serving: {refusal}")
     cmd = [sys.executable, "-m", API_SERVER_MODULE, *args]
     env = child_env(dict(os.environ), settings)
     if Path(env.get("FLASHINFER_WORKSPACE_BASE", "/nonexistent")).is_dir():

@@ -3,13 +3,16 @@
 Standard library only, because it ships in the image: the entrypoint (serving/launch.py) turns serve.json into
 vLLM flags here, and the pipeline (scripts/lib/config.py), gpu_proof/driver.py and the schema's `serve` and
 `speculative` sections (kept equal by tests/test_settings.py) read the same tables. Adding a serve flag or a
-speculative method is a row here and its description in schemas/config.schema.yaml.
+speculative method is a row here and its description in schemas/config.schema.yaml. `serve.patches` switches the
+project's vLLM patches, whose table is serving/patches/__init__.py.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
+from serving.patches import PATCHES
 
 # How a setting reaches vLLM's api_server.
 VALUE = "value"  # --flag <value>; left out when null (vLLM's own default)
@@ -19,6 +22,9 @@ CHAT_DEFAULT = "chat_default"  # folded into --default-chat-template-kwargs
 MIDDLEWARE = "middleware"  # not a vLLM flag: read by serving.middleware through the environment
 RAW = "raw"  # appended to the command line as given
 ENVIRONMENT = "environment"  # an environment variable of the vLLM process (`flag` names it; serving.launch.child_env)
+# not a vLLM flag: {patch name: on/off} over serving/patches' defaults; serving.launch passes the enabled set to vLLM's
+# processes and refuses to start an enabled patch on a vLLM it was not tested against
+PATCH_SWITCHES = "patch_switches"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ SERVE: dict[str, Setting] = {
     "default_thinking": Setting(False, CHAT_DEFAULT, "--default-chat-template-kwargs"),
     "thinking_reserve_tokens": Setting(256, MIDDLEWARE),
     "extra_args": Setting([], RAW),
+    "patches": Setting({}, PATCH_SWITCHES),  # {} = every patch at its registry default
 }
 
 # The speculative section reaches --speculative-config unchanged but for this one rename (K is the pipeline's
@@ -70,17 +77,14 @@ SPECULATIVE_COMMON = ("method", "k")
 SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "none": (),
     "mtp": ("disable_padded_drafter_batch",),
-    "ngram": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "silent_drafts"),
-    # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.26 keeps async scheduling on for. No
-    # silent_drafts: choosing "no draft" needs the drafts' counts on the host, the sync async scheduling avoids.
-    "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min", "pad_drafts", "graph_drafter"),
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.26 keeps async scheduling on for
+    "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min"),
     "suffix": (
         "suffix_decoding_max_tree_depth",
         "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
-        "pad_drafts",
-        "silent_drafts",
     ),
     "draft_model": (
         "model",
@@ -91,13 +95,6 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
         "disable_padded_drafter_batch",
         "parallel_drafting",
     ),
-}
-# Keys the project's own vLLM plugins read (through the environment, serving.launch.child_env), not vLLM's
-# SpeculativeConfig: --speculative-config never sees them.
-SPECULATIVE_PLUGIN_KEYS = {
-    "pad_drafts": "SERVING_PAD_DRAFTS",  # serving/draft_padding.py
-    "silent_drafts": "SERVING_SILENT_DRAFTS",  # serving/silent_drafts.py
-    "graph_drafter": "SERVING_GRAPH_DRAFTER",  # serving/drafter_graphs.py
 }
 # Every key a speculative section may hold (the schema lists exactly these).
 SPECULATIVE_KEYS = tuple(
@@ -143,12 +140,33 @@ class SettingsError(ValueError):
     """A serve.json or config value vLLM cannot take; the message names the key."""
 
 
+def resolve_patches(patches: dict | None, where: str = "serve.patches") -> dict[str, bool]:
+    """Every patch of the registry on or off: `patches` over the registry's defaults; an unknown name or a value
+    other than true/false refused naming the key."""
+    patches = patches or {}
+    problems = [f"{where}.{name}: unknown patch; known: {list(PATCHES)}" for name in patches if name not in PATCHES]
+    problems += [
+        f"{where}.{name}: must be true or false, got {value!r}"
+        for name, value in patches.items()
+        if name in PATCHES and not isinstance(value, bool)
+    ]
+    if problems:
+        raise SettingsError("; ".join(problems))
+    return {name: patches.get(name, patch.default) for name, patch in PATCHES.items()}
+
+
+def enabled_patches(settings: dict) -> list[str]:
+    """The names of the patches a serve.json (or serve section) turns on, in the registry's order."""
+    return [name for name, on in resolve_patches(settings.get("patches")).items() if on]
+
+
 def resolve_serve(serve: dict) -> dict:
-    """`serve` with every default filled in; unknown keys refused by name."""
+    """`serve` with every default filled in (every patch's switch included); unknown keys refused by name."""
     unknown = sorted(set(serve) - set(SERVE))
     if unknown:
         raise SettingsError(f"unknown serve key(s) {unknown}; known: {sorted(SERVE)}")
-    return {key: serve.get(key, setting.default) for key, setting in SERVE.items()}
+    resolved = {key: serve.get(key, setting.default) for key, setting in SERVE.items()}
+    return dict(resolved, patches=resolve_patches(resolved["patches"]))
 
 
 def speculative_problems(speculative: dict, where: str = "speculative") -> list[str]:
@@ -207,17 +225,7 @@ def speculative_config(speculative: dict | None) -> dict | None:
         raise SettingsError("; ".join(problems))
     if speculative.get("method", "none") == "none":
         return None
-    return {
-        SPECULATIVE_RENAMES.get(key, key): value
-        for key, value in speculative.items()
-        if value is not None and key not in SPECULATIVE_PLUGIN_KEYS
-    }
-
-
-def plugin_env(speculative: dict | None) -> dict[str, str]:
-    """The environment the project's plugins read for a speculative section ("1"/"0" per SPECULATIVE_PLUGIN_KEYS)."""
-    speculative = speculative or {}
-    return {env: "1" if speculative.get(key) else "0" for key, env in SPECULATIVE_PLUGIN_KEYS.items()}
+    return {SPECULATIVE_RENAMES.get(key, key): value for key, value in speculative.items() if value is not None}
 
 
 def speculative_depth(speculative: dict | None) -> int:

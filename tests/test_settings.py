@@ -11,12 +11,14 @@ import yaml
 from conftest import ROOT, SERVE_JSON
 
 sys.path.insert(0, str(ROOT))
+from serving import patches  # noqa: E402
 from serving.settings import (  # noqa: E402
     SERVE,
     SPECULATIVE_KEYS,
     SPECULATIVE_METHODS,
     SPECULATIVE_REQUIRED,
     SettingsError,
+    resolve_patches,
     resolve_serve,
     serve_json,
     speculative_config,
@@ -41,6 +43,16 @@ def test_schema_serve_section_is_the_table_key_by_key_defaults_included():
     assert list(schema) == list(SERVE), "same keys, same order"
     for key, setting in SERVE.items():
         assert schema[key]["default"] == setting.default, key
+
+
+def test_schema_patches_are_the_registrys_names_with_its_defaults():
+    section = SCHEMA["$defs"]["serve"]["properties"]["patches"]
+    assert section["additionalProperties"] is False and section["default"] == SERVE["patches"].default == {}
+    assert list(section["properties"]) == list(patches.PATCHES), "same names, same order"
+    for name, patch in patches.PATCHES.items():
+        prop = section["properties"][name]
+        assert prop["type"] == "boolean" and prop["default"] is patch.default, name
+        assert f"serving/patches/{name}.py" in prop["description"], name
 
 
 def test_schema_speculative_section_lists_every_method_and_its_keys():
@@ -187,6 +199,7 @@ def test_a_good_section_has_no_problems_and_nulls_are_not_sent():
 def test_serve_json_is_resolved_and_refuses_unknown_keys():
     written = serve_json({"max_num_seqs": 1}, {"method": "mtp", "k": 1})
     assert written == dict(resolve_serve({"max_num_seqs": 1}), speculative={"method": "mtp", "k": 1})
+    assert written["patches"] == {name: patch.default for name, patch in patches.PATCHES.items()}
     with pytest.raises(SettingsError, match="unknown serve key"):
         serve_json({"max_seqs": 1}, {"method": "none", "k": 0})
 
@@ -216,39 +229,40 @@ def test_model_runner_v2_is_refused_with_a_method_it_does_not_serve():
         serve_json({"model_runner": "v2", "runner": 2}, {"method": "none", "k": 0})
 
 
-# ---------- pad_drafts: a plugin key, not vLLM's ----------
+# ---------- serve.patches: the project's vLLM patches, switched per variant ----------
 
 
-def test_pad_drafts_reaches_the_plugin_environment_and_not_vllm():
+def test_patches_reach_vllms_processes_as_the_enabled_names_and_never_its_flags():
     from serving.launch import child_env
 
-    spec = {"method": "suffix", "k": 4, "pad_drafts": True}
-    args = vllm_args(dict(SERVE_JSON, speculative=spec), "/m")
-    config = json.loads(args[args.index("--speculative-config") + 1])
-    assert config == {"method": "suffix", "num_speculative_tokens": 4}  # vLLM would refuse an unknown key
-    assert child_env({}, dict(SERVE_JSON, speculative=spec))["SERVING_PAD_DRAFTS"] == "1"
-    assert child_env({}, SERVE_JSON)["SERVING_PAD_DRAFTS"] == "0"
-    assert speculative_problems({"method": "mtp", "k": 2, "pad_drafts": True}) == [
-        "speculative.pad_drafts: method mtp does not take pad_drafts (it takes: disable_padded_drafter_batch)"
-    ]
-
-
-def test_graph_drafter_reaches_the_plugin_environment_for_ngram_gpu_only():
-    from serving.launch import child_env
-
-    spec = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4, "pad_drafts": True, "graph_drafter": True}
-    args = vllm_args(dict(SERVE_JSON, speculative=spec), "/m")
-    assert json.loads(value(args, "--speculative-config")) == {
+    spec = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}
+    settings = dict(SERVE_JSON, patches={"drafter_graphs": True, "draft_padding": False}, speculative=spec)
+    enabled = child_env({}, settings)[patches.ENV].split(",")
+    assert "drafter_graphs" in enabled and "draft_padding" not in enabled and "greedy_rejection" in enabled
+    defaults = child_env({patches.ENV: "fork_start"}, SERVE_JSON)[patches.ENV].split(",")  # never a user switch
+    assert defaults == [name for name, patch in patches.PATCHES.items() if patch.default]
+    assert vllm_args(settings, "/m") == vllm_args(dict(settings, patches={}), "/m")
+    assert json.loads(value(vllm_args(settings, "/m"), "--speculative-config")) == {
         "method": "ngram_gpu",
         "num_speculative_tokens": 4,
         "prompt_lookup_max": 4,
     }
-    env = child_env({}, dict(SERVE_JSON, speculative=spec))
-    assert env["SERVING_GRAPH_DRAFTER"] == env["SERVING_PAD_DRAFTS"] == "1"
-    assert child_env({}, SERVE_JSON)["SERVING_GRAPH_DRAFTER"] == "0"
-    assert speculative_problems({"method": "suffix", "k": 4, "graph_drafter": True})[0].startswith(
-        "speculative.graph_drafter: method suffix does not take graph_drafter"
-    )
+
+
+def test_an_unknown_patch_or_a_switch_that_is_not_a_boolean_is_refused_naming_the_key():
+    assert resolve_patches({"fork_start": True})["fork_start"] is True
+    with pytest.raises(SettingsError, match=r"serve.patches.pad_drafts: unknown patch; known: \['int4_fallback'"):
+        serve_json({"patches": {"pad_drafts": True}}, {"method": "suffix", "k": 4})
+    with pytest.raises(SettingsError, match="serve.patches.fork_start: must be true or false, got 'yes'"):
+        serve_json({"patches": {"fork_start": "yes"}}, {"method": "none", "k": 0})
+
+
+def test_the_old_speculative_plugin_keys_are_gone():
+    for key in ("pad_drafts", "silent_drafts", "graph_drafter"):
+        assert key not in SPECULATIVE_KEYS
+        assert speculative_problems({"method": "suffix", "k": 4, key: True}) == [
+            f"speculative.{key}: unknown speculative key; known: {list(SPECULATIVE_KEYS)}"
+        ]
 
 
 class Box:
@@ -265,7 +279,7 @@ class Box:
 
 
 def test_step_graphs_run_eagerly_then_capture_once_then_replay_on_the_graphs_own_inputs():
-    from serving.drafter_graphs import StepGraphs
+    from serving.patches.drafter_graphs import StepGraphs
 
     calls, logged = [], []
 
@@ -285,7 +299,7 @@ def test_step_graphs_run_eagerly_then_capture_once_then_replay_on_the_graphs_own
 
 
 def test_a_capture_that_fails_leaves_that_shape_eager_and_says_so():
-    from serving.drafter_graphs import StepGraphs
+    from serving.patches.drafter_graphs import StepGraphs
 
     def capture(fn, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -301,7 +315,7 @@ def test_a_capture_that_fails_leaves_that_shape_eager_and_says_so():
 
 
 def test_drafts_are_padded_to_k_with_their_last_token_within_the_context():
-    from serving.draft_padding import pad
+    from serving.patches.draft_padding import pad
 
     sampled = [[7], [8], [], [9]]
     drafts = [[1, 2], [], [], [3]]
@@ -311,8 +325,8 @@ def test_drafts_are_padded_to_k_with_their_last_token_within_the_context():
     assert pad([[]], [[5]], [99], k=4, max_model_len=100) == [[]]  # at the context limit: nothing to verify
 
 
-def test_the_padding_plugin_wraps_both_copy_drafters_only_when_asked(monkeypatch):
-    from serving import draft_padding
+def test_the_padding_plugin_wraps_both_copy_drafters_only_when_switched_on(monkeypatch):
+    from serving.patches import draft_padding
 
     class Proposer:
         max_model_len = 100
@@ -320,7 +334,7 @@ def test_the_padding_plugin_wraps_both_copy_drafters_only_when_asked(monkeypatch
         def propose(self, k, sampled, num_tokens, token_ids=None):
             return [[] for _ in sampled]
 
-    monkeypatch.delenv(draft_padding.ENV, raising=False)
+    monkeypatch.setenv(patches.ENV, "")  # serve.patches.draft_padding: false
     draft_padding.register()  # off: vLLM is not even imported
     wrapped = draft_padding._ngram(Proposer.propose)
     assert wrapped(Proposer(), 3, [[5], []], [10, 10], None) == [[5, 5, 5], []]
@@ -333,7 +347,7 @@ from types import SimpleNamespace
 import vllm.v1.worker.gpu_model_runner as runner
 from vllm.v1.spec_decode import ngram_proposer_gpu
 from vllm.v1.spec_decode.ngram_proposer_gpu import NgramGPUKernel, NgramProposerGPU
-from serving import draft_padding, drafter_graphs
+from serving.patches import draft_padding, drafter_graphs
 
 # pad_gpu: a row's draft is its first num_valid tokens; the rest is -1
 drafts = torch.tensor([[5, 6, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
@@ -391,9 +405,10 @@ def steps(update, propose, seed=0):
 eager, graphed = steps(update, propose), steps(graphed_update, graphed_propose)
 
 trim_before = runner.update_scheduler_for_invalid_drafts
-draft_padding.register()  # SERVING_PAD_DRAFTS=1: after the runner's import, as in a worker
-drafter_graphs.register()  # SERVING_GRAPH_DRAFTER=1
-drafter_graphs.register()  # twice: still one wrapper each
+draft_padding.register()  # switched on (SERVING_PATCHES): after the runner's import, as in a worker
+# drafter_graphs applies on CUDA only: its patching itself, which registers the padding first (already in: once)
+drafter_graphs.register.__wrapped__()
+drafter_graphs.register.__wrapped__()  # twice: still one wrapper each
 print(json.dumps({
     "padded": padded.tolist(), "counts": counts.tolist(), "dtype": str(padded.dtype),
     "wrapped": wrapped.tolist(), "wrapped_counts": wrapped_counts.tolist(),
@@ -417,7 +432,7 @@ def ngram_gpu_plugins(tiny_venvs):
     result = subprocess.run(
         [str(tiny_venvs["serve-cpu"]), "-c", NGRAM_GPU_PLUGINS],
         cwd=ROOT,
-        env=dict(os.environ, SERVING_PAD_DRAFTS="1", SERVING_GRAPH_DRAFTER="1", PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, **{patches.ENV: "draft_padding,drafter_graphs"}, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -428,7 +443,7 @@ def ngram_gpu_plugins(tiny_venvs):
 
 @pytest.mark.e2e
 def test_ngram_gpu_drafts_are_padded_on_the_device_and_the_host_trim_is_gone(ngram_gpu_plugins):
-    """ngram_gpu with pad_drafts, in the serve venv's vLLM: -1 slots filled with the draft's last token (the
+    """ngram_gpu with draft_padding, in the serve venv's vLLM: -1 slots filled with the draft's last token (the
     request's last token where it drafted nothing), every count K, and the runner's per-step trim (an event sync)
     replaced by a no-op, even though the runner module was imported first."""
     seen = ngram_gpu_plugins
@@ -453,70 +468,3 @@ def test_ngram_gpu_steps_replayed_from_graphs_equal_the_eager_steps(ngram_gpu_pl
         "drafter graphs: captured propose",
     ]
     assert seen["update_wrapped"] and seen["graphs_wrap_padding"] and seen["count_copy_replaced"]
-
-
-# ---------- silent_drafts: padded when anyone drafts, nothing at all when nobody does ----------
-
-
-def test_silent_drafts_reach_the_plugin_environment_and_not_vllm():
-    from serving.launch import child_env
-
-    spec = {"method": "suffix", "k": 4, "silent_drafts": True}
-    args = vllm_args(dict(SERVE_JSON, speculative=spec), "/m")
-    assert json.loads(args[args.index("--speculative-config") + 1]) == {"method": "suffix", "num_speculative_tokens": 4}
-    env = child_env({}, dict(SERVE_JSON, speculative=spec))
-    assert env["SERVING_SILENT_DRAFTS"] == "1" and env["SERVING_PAD_DRAFTS"] == "0"
-    assert speculative_problems({"method": "mtp", "k": 2, "silent_drafts": True}) == [
-        "speculative.silent_drafts: method mtp does not take silent_drafts (it takes: disable_padded_drafter_batch)"
-    ]
-
-
-def test_a_step_drafts_nothing_only_when_nobody_drafted_or_just_accepted():
-    from serving.silent_drafts import drafts_for_step
-
-    # nobody drafted, every request sampled one token (accepted nothing): a plain 1-token step
-    assert drafts_for_step([[], [], []], [[7], [8], []], [10, 10, 10], k=4, max_model_len=100) == [[], [], []]
-    # one request drafted: all padded to K (uniform 1 + K verify batch)
-    assert drafts_for_step([[1], [], []], [[7], [8], []], [10, 10, 10], k=4, max_model_len=100) == [
-        [1, 1, 1, 1],
-        [8, 8, 8, 8],
-        [],
-    ]
-    # nobody drafted, but one request just accepted drafts (2 tokens sampled): padded, because a non-speculative step
-    # right after an accepting one would read the GDN state from the wrong block-table column (vLLM #39273)
-    assert drafts_for_step([[], []], [[7, 9], [8]], [10, 10], k=2, max_model_len=100) == [[9, 9], [8, 8]]
-
-
-def test_one_token_graph_sizes_stay_within_max_num_seqs():
-    from serving.silent_drafts import one_token_sizes
-
-    assert one_token_sizes(8, 200) == [1, 2, 4, 8]
-    assert one_token_sizes(1, 200) == [1]
-    assert one_token_sizes(20, 200) == [1, 2, 4, 8, 16, 20]
-    assert one_token_sizes(20, 4) == [1, 2, 4]  # never above the largest capture size
-
-
-def test_the_silent_wrappers_apply_the_policy_to_both_copy_drafters():
-    from types import SimpleNamespace
-
-    from serving import silent_drafts
-
-    class Ngram:
-        max_model_len = 100
-
-        def propose(self, k, sampled, num_tokens, token_ids=None):
-            return [[3] if ids == [5] else [] for ids in sampled]
-
-    class Suffix:
-        max_model_len = 100
-
-        def propose(self, k, input_batch, sampled, *args):
-            return [[] for _ in sampled]
-
-    ngram = silent_drafts._ngram(Ngram.propose)
-    assert ngram(Ngram(), 3, [[5], [6]], [10, 10], None) == [[3, 3, 3], [6, 6, 6]]
-    assert ngram(Ngram(), 3, [[4], [6]], [10, 10], None) == [[], []]
-    suffix = silent_drafts._suffix(Suffix.propose)
-    batch = SimpleNamespace(num_tokens_no_spec=[10, 10, 0])
-    assert suffix(Suffix(), 3, batch, [[4], [6]]) == [[], []]
-    assert suffix(Suffix(), 3, batch, [[4, 2], [6]]) == [[2, 2, 2], [6, 6, 6]]

@@ -29,6 +29,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from serving.patches import guarded
+
 ISA_PROBES_FILE = "isa_probes.json"
 
 
@@ -109,11 +111,8 @@ def remember_isa_probes() -> None:
         cpu_vec_isa.VecISA.check_build = remembered(cpu_vec_isa.VecISA.check_build, probes_dir(cache_dir), identity)
 
 
+@guarded("aot_load_fix")
 def register() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     remember_isa_probes()
     try:
         from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled

@@ -10,7 +10,7 @@ that build the products are computed in fp32 from the same bf16 values and round
 kernels accumulate in fp32 as well); activations, caches and the GDN kernels stay bf16. The tiny model (2
 cores, MTP K=2, eager) answered the short / medium / long requests in 4.5 / 17.2 / 24.7 s before and
 1.9 / 9.7 / 13.9 s after, with the same text. Where `_C` (AVX-512) is loaded nothing changes and nothing is
-logged. serving/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way, and
+logged. serving/patches/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way, and
 the quantize stage runs transformers' modules (llmcompressor's calibration, the held-out guard) under
 `HalfProductsInFp32` on every CPU: AWQ's scale search spent 42 % of its time in the GDN layers' bf16 conv1d there.
 
@@ -28,6 +28,8 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from serving.patches import guarded
 
 # Where the CPU GDN layers call F.conv1d (prefill, decode, and the speculative path).
 CONV_MODULES = (
@@ -145,12 +147,11 @@ def chunk_gated_delta_rule_fp32(
     return (out.transpose(1, 2) if head_first else out), torch.cat(states)
 
 
+@guarded("avx2_fp32")
 def register() -> None:
     import importlib
 
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or not avx2_build():
+    if not avx2_build():
         return
     import vllm.model_executor.layers.utils as layer_utils
 

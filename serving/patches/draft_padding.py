@@ -1,5 +1,5 @@
-"""vLLM general plugin (entry point in _dist/): copy-style drafts (ngram, suffix) padded to exactly K tokens, when
-the speculative section asks for it (`pad_drafts: true`; serving.launch sets SERVING_PAD_DRAFTS=1).
+"""vLLM general plugin (entry point in _dist/): copy-style drafts (ngram, suffix, ngram_gpu) padded to exactly K
+tokens (on by default; serve.patches.draft_padding: false serves them as vLLM drafts them).
 
 Why it exists: ngram and suffix propose a varying number of tokens per step (none on text that does not repeat).
 On Qwen3.5 in vLLM 0.26 that costs twice:
@@ -23,10 +23,9 @@ would remove nothing: the sync is skipped with it.
 
 from __future__ import annotations
 
-import os
+from serving.patches import guarded
 
 _WRAPPED = "_serving_draft_padding"
-ENV = "SERVING_PAD_DRAFTS"
 
 
 def pad(drafts: list[list[int]], sampled: list[list[int]], num_tokens, k: int, max_model_len: int) -> list[list[int]]:
@@ -74,31 +73,29 @@ def _no_trim(*args, **kwargs) -> None:
     """update_scheduler_for_invalid_drafts once every draft is K long: nothing to trim, so no sync either."""
 
 
-# The proposers' wrappers (0.26 signatures); `policy` turns (drafts, sampled, lengths, K, max_model_len) into the
-# drafts to verify: `pad` here, serving/silent_drafts.drafts_for_step there.
-def _suffix(propose, policy=pad):
+# The proposers' wrappers (0.26 signatures).
+def _suffix(propose):
     def wrapper(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
         drafts = propose(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
         lengths = input_batch.num_tokens_no_spec[: len(sampled_token_ids)]
-        return policy(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
+        return pad(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
 
     setattr(wrapper, _WRAPPED, propose)
     return wrapper
 
 
-def _ngram(propose, policy=pad):
+def _ngram(propose):
     def wrapper(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs):
         drafts = propose(self, num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, *args, **kwargs)
         lengths = num_tokens_no_spec[: len(sampled_token_ids)]
-        return policy(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
+        return pad(drafts, sampled_token_ids, lengths, num_speculative_tokens, self.max_model_len)
 
     setattr(wrapper, _WRAPPED, propose)
     return wrapper
 
 
+@guarded("draft_padding")
 def register() -> None:
-    if os.environ.get(ENV) != "1":
-        return
     from vllm.logger import init_logger
     from vllm.v1.spec_decode import ngram_proposer_gpu
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
@@ -113,7 +110,7 @@ def register() -> None:
         if not hasattr(cls.propose, _WRAPPED):
             cls.propose = wrap(cls.propose)
     replace_in_runner(ngram_proposer_gpu, "update_scheduler_for_invalid_drafts", _no_trim)
-    # the tests read this line to know the padding is in the engine, not only asked for
+    # the tests read this line to know the padding is in the engine
     init_logger("vllm.plugins.serving_draft_padding").info("draft padding: ngram and suffix drafts padded to K")
 
 

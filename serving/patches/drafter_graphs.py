@@ -1,5 +1,5 @@
 """vLLM general plugin (entry point in _dist/): ngram_gpu's per-step tensor work replayed from CUDA graphs, one per
-batch shape (SERVING_GRAPH_DRAFTER=1, from the speculative section's `graph_drafter`).
+batch shape (off by default; the ngram_gpu variant turns on serve.patches.drafter_graphs).
 
 Why it exists: vLLM 0.26 builds NgramProposerGPU with cudagraph_mode=NONE. Each decode step runs its bookkeeping
 (update_token_ids_ngram: the sampled tokens, their counts, the next token), its matcher (propose: scatter into the
@@ -19,12 +19,10 @@ overwrites the graph's own. A capture that fails leaves that key eager for good 
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
-from serving import draft_padding
+from serving.patches import draft_padding, guarded
 
-ENV = "SERVING_GRAPH_DRAFTER"
 _WRAPPED = "_serving_drafter_graphs"
 _LOGGER = "vllm.plugins.serving_drafter_graphs"
 _WARM, _EAGER = "warm", "eager"
@@ -155,17 +153,16 @@ def wrap(cls, graphs: StepGraphs) -> None:
             setattr(cls, name, wrapper(method, graphs))
 
 
+@guarded("drafter_graphs")
 def register() -> None:
-    if os.environ.get(ENV) != "1":
-        return
     from vllm.logger import init_logger
     from vllm.v1.spec_decode import ngram_proposer_gpu
 
     logger = init_logger(_LOGGER)
-    # padding first (a no-op unless asked, and once only), so its fill runs inside the captured propose
+    # padding first (where serve.patches has it on, and once only), so its fill runs inside the captured propose
     draft_padding.register()
     wrap(ngram_proposer_gpu.NgramProposerGPU, StepGraphs(log=logger.info))
-    if os.environ.get(draft_padding.ENV) == "1":
+    if hasattr(ngram_proposer_gpu.NgramProposerGPU.propose, draft_padding._WRAPPED):  # the padding is inside
         draft_padding.replace_in_runner(ngram_proposer_gpu, "copy_num_valid_draft_tokens", _no_count_copy)
-    # the tests read this line to know the graphs are in the engine, not only asked for
+    # the tests read this line to know the graphs are in the engine
     logger.info("drafter graphs: ngram_gpu's bookkeeping and matcher replayed from CUDA graphs per batch shape")

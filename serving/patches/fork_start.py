@@ -18,8 +18,8 @@ What spawn gave that a fork must keep:
   server, which does no model work, runs on one OpenMP thread from the moment this plugin loads (right after its
   imports, which run no parallel region); the engine core it forks inherits that and does no model work either;
   and a process forks only while it still runs one OpenMP thread and is that API server or a child forked from
-  it (`fork_refusal`). Otherwise (a spawned engine core, Intel OpenMP preloaded, `SERVING_FORK_START=0`) vLLM
-  spawns as before and the log says why.
+  it (`fork_refusal`). Otherwise (a spawned engine core, Intel OpenMP preloaded) vLLM spawns as before and the log
+  says why. Off by default (serve.patches.fork_start; config/tiny.yaml turns it on).
 GPU platforms are left alone (CUDA cannot be forked once initialized).
 """
 
@@ -33,6 +33,7 @@ import socket
 import sys
 
 from serving.launch import API_SERVER_MODULE
+from serving.patches import guarded
 
 _LOGGER = "vllm.plugins.serving_fork_start"
 # OpenMP runtimes that vLLM binds through KMP_AFFINITY, which they read only when they load
@@ -87,8 +88,6 @@ def mapped_libraries(maps: str = "/proc/self/maps") -> set[str]:
 
 def fork_refusal(environ: dict, single_threaded_since_start: bool, openmp_threads: int, loaded: set[str]) -> str | None:
     """Why this process must not fork its vLLM child (None: it may). `loaded`: mapped_libraries()."""
-    if environ.get("SERVING_FORK_START") == "0":
-        return "SERVING_FORK_START=0"
     if not single_threaded_since_start:
         return "this process did not run on one OpenMP thread from its start (a thread pool may exist)"
     if openmp_threads != 1:
@@ -187,11 +186,8 @@ def _is_api_server(main) -> bool:
     return getattr(spec, "name", None) == API_SERVER_MODULE
 
 
+@guarded("fork_start")
 def register() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or os.environ.get("SERVING_FORK_START") == "0":
-        return
     if _is_api_server(sys.modules.get("__main__")):
         import torch
 

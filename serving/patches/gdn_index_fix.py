@@ -14,6 +14,8 @@ of its read-only inputs that are not (same values, so the same outputs); the sta
 
 from __future__ import annotations
 
+from serving.patches import guarded
+
 _WRAPPED = "_serving_gdn_index_fix"
 READ_ONLY = ("q", "k", "v", "a", "b", "initial_state_indices", "cu_seqlens")
 
@@ -40,11 +42,8 @@ def contiguous_inputs(kernel):
     return wrapper
 
 
+@guarded("gdn_index_fix")
 def register() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     import vllm._custom_ops as ops
 
     kernel = getattr(ops, "fused_sigmoid_gating_delta_rule_update_cpu", None)

@@ -17,14 +17,13 @@ changed or the general path wrote them since. Any other batch (prefills, plain d
 no FULL graphs) goes to vLLM's own build unchanged. tests/test_lossless.py compares the two field by field on
 vLLM's own builder.
 
-SERVING_GDN_SPEC_METADATA=0 leaves vLLM's build alone (the GPU proof measures the step both ways).
+serve.patches.gdn_spec_metadata: false leaves vLLM's build alone (the GPU proof measures the step both ways).
 """
 
 from __future__ import annotations
 
-import os
+from serving.patches import guarded
 
-ENV = "SERVING_GDN_SPEC_METADATA"
 _WRAPPED = "_serving_gdn_spec_metadata"
 _FILLED = "_serving_gdn_filled"  # (requests, tokens) whose mask and token index the persistent buffers hold
 
@@ -109,9 +108,8 @@ def fast_build(original, metadata_cls, block_table_for, log=None):
     return build
 
 
+@guarded("gdn_spec_metadata")
 def register() -> None:
-    if os.environ.get(ENV) == "0":
-        return
     from vllm.logger import init_logger
     from vllm.v1.attention.backends import gdn_attn
     from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor

