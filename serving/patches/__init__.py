@@ -188,10 +188,11 @@ def refusal(names: list[str], installed: str | None) -> str:
     """One message for the patches that refuse: each with its tested version, the installed one, the way out."""
     tested = ", ".join(f"{name} (tested with vLLM {PATCHES[name].vllm})" for name in names)
     off = ", ".join(f"serve.patches.{name}: false" for name in names)
+    which = "an enabled vLLM patch was" if len(names) == 1 else "these enabled vLLM patches were"
     return (
-        f"installed vLLM {installed or '(none found)'} is not the version these enabled vLLM patches were written "
-        f"and tested against: {tested}. Each replaces private vLLM code that may have changed: check it against "
-        f"this vLLM and update its entry in serving/patches/__init__.py, or turn it off in the config ({off})."
+        f"installed vLLM {installed or '(none found)'} is not the version {which} written and tested against: "
+        f"{tested}. A patch replaces private vLLM code that may have changed: check it against this vLLM and update "
+        f"its entry in serving/patches/__init__.py, or turn it off in the config ({off})."
     )
 
 
