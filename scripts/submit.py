@@ -1,57 +1,38 @@
-"""Upload image.tar.gz to the competition's submission API and submit it (rule submit, not in the default target).
+"""Submit image.tar.gz through the competition's API (rule submit, not in the default target).
 
-The API's base URL, the team id and the upload key come from the environment only (lib/submission.py ENV); they
-never reach config, params, the log, the state file or the record. The client and its endpoint table are in
-lib/submission.py; this stage checks the archive against its .sha256, runs the upload (resuming an interrupted
-multipart upload from `<tarball>.upload.json`) and records the submission.
+The API's base URL, the team id and the key come from the environment only (lib/submission.py ENV): a missing one
+fails before any work. The archive is refused, before any request, unless it is named image.tar.gz, is at most
+20 GB, still has its .sha256, and its variant's records say the image ran (verify.json), passed the full quality
+gate (quality.json, not limited to a sample) and the lossless check (lossless.json). The flow, its resume from
+`image.tar.gz.upload.json` and what is never written are in lib/submission.py.
 """
 
-import time
-from pathlib import Path
-
-from lib.stage import StageError, sha256_file, validate_json, write_json
-from lib.submission import Settings, credentials_from_env, read_sha256_file, state_path, upload_and_submit
-
-
-def settings_from_params(params) -> Settings:
-    return Settings(
-        part_size=int(float(params.part_size_mb) * 1024 * 1024),
-        retries=int(params.retries),
-        retry_wait_s=float(params.retry_wait_s),
-        timeout_s=float(params.timeout_s),
-    )
-
-
-def checked_digest(tarball: Path, sha256_path: str) -> str:
-    """The .sha256's digest, once the archive is found to still have it (a changed archive is never sent)."""
-    expected = read_sha256_file(sha256_path)
-    started = time.monotonic()
-    actual = sha256_file(tarball)
-    if actual != expected:
-        raise StageError(
-            f"{tarball} has sha256 {actual}, not the {expected} of {sha256_path}: the archive changed "
-            "after `tarball` wrote it; rerun `snakemake image.tar.gz` (or --forcerun tarball)"
-        )
-    print(f"{tarball}: sha256 {actual} matches {sha256_path} ({time.monotonic() - started:.0f} s)", flush=True)
-    return actual
+from lib.stage import StageError, validate_json, write_json
+from lib.submission import Settings, credentials_from_env, state_path, submittable_archive, upload_and_submit
 
 
 def main(job) -> None:
-    credentials = credentials_from_env()  # before anything else: a missing key fails before any request
+    credentials = credentials_from_env()  # before anything else: a missing variable fails before any work
 
     def log(message: str) -> None:
         print(credentials.mask(message), flush=True)
 
+    settings = Settings(
+        retries=int(job.params.retries),
+        retry_wait_s=float(job.params.retry_wait_s),
+        timeout_s=float(job.params.timeout_s),
+    )
     try:
-        tarball = Path(job.input.tarball)
-        digest = checked_digest(tarball, job.input.sha256)
-        record = upload_and_submit(tarball, digest, credentials, settings_from_params(job.params), log)
+        archive = submittable_archive(
+            job.input.tarball, job.input.sha256, job.input.verify, job.input.quality, job.input.lossless, log
+        )
+        record = {"variant": archive.variant, **upload_and_submit(archive, credentials, settings, log)}
         validate_json(record, job.input.schema)
         write_json(job.output.record, record)
     except StageError as error:
         raise StageError(credentials.mask(str(error))) from None
-    state_path(tarball).unlink(missing_ok=True)  # the submission is recorded: nothing is left to resume
-    log(f"{job.output.record}: submission {record['submission_id']} recorded")
+    state_path(archive.path).unlink(missing_ok=True)  # the submission is recorded: nothing is left to resume
+    log(f"{job.output.record}: submission {record['submission_id']} of variant {archive.variant} recorded")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""rule submit against a local stand-in of the submission API (lib/submission.py's ENDPOINTS): single and multipart
-uploads, connections cut mid-part and resumed without re-sending finished parts, expired presigned URLs, a missing
-key, and the key in no log, state file, record or output."""
+"""rule submit against a local stand-in of the competition's submission API (contract.md, "Submission API"): single
+and multipart uploads, a connection cut mid-part and the resume that sends no finished part again, expired URLs asked
+for again, ETags checked at complete-upload, every refusal made before any request, and the key, URL and team id in
+no log, state file or record."""
 
 import hashlib
 import json
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,11 +23,12 @@ import pytest
 import submit
 from conftest import ROOT, TINY, snakemake
 from lib.stage import StageError
-from lib.submission import ENDPOINTS, ENV, state_path
+from lib.submission import ENV, MAX_ARCHIVE_BYTES, state_path
 
 KEY = "sk-test-" + "7f3a9c1e5b2d4a6f8e0c" * 2
-TEAM = "team-42"
-MIB = 1024 * 1024
+TEAM = "AFM-1a2b3c4d"
+VARIANT = "awq-mtp2"
+KIB = 1024
 
 
 class QuietServer(ThreadingHTTPServer):
@@ -36,34 +39,48 @@ class QuietServer(ThreadingHTTPServer):
 
 
 class StandIn:
-    """The submission API and its object store on 127.0.0.1, with faults on request.
+    """The submission API (under /prod) and its object store (under /bucket) on 127.0.0.1, as the contract has it.
 
-    single_max: largest upload answered `single`. part_size: the multipart part size it answers (None = the
-    client's proposal). cut: {(part, attempt)} whose PUT is read halfway and then the connection dropped.
-    expire: {part: n} the first n URLs issued for the part are already expired. echo_key: the submit answer
-    repeats the Authorization header (a careless API), which must reach no record."""
+    single_max: the largest file_size_bytes upload-url answers `single` (the real API: 5 GB). part_size: the part size
+    of a multipart answer. same_upload: upload-url answers the unfinished upload of the same team and size again with
+    fresh URLs; the contract does not promise that, so by default every upload-url call starts a new upload.
+    cut: {(part, attempt)} whose PUT is read halfway, then the connection is reset (once: a later upload's part
+    goes through). expire: {part: n} the first n
+    URLs issued for that part are already expired (403 "Request has expired"). no_etag: parts whose PUT answers 200
+    without an ETag. echo_key: register and submit answers repeat the x-api-key header (a careless API)."""
 
     def __init__(
-        self, payload: bytes, single_max: int, part_size: int | None = None, cut=(), expire=None, echo_key: bool = False
+        self,
+        payload: bytes,
+        single_max: int,
+        part_size: int = 64 * KIB,
+        same_upload: bool = False,
+        cut=(),
+        expire=None,
+        no_etag=(),
+        echo_key: bool = False,
     ):
-        self.payload, self.single_max, self.part_size = payload, single_max, part_size
-        self.cut, self.expire, self.echo_key = set(cut), dict(expire or {}), echo_key
-        self.api_calls: list[tuple[str, str]] = []  # (step, path) of every authorised API call
+        self.payload, self.single_max, self.part_size, self.same_upload = payload, single_max, part_size, same_upload
+        self.cut, self.expire, self.no_etag, self.echo_key = set(cut), dict(expire or {}), set(no_etag), echo_key
         self.requests = 0  # every request, authorised or not
-        self.puts: dict[int, int] = {}  # part -> PUT attempts
-        self.url_requests: list[list[int]] = []  # the parts of each URL request
-        self.tokens: dict[str, tuple[str, int, bool]] = {}  # token -> (upload id, part, expired)
-        self.issued: dict[int, int] = {}
-        self.uploads: dict[str, dict] = {}
-        self.completions: list[dict] = []
-        self.submissions: dict[str, str] = {}
-        self.forgotten: set[str] = set()  # upload ids the API no longer knows
+        self.calls: list[tuple[str, dict]] = []  # (path, body) of every authorised API call
+        self.api_keys: list[str | None] = []  # x-api-key of every API call
+        self.put_keys: list[str | None] = []  # x-api-key of every PUT (must be none: the URL is signed)
+        self.received: dict[tuple[str, int], list[int]] = {}  # (upload, part) -> bytes read, one entry per PUT
+        self.refused: dict[tuple[str, int], int] = {}  # (upload, part) -> PUTs answered 403
+        self.issued: dict[int, int] = {}  # part -> URLs issued
+        self.tokens: dict[str, tuple[str, str, int, bool]] = {}  # token -> (s3_key, upload, part, expired)
+        self.uploads: dict[str, dict] = {}  # upload id (single: the s3_key) -> its parts and state
+        self.etags_returned: dict[tuple[str, int], str] = {}
+        self.objects: dict[str, bytes] = {}  # s3_key -> the object complete-upload (or a single PUT) made
+        self.submissions: list[dict] = []
         self.submit_status: int | None = None  # submit answers this error status when set
-        self.storage_auth_headers: list[str] = []  # Authorization headers sent to presigned URLs
         self.lock = threading.Lock()
         self.server = QuietServer(("127.0.0.1", 0), self.handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        host, port = self.server.server_address
+        self.url = f"http://{host}:{port}/prod"
+        self.bucket = f"http://{host}:{port}/bucket"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
 
     def __enter__(self):
         self.thread.start()
@@ -78,8 +95,18 @@ class StandIn:
         env.update(overrides)
         return {k: v for k, v in env.items() if v is not None}
 
+    def steps(self) -> list[str]:
+        return [path for path, _ in self.calls]
+
+    def url_for(self, s3_key: str, upload_id: str | None, part: int) -> str:
+        self.issued[part] = self.issued.get(part, 0) + 1
+        token = secrets.token_hex(8)
+        self.tokens[token] = (s3_key, upload_id or s3_key, part, self.issued[part] <= self.expire.get(part, 0))
+        query = {"partNumber": part, "uploadId": upload_id} if upload_id else {}
+        return f"{self.bucket}/{s3_key}?" + urllib.parse.urlencode({**query, "X-Amz-Signature": token})
+
     def handler(self):
-        stand_in = self
+        api = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -96,379 +123,546 @@ class StandIn:
                 self.wfile.write(data)
                 self.close_connection = True
 
-            def body(self) -> bytes:
-                return self.rfile.read(int(self.headers.get("Content-Length", 0)))
-
             def do_POST(self):
-                with stand_in.lock:
-                    stand_in.requests += 1
-                data = self.body()
-                if self.headers.get("Authorization") != f"Bearer {KEY}":
-                    return self.reply(401, {"error": "bad key"})
-                path = urllib.parse.urlsplit(self.path).path.removeprefix("/api")
-                step = next(
-                    (
-                        name
-                        for name, (_, template) in ENDPOINTS.items()
-                        if re.fullmatch(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(template)), path)
-                    ),
-                    None,
-                )
-                if step is None or path.split("/")[2] != TEAM:
-                    return self.reply(404, {"error": f"no such endpoint {path}"})
-                with stand_in.lock:
-                    stand_in.api_calls.append((step, path))
-                body = json.loads(data)
-                return getattr(self, f"api_{step}")(body, path)
+                with api.lock:
+                    api.requests += 1
+                    api.api_keys.append(self.headers.get("x-api-key"))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.headers.get("x-api-key") is None:
+                    return self.reply(401, {"message": "Unauthorized"})
+                if self.headers["x-api-key"] != KEY:
+                    return self.reply(403, {"message": "Forbidden"})
+                path = urllib.parse.urlsplit(self.path).path
+                step = {"/prod/register": "register", "/prod/upload-url": "upload_url"}.get(path)
+                step = step or {"/prod/complete-upload": "complete", "/prod/submit": "submit"}.get(path)
+                if step is None:
+                    return self.reply(404, {"message": f"no route {path}"})
+                if body.get("team_id") != TEAM:
+                    return self.reply(400, {"message": "unknown team_id"})
+                with api.lock:
+                    api.calls.append((path.removeprefix("/prod/"), body))
+                    return getattr(self, step)(body)
 
-            def api_register(self, body, path):
-                self.reply(200, {"team": TEAM})
+            def register(self, body):
+                answer = {"team_id": TEAM, "status": "registered"}
+                self.reply(200, {**answer, **({"api_key": self.headers["x-api-key"]} if api.echo_key else {})})
 
-            def api_upload(self, body, path):
-                assert body["size"] == len(stand_in.payload)
-                assert body["sha256"] == hashlib.sha256(stand_in.payload).hexdigest()
-                upload_id = f"up-{len(stand_in.uploads) + 1}"
-                single = body["size"] <= stand_in.single_max
-                part_size = body["size"] if single else (stand_in.part_size or body["part_size"])
-                stand_in.uploads[upload_id] = {
-                    "part_size": part_size,
-                    "mode": "single" if single else "multipart",
-                    "parts": {},
-                    "completed": False,
-                }
+            def upload_url(self, body):
+                size = body["file_size_bytes"]
+                if size != len(api.payload):
+                    return self.reply(400, {"message": f"file_size_bytes {size} is not the archive's"})
+                if size <= api.single_max:
+                    s3_key = f"submissions/{TEAM}/{len(api.uploads) + 1}/image.tar.gz"
+                    api.uploads[s3_key] = {"s3_key": s3_key, "single": True, "parts": {}, "completed": False}
+                    return self.reply(
+                        200, {"upload_type": "single", "s3_key": s3_key, "upload_url": api.url_for(s3_key, None, 1)}
+                    )
+                count = -(-size // api.part_size)
+                reused = [
+                    (upload_id, upload)
+                    for upload_id, upload in api.uploads.items()
+                    if api.same_upload and not upload["single"] and not upload["completed"]
+                ]
+                if reused:
+                    upload_id, upload = reused[-1]
+                else:
+                    upload_id = f"up-{len(api.uploads) + 1}"
+                    s3_key = f"submissions/{TEAM}/{len(api.uploads) + 1}/image.tar.gz"
+                    upload = {"s3_key": s3_key, "single": False, "parts": {}, "completed": False}
+                    api.uploads[upload_id] = upload
+                part_urls = [
+                    {"part_number": n, "upload_url": api.url_for(upload["s3_key"], upload_id, n)}
+                    for n in range(1, count + 1)
+                ]
                 self.reply(
                     200,
                     {
+                        "upload_type": "multipart",
+                        "s3_key": upload["s3_key"],
                         "upload_id": upload_id,
-                        "mode": stand_in.uploads[upload_id]["mode"],
-                        **({} if single else {"part_size": part_size}),
+                        "num_parts": count,
+                        "part_size": api.part_size,
+                        "part_urls": part_urls,
                     },
                 )
 
-            def upload(self, path):
-                upload_id = path.split("/")[4]
-                return upload_id, None if upload_id in stand_in.forgotten else stand_in.uploads.get(upload_id)
-
-            def api_urls(self, body, path):
-                upload_id, upload = self.upload(path)
-                if upload is None:
-                    return self.reply(404, {"error": "no such upload"})
-                urls = {}
-                with stand_in.lock:
-                    stand_in.url_requests.append(list(body["parts"]))
-                    for part in body["parts"]:
-                        stand_in.issued[part] = stand_in.issued.get(part, 0) + 1
-                        token = secrets.token_hex(8)
-                        expired = stand_in.issued[part] <= stand_in.expire.get(part, 0)
-                        stand_in.tokens[token] = (upload_id, part, expired)
-                        host = stand_in.server.server_address
-                        urls[str(part)] = f"http://{host[0]}:{host[1]}/bucket/{upload_id}/{part}?X-Signature={token}"
-                self.reply(200, {"urls": urls})
-
-            def api_complete(self, body, path):
-                upload_id, upload = self.upload(path)
-                payload = stand_in.payload
-                count = max(1, -(-len(payload) // upload["part_size"]))
-                problems = []
-                if [p["part"] for p in body["parts"]] != list(range(1, count + 1)):
-                    problems.append(f"parts {[p['part'] for p in body['parts']]} are not 1..{count}")
+            def complete(self, body):
+                upload = api.uploads.get(body.get("upload_id"))
+                if upload is None or upload["s3_key"] != body.get("s3_key") or upload["single"]:
+                    return self.reply(404, {"message": "NoSuchUpload"})
+                numbers = [p.get("part_number") for p in body["parts"]]
+                if numbers != list(range(1, len(numbers) + 1)) or set(numbers) != set(upload["parts"]):
+                    return self.reply(400, {"message": f"InvalidPartOrder: parts {numbers}"})
                 for entry in body["parts"]:
-                    got = upload["parts"].get(entry["part"])
-                    if got is None or got != (entry["size"], entry["etag"], entry["sha256"]):
-                        problems.append(f"part {entry['part']}: {entry} is not what was received ({got})")
-                if body["size"] != len(payload) or body["sha256"] != hashlib.sha256(payload).hexdigest():
-                    problems.append("size or sha256 of the whole file is wrong")
-                stand_in.completions.append(body)
-                if problems:
-                    return self.reply(400, {"error": "; ".join(problems)})
+                    if str(entry.get("etag", "")).strip('"') != upload["parts"][entry["part_number"]][0]:
+                        return self.reply(400, {"message": f"InvalidPart: part {entry['part_number']}'s ETag"})
                 upload["completed"] = True
-                self.reply(200, {"upload_id": upload_id, "size": body["size"]})
+                api.objects[upload["s3_key"]] = b"".join(upload["parts"][n][1] for n in numbers)
+                self.reply(200, {"s3_key": upload["s3_key"], "status": "completed"})
 
-            def api_submit(self, body, path):
-                if stand_in.submit_status:
-                    return self.reply(stand_in.submit_status, {"error": "try later"})
-                upload = stand_in.uploads.get(body["upload_id"])
-                if upload is None or not upload["completed"]:
-                    return self.reply(409, {"error": "upload not completed"})
-                submission = stand_in.submissions.setdefault(body["upload_id"], f"sub-{len(stand_in.submissions) + 1}")
-                answer = {"submission_id": submission, "status": "queued"}
-                if stand_in.echo_key:
-                    answer["received_authorization"] = self.headers.get("Authorization")
-                self.reply(200, answer)
+            def submit(self, body):
+                if api.submit_status:
+                    return self.reply(api.submit_status, {"message": "try later"})
+                if body.get("s3_key") not in api.objects:
+                    return self.reply(404, {"message": "no such object"})
+                submission = {"submission_id": f"sub-{len(api.submissions) + 1}", "status": "queued"}
+                api.submissions.append({**submission, "s3_key": body["s3_key"]})
+                self.reply(200, {**submission, **({"api_key": self.headers["x-api-key"]} if api.echo_key else {})})
 
             def do_PUT(self):
-                with stand_in.lock:
-                    stand_in.requests += 1
-                    if self.headers.get("Authorization"):
-                        stand_in.storage_auth_headers.append(self.headers["Authorization"])
                 parts = urllib.parse.urlsplit(self.path)
-                _, _, upload_id, part = parts.path.split("/")
-                part = int(part)
-                token = urllib.parse.parse_qs(parts.query).get("X-Signature", [""])[0]
+                query = urllib.parse.parse_qs(parts.query)
+                token = query.get("X-Amz-Signature", [""])[0]
                 length = int(self.headers["Content-Length"])
-                with stand_in.lock:
-                    stand_in.puts[part] = attempt = stand_in.puts.get(part, 0) + 1
-                if stand_in.tokens.get(token, (None, None, True))[:2] != (upload_id, part):
+                with api.lock:
+                    api.requests += 1
+                    api.put_keys.append(self.headers.get("x-api-key"))
+                    s3_key, upload_id, part, expired = api.tokens.get(token, (None, None, None, True))
+                    if s3_key is None or parts.path != f"/bucket/{s3_key}":
+                        self.rfile.read(length)
+                        return self.reply(403, "<Error><Code>SignatureDoesNotMatch</Code></Error>")
+                    received = api.received.setdefault((upload_id, part), [])
+                    attempt = len(received) + api.refused.get((upload_id, part), 0) + 1
+                if expired:
                     self.rfile.read(length)
-                    return self.reply(403, "<Error><Code>AccessDenied</Code><Message>bad signature</Message></Error>")
-                if stand_in.tokens[token][2]:
-                    self.rfile.read(length)
+                    with api.lock:
+                        api.refused[(upload_id, part)] = api.refused.get((upload_id, part), 0) + 1
                     return self.reply(
                         403, "<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
                     )
-                if (part, attempt) in stand_in.cut:  # take half of it, then drop the connection
-                    self.rfile.read(length // 2)
+                if (part, attempt) in api.cut:  # take half of it, then reset the connection (once)
+                    api.cut.discard((part, attempt))
+                    received.append(len(self.rfile.read(length // 2)))
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     self.connection.close()
                     self.close_connection = True
                     return
                 data = self.rfile.read(length)
-                upload = stand_in.uploads[upload_id]
-                offset = (part - 1) * upload["part_size"]
-                expected = stand_in.payload[offset : offset + upload["part_size"]]
-                if hashlib.sha256(data).digest() != hashlib.sha256(expected).digest():
-                    return self.reply(400, {"error": f"part {part}: bytes differ from the file's"})
-                md5 = hashlib.md5(data).hexdigest()
-                upload["parts"][part] = (len(data), md5, hashlib.sha256(data).hexdigest())
-                self.reply(200, "", {"ETag": f'"{md5}"'})
+                received.append(len(data))
+                etag = secrets.token_hex(16)  # opaque, as with SSE-KMS: never the client's to compute
+                with api.lock:
+                    upload = api.uploads[upload_id]
+                    upload["parts"][part] = (etag, data)
+                    api.etags_returned[(upload_id, part)] = etag
+                    if upload["single"]:
+                        upload["completed"] = True
+                        api.objects[s3_key] = data
+                self.reply(200, "", {} if part in api.no_etag else {"ETag": f'"{etag}"'})
 
         return Handler
 
 
-def archive(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+def archive(tmp_path: Path, size: int, name: str = "image.tar.gz", **records) -> tuple[Path, bytes]:
+    """A fake archive, its .sha256 and its variant's passing verify, quality and lossless records (`records`
+    updates them: {"verify": {...}, ...})."""
     payload = hashlib.shake_256(b"image").digest(size)  # seeded bytes, no repeats at any part boundary
-    tarball = tmp_path / "image.tar.gz"
+    tarball = tmp_path / name
     tarball.write_bytes(payload)
-    (tmp_path / "image.tar.gz.sha256").write_text(f"{hashlib.sha256(payload).hexdigest()}  image.tar.gz\n")
+    digest = hashlib.sha256(payload).hexdigest()
+    (tmp_path / f"{name}.sha256").write_text(f"{digest}  {name}\n")
+    ok = {"status": 200, "seconds": 0.1, "ok": True}
+    endpoints = ("ping", "invocations_prompt", "invocations_messages", "completions", "chat_completions", "metrics")
+    passing = {
+        "verify": {
+            "archive": name,
+            "archive_sha256": digest,
+            "archive_bytes": size,
+            "smoke": {"ran": True, "endpoints": {e: dict(ok) for e in endpoints}},
+        },
+        "quality": {"limit": None, "limited": False, "passed": True},
+        "lossless": {"variant": VARIANT, "passed": True, "failures": []},
+    }
+    for kind, changes in records.items():
+        passing[kind].update(changes)
+    for kind, path in record_paths(tmp_path).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(passing[kind]))
     return tarball, payload
 
 
-def job(tmp_path: Path, part_size_mb: float = 0.5, retries: int = 0) -> NS:
+def record_paths(tmp_path: Path) -> dict[str, Path]:
+    results = tmp_path / "results" / VARIANT
+    return {
+        "verify": results / "verify_image" / "verify.json",
+        "quality": results / "quality_gate" / "quality.json",
+        "lossless": results / "lossless" / "lossless.json",
+    }
+
+
+def job(tmp_path: Path, retries: int = 0, name: str = "image.tar.gz") -> NS:
+    paths = record_paths(tmp_path)
     return NS(
         rule="submit",
         input=NS(
-            tarball=str(tmp_path / "image.tar.gz"),
-            sha256=str(tmp_path / "image.tar.gz.sha256"),
+            tarball=str(tmp_path / name),
+            sha256=str(tmp_path / f"{name}.sha256"),
+            verify=str(paths["verify"]),
+            quality=str(paths["quality"]),
+            lossless=str(paths["lossless"]),
             schema=str(ROOT / "schemas" / "submission.schema.yaml"),
         ),
         output=NS(record=str(tmp_path / "results" / "submission.json")),
-        params=NS(part_size_mb=part_size_mb, retries=retries, retry_wait_s=0, timeout_s=30),
+        params=NS(retries=retries, retry_wait_s=0, timeout_s=30),
         log=[],
         threads=1,
         wildcards=NS(),
     )
 
 
-def run_in_process(stand_in: StandIn, the_job: NS, monkeypatch, **env):
+def run_in_process(api: StandIn, the_job: NS, monkeypatch, **env):
     for name in ENV.values():
         monkeypatch.delenv(name, raising=False)
-    for name, value in stand_in.env(**env).items():
+    for name, value in api.env(**env).items():
         monkeypatch.setenv(name, value)
     submit.main(the_job)
 
 
-def run_as_program(stand_in: StandIn, the_job: NS, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+def run_as_program(api: StandIn, the_job: NS, tmp_path: Path, **env) -> subprocess.CompletedProcess:
     """The script as the rule runs it in a venv (`--job`), its output appended to the rule's log."""
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({k: vars(v) if isinstance(v, NS) else v for k, v in vars(the_job).items()}))
     clean = {k: v for k, v in os.environ.items() if k not in ENV.values()}
-    log = tmp_path / "submit.log"
-    with open(log, "a") as handle:
+    with open(tmp_path / "submit.log", "a") as log:
         result = subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "submit.py"), "--job", str(job_file)],
-            env={**clean, **stand_in.env(**env), "PYTHONPATH": str(ROOT / "scripts")},
+            env={**clean, **api.env(**env), "PYTHONPATH": str(ROOT / "scripts")},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             timeout=120,
         )
-        handle.write(result.stdout)
+        log.write(result.stdout)
     return result
 
 
-def test_single_upload(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 300_000)
-    with StandIn(payload, single_max=1 * MIB) as api:
+def record_of(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "results" / "submission.json").read_text())
+
+
+def test_single_upload_end_to_end(tmp_path, monkeypatch, capsys):
+    tarball, payload = archive(tmp_path, 100 * KIB)
+    with StandIn(payload, single_max=128 * KIB) as api:
         run_in_process(api, job(tmp_path), monkeypatch)
-    record = json.loads((tmp_path / "results" / "submission.json").read_text())
-    assert record["mode"] == "single" and record["parts"] == 1 and record["submission_id"] == "sub-1"
+    assert api.steps() == ["register", "upload-url", "submit"]
+    assert api.calls[0][1] == {"team_id": TEAM}
+    assert api.calls[1][1] == {"team_id": TEAM, "file_size_bytes": len(payload)}
+    s3_key = f"submissions/{TEAM}/1/image.tar.gz"
+    assert api.calls[2][1] == {"team_id": TEAM, "s3_key": s3_key}
+    assert api.objects == {s3_key: payload} and api.received == {(s3_key, 1): [len(payload)]}
+    assert api.api_keys == [KEY] * 3 and api.put_keys == [None]  # the key goes to the API only, never to a URL
+    record = record_of(tmp_path)
+    assert record["upload_type"] == "single" and record["parts"] == 1 and record["upload_id"] is None
+    assert record["submission_id"] == "sub-1" and record["variant"] == VARIANT
+    assert record["s3_key"] == "submissions/$QWEN_SUBMIT_TEAM/1/image.tar.gz"
     assert record["sha256"] == hashlib.sha256(payload).hexdigest() and record["size"] == len(payload)
-    assert api.puts == {1: 1} and len(api.completions) == 1
-    assert [step for step, _ in api.api_calls] == ["register", "upload", "urls", "complete", "submit"]
     assert not state_path(tarball).exists()
-    assert "submission sub-1 recorded" in capsys.readouterr().out
+    assert "submission sub-1 of variant awq-mtp2 recorded" in capsys.readouterr().out
 
 
-def test_multipart_interrupted_twice_resumes_without_resending_finished_parts(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 3 * MIB + 12345)  # 7 parts of 0.5 MiB, the last one short
-    the_job = job(tmp_path, part_size_mb=0.5, retries=0)
-    with StandIn(payload, single_max=1 * MIB, cut={(2, 1), (5, 1)}) as api:
+def test_multipart_upload_end_to_end(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB + 5)  # 5 parts of 64 KiB, the last one 5 bytes
+    with StandIn(payload, single_max=128 * KIB) as api:
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.steps() == ["register", "upload-url", "complete-upload", "submit"]
+    complete = api.calls[2][1]
+    assert complete["upload_id"] == "up-1" and complete["s3_key"] == f"submissions/{TEAM}/1/image.tar.gz"
+    assert complete["parts"] == [
+        {"part_number": n, "etag": f'"{api.etags_returned[("up-1", n)]}"'} for n in range(1, 6)
+    ]  # each part's ETag as the store answered it
+    assert api.received == {("up-1", n): [64 * KIB if n < 5 else 5] for n in range(1, 6)}
+    assert api.objects[complete["s3_key"]] == payload
+    record = record_of(tmp_path)
+    assert (record["upload_type"], record["upload_id"], record["parts"], record["part_size"]) == (
+        "multipart",
+        "up-1",
+        5,
+        64 * KIB,
+    )
+    assert not state_path(tarball).exists()
+
+
+def test_a_cut_mid_part_resumes_without_resending_finished_parts(tmp_path, monkeypatch, capsys):
+    tarball, payload = archive(tmp_path, 5 * 64 * KIB)
+    the_job = job(tmp_path, retries=0)
+    with StandIn(payload, single_max=128 * KIB, cut={(3, 1)}) as api:
         with pytest.raises(
             StageError,
-            match=r"PUT part 2/7 .*connection failed.*1 of 7 part\(s\) are recorded in "
-            rf"{re.escape(str(state_path(tarball)))}: rerun to resume",
+            match=r"PUT part 3/5 \(65536 bytes\) to http://127.0.0.1:\d+/bucket/submissions/\$QWEN_SUBMIT_TEAM/1/"
+            r"image.tar.gz: connection failed .* after 1 attempt\(s\); .*image.tar.gz.upload.json keeps the 2 "
+            r"finished part\(s\) of 5: rerun to resume without sending them again",
         ):
             run_in_process(api, the_job, monkeypatch)
-        state = json.loads(state_path(tarball).read_text())  # left, valid, and only what the server took
-        assert state["mode"] == "multipart" and sorted(state["parts"]) == ["1"] and not state["completed"]
-        assert state["sha256"] == hashlib.sha256(payload).hexdigest() and state["part_size"] == MIB // 2
-        assert state["parts"]["1"]["sha256"] == hashlib.sha256(payload[: MIB // 2]).hexdigest()
+        state = json.loads(state_path(tarball).read_text())  # only what the store took, tied to this archive
+        assert sorted(state["etags"]) == ["1", "2"] and state["upload_id"] == "up-1" and not state["uploaded"]
+        assert state["archive"] == {
+            "name": "image.tar.gz",
+            "size": len(payload),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+        }
         assert not (tmp_path / "results" / "submission.json").exists()
-
-        with pytest.raises(StageError, match=r"PUT part 5/7 .*4 of 7 part\(s\) are recorded"):
-            run_in_process(api, the_job, monkeypatch)
-        assert sorted(json.loads(state_path(tarball).read_text())["parts"]) == ["1", "2", "3", "4"]
-        assert "resuming upload up-1 (multipart)" in capsys.readouterr().out
+        capsys.readouterr()
 
         run_in_process(api, the_job, monkeypatch)
-    out = capsys.readouterr().out
-    assert "4 part(s) already uploaded, not sent again" in out
-    assert re.search(
-        r"^part 7/7: 12345 bytes in [\d.]+ s \([\d.]+ MB/s\); 3158073/3158073 bytes \(100\.0%\)$", out, re.M
-    )
-    # each finished part went up once; the two cut parts twice (the cut attempt and the good one)
-    assert api.puts == {1: 1, 2: 2, 3: 1, 4: 1, 5: 2, 6: 1, 7: 1}
-    # every run asked for URLs of its missing parts only, and registered and created the upload only once
-    assert api.url_requests == [[1, 2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7], [5, 6, 7]]
-    assert [step for step, _ in api.api_calls].count("upload") == 1
-    assert len(api.completions) == 1 and [p["part"] for p in api.completions[0]["parts"]] == list(range(1, 8))
-    record = json.loads((tmp_path / "results" / "submission.json").read_text())
-    assert record["mode"] == "multipart" and record["parts"] == 7 and record["upload_id"] == "up-1"
-    assert not state_path(tarball).exists()
+    assert "resuming the multipart upload" in capsys.readouterr().out
+    # finished parts went up once; the cut part twice (half, then whole); the kept URLs were used: one upload-url
+    assert api.received == {
+        ("up-1", 1): [64 * KIB],
+        ("up-1", 2): [64 * KIB],
+        ("up-1", 3): [32 * KIB, 64 * KIB],
+        ("up-1", 4): [64 * KIB],
+        ("up-1", 5): [64 * KIB],
+    }
+    assert api.steps() == ["register", "upload-url", "complete-upload", "submit"]
+    assert api.objects[f"submissions/{TEAM}/1/image.tar.gz"] == payload
+    assert record_of(tmp_path)["upload_id"] == "up-1" and not state_path(tarball).exists()
 
 
 def test_a_dropped_part_is_retried_within_the_run(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 2 * MIB + 1)
-    with StandIn(payload, single_max=MIB, part_size=MIB, cut={(2, 1), (2, 2)}) as api:
-        run_in_process(api, job(tmp_path, part_size_mb=0.25, retries=2), monkeypatch)
-    assert api.puts == {1: 1, 2: 3, 3: 1}  # the API's part size (1 MiB), not the proposed 0.25 MiB
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, cut={(2, 1), (2, 2)}) as api:
+        run_in_process(api, job(tmp_path, retries=2), monkeypatch)
+    assert api.received[("up-1", 2)] == [32 * KIB, 32 * KIB, 64 * KIB]
+    assert api.received[("up-1", 1)] == api.received[("up-1", 3)] == [64 * KIB]
     assert "retry 2 of 2" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results" / "submission.json").read_text())["part_size"] == MIB
 
 
-def test_an_expired_url_is_requested_again(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 2 * MIB)
-    with StandIn(payload, single_max=MIB, expire={3: 1}) as api:
-        run_in_process(api, job(tmp_path, part_size_mb=0.5, retries=0), monkeypatch)
-    assert api.puts == {1: 1, 2: 1, 3: 2, 4: 1}
-    assert api.url_requests == [[1, 2, 3, 4], [3]]
-    assert "presigned URL has expired or was refused (403); requesting a new one" in capsys.readouterr().out
-    assert not state_path(tarball).exists()
+def test_an_expired_url_is_requested_again_and_a_new_upload_gets_every_part(tmp_path, monkeypatch, capsys):
+    """The contract's reading by default: a second upload-url call is a new upload, so parts sent to the first
+    cannot be completed in it."""
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, expire={3: 1}) as api:
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.steps() == ["register", "upload-url", "upload-url", "complete-upload", "submit"]
+    assert api.refused == {("up-1", 3): 1}
+    assert {part: sizes for (upload, part), sizes in api.received.items() if upload == "up-2"} == {
+        n: [64 * KIB] for n in range(1, 5)
+    }
+    out = capsys.readouterr().out
+    assert "refused (403), the URL has expired: asking QWEN_SUBMIT_URL/upload-url for upload URLs" in out
+    assert "the 2 part(s) sent to upload up-1 cannot be completed in it, so every part is sent again" in out
+    assert api.calls[3][1]["upload_id"] == "up-2" and record_of(tmp_path)["upload_id"] == "up-2"
 
 
-def test_a_url_that_stays_expired_stops_with_the_state_kept(tmp_path, monkeypatch):
-    tarball, payload = archive(tmp_path, 2 * MIB)
-    with StandIn(payload, single_max=MIB, expire={2: 99}) as api:
-        with pytest.raises(
-            StageError,
-            match=r"PUT part 2/4 .*refused \(403\) again after 1 fresh URL.*Request has "
-            r"expired.*keeps the 1 finished part\(s\): rerun to resume",
-        ):
-            run_in_process(api, job(tmp_path, retries=0), monkeypatch)
-        assert sorted(json.loads(state_path(tarball).read_text())["parts"]) == ["1"]
-        api.expire = {}  # the store is fixed: the rerun resumes
-        run_in_process(api, job(tmp_path, retries=0), monkeypatch)
-    assert api.puts == {1: 1, 2: 3, 3: 1, 4: 1}
+def test_an_expired_url_of_the_same_upload_keeps_the_finished_parts(tmp_path, monkeypatch, capsys):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, same_upload=True, expire={3: 1}) as api:
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.steps() == ["register", "upload-url", "upload-url", "complete-upload", "submit"]
+    assert api.received == {("up-1", n): [64 * KIB] for n in range(1, 5)} and api.refused == {("up-1", 3): 1}
+    assert "the same upload answered with fresh URLs: the 2 finished part(s) kept" in capsys.readouterr().out
 
 
-def test_an_upload_the_api_forgot_starts_over(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 2 * MIB)
-    with StandIn(payload, single_max=MIB, cut={(3, 1)}) as api:
+def test_kept_urls_past_their_life_are_not_tried(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, same_upload=True, cut={(2, 1)}) as api:
         with pytest.raises(StageError, match="rerun to resume"):
             run_in_process(api, job(tmp_path), monkeypatch)
-        api.forgotten.add("up-1")  # the upload session expired on the API's side
+        state = json.loads(state_path(tarball).read_text())
+        state["urls_issued_at"] -= 2 * 3600  # the run resumes two hours later
+        state_path(tarball).write_text(json.dumps(state))
+        puts_before = sum(len(sizes) for sizes in api.received.values())
         run_in_process(api, job(tmp_path), monkeypatch)
-    assert "upload up-1 is no longer known to the API" in capsys.readouterr().out
-    assert api.puts == {1: 2, 2: 2, 3: 2, 4: 1}
-    assert json.loads((tmp_path / "results" / "submission.json").read_text())["upload_id"] == "up-2"
+    assert api.steps().count("upload-url") == 2 and not api.refused  # asked again instead of spending a PUT
+    assert api.received[("up-1", 1)] == [64 * KIB] and api.received[("up-1", 2)] == [32 * KIB, 64 * KIB]
+    assert sum(len(sizes) for sizes in api.received.values()) == puts_before + 3
 
 
-def test_a_completed_upload_whose_submit_failed_is_submitted_on_rerun(tmp_path, monkeypatch):
-    tarball, payload = archive(tmp_path, 2 * MIB)
-    with StandIn(payload, single_max=MIB) as api:
+def test_a_url_that_stays_refused_stops_with_the_state_kept(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, same_upload=True, expire={2: 99}) as api:
+        with pytest.raises(
+            StageError,
+            match=r"PUT part 2/4 .*refused \(403\) again after 1 fresh URL\(s\).*Request has expired.*keeps the 1 "
+            r"finished part\(s\) of 4: rerun to resume",
+        ):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        assert sorted(json.loads(state_path(tarball).read_text())["etags"]) == ["1"]
+        api.expire = {}  # the store is fixed: the rerun resumes
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.received[("up-1", 1)] == [64 * KIB] and api.objects[f"submissions/{TEAM}/1/image.tar.gz"] == payload
+
+
+def test_a_wrong_etag_is_refused_at_complete_and_the_next_run_starts_over(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, cut={(4, 1)}) as api:
+        with pytest.raises(StageError, match="rerun to resume"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        state = json.loads(state_path(tarball).read_text())
+        state["etags"]["2"] = '"0123456789abcdef0123456789abcdef"'
+        state_path(tarball).write_text(json.dumps(state))
+        with pytest.raises(
+            StageError,
+            match=r"complete-upload answered 400: .*InvalidPart: part 2's ETag.*upload.json is removed: the next run "
+            "starts a new upload",
+        ):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        assert not state_path(tarball).exists() and not api.objects
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert record_of(tmp_path)["upload_id"] == "up-2" and api.objects[f"submissions/{TEAM}/2/image.tar.gz"] == payload
+
+
+def test_a_part_answered_without_an_etag_stops(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, no_etag={2}) as api:
+        with pytest.raises(StageError, match=r"PUT part 2/4 .*answered 200 without an ETag header"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+    assert "complete-upload" not in api.steps() and sorted(json.loads(state_path(tarball).read_text())["etags"]) == [
+        "1"
+    ]
+
+
+def test_a_failed_submit_is_submitted_on_rerun_without_uploading_again(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB) as api:
         api.submit_status = 503
         with pytest.raises(
             StageError,
-            match=r"submissions answered 503.*the upload is complete \(.*upload.json "
-            r"keeps it\): rerun to submit it without uploading again",
+            match=r"submit answered 503.*the upload is complete .*rerun to submit it without uploading again",
         ):
-            run_in_process(api, job(tmp_path), monkeypatch)
-        assert json.loads(state_path(tarball).read_text())["completed"] is True
-        assert not (tmp_path / "results" / "submission.json").exists()
+            run_in_process(api, job(tmp_path, retries=3), monkeypatch)
+        assert api.steps().count("submit") == 1  # never retried: a submit that arrived would count twice
         api.submit_status = None
         run_in_process(api, job(tmp_path), monkeypatch)
-    assert api.puts == {1: 1, 2: 1, 3: 1, 4: 1} and len(api.completions) == 1
-    assert not state_path(tarball).exists()
+    assert api.steps() == ["register", "upload-url", "complete-upload", "submit", "submit"]
+    assert [len(sizes) for sizes in api.received.values()] == [1, 1, 1] and len(api.submissions) == 1
 
 
-def test_a_missing_key_fails_before_any_request(tmp_path):
-    tarball, payload = archive(tmp_path, 100_000)
-    with StandIn(payload, single_max=MIB) as api:
-        result = run_as_program(api, job(tmp_path), tmp_path, **{ENV["key"]: None})
-    assert result.returncode != 0
-    assert "ERROR [submit]: environment variable QWEN_SUBMIT_KEY not set" in result.stdout
-    assert "read from the environment only, never from config; nothing was sent" in result.stdout
-    assert api.requests == 0
-    assert not state_path(tarball).exists() and not (tmp_path / "results").exists()
+def test_a_crash_after_submit_never_submits_twice(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    real_write = submit.write_json
+
+    def crash(path, data):
+        raise OSError("disk full")
+
+    with StandIn(payload, single_max=128 * KIB) as api:
+        monkeypatch.setattr(submit, "write_json", crash)
+        with pytest.raises(OSError, match="disk full"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        monkeypatch.setattr(submit, "write_json", real_write)
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert len(api.submissions) == 1 and api.steps().count("submit") == 1
+    assert record_of(tmp_path)["submission_id"] == "sub-1" and not state_path(tarball).exists()
 
 
-def test_a_wrong_key_names_the_variable_and_the_call(tmp_path, monkeypatch):
-    tarball, payload = archive(tmp_path, 100_000)
-    with StandIn(payload, single_max=MIB) as api:
+def test_a_state_file_of_another_archive_is_ignored(tmp_path, monkeypatch, capsys):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, cut={(3, 1)}) as api:
+        with pytest.raises(StageError, match="rerun to resume"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        state = json.loads(state_path(tarball).read_text())
+        state["archive"]["sha256"] = "0" * 64  # an earlier archive of the same size
+        state_path(tarball).write_text(json.dumps(state))
+        run_in_process(api, job(tmp_path), monkeypatch)
+    assert "describes another archive; starting a new upload" in capsys.readouterr().out
+    assert record_of(tmp_path)["upload_id"] == "up-2"
+    assert [api.received[("up-2", n)] for n in (1, 2, 3)] == [[64 * KIB]] * 3
+
+
+def test_a_wrong_key_names_the_variable(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB) as api:
         with pytest.raises(
             StageError,
-            match=r"POST \$QWEN_SUBMIT_URL/teams/\$QWEN_SUBMIT_TEAM/register answered "
-            r"401.*is QWEN_SUBMIT_KEY the team's current upload key",
+            match=r"POST \$QWEN_SUBMIT_URL/register answered 403: .*is QWEN_SUBMIT_KEY the team's current key",
         ):
             run_in_process(api, job(tmp_path), monkeypatch, **{ENV["key"]: "sk-wrong"})
-    assert not state_path(tarball).exists() and not (tmp_path / "results").exists()
+    assert (
+        not api.calls and not state_path(tarball).exists() and not (tmp_path / "results" / "submission.json").exists()
+    )
+
+
+def test_missing_variables_are_named_before_any_work(tmp_path):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB) as api:
+        result = run_as_program(api, job(tmp_path), tmp_path, **{ENV["team"]: None, ENV["key"]: None})
+    assert result.returncode != 0
+    assert "ERROR [submit]: environment variables QWEN_SUBMIT_TEAM, QWEN_SUBMIT_KEY not set" in result.stdout
+    assert "sha256" not in result.stdout  # failed before reading the archive
+    assert api.requests == 0 and not state_path(tarball).exists()
+
+
+def test_a_team_id_not_of_the_contract_form_is_refused(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB) as api:
+        with pytest.raises(StageError, match="QWEN_SUBMIT_TEAM is not a team id of the form AFM-xxxxxxxx"):
+            run_in_process(api, job(tmp_path), monkeypatch, **{ENV["team"]: KEY})
+    assert api.requests == 0
+
+
+@pytest.mark.parametrize(
+    "records, reason",
+    [
+        (
+            {"verify": {"smoke": {"ran": False, "reason": "no Docker daemon"}}},
+            r"verify.json: the image was never run \(smoke test skipped: no Docker daemon\)",
+        ),
+        (
+            {"verify": {"smoke": {"ran": True, "endpoints": {"ping": {"ok": True}, "metrics": {"ok": False}}}}},
+            r"verify.json: the smoke test failed on metrics",
+        ),
+        ({"verify": {"archive_bytes": 7}}, r"verify.json verified an archive of 7 bytes, not this one's"),
+        ({"verify": {"archive_sha256": "0" * 64}}, r"verify.json verified an archive of sha256 0{64}, not this one"),
+        (
+            {"quality": {"limited": True, "limit": 0.1}},
+            r"quality.json: the quality gate ran on a sample \(limited: True, limit 0.1\)",
+        ),
+        ({"quality": {"passed": False}}, r"quality.json: the quality gate did not pass"),
+        (
+            {"lossless": {"passed": False, "failures": ["short: token 3 differs"]}},
+            r"lossless.json: the lossless check failed .*short: token 3 differs",
+        ),
+        ({"lossless": {"variant": "bf16"}}, r"are not all records of variant awq-mtp2"),
+    ],
+)
+def test_an_image_that_did_not_pass_is_refused_before_any_request(tmp_path, monkeypatch, records, reason):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB, **records)
+    with StandIn(payload, single_max=128 * KIB) as api:
+        with pytest.raises(StageError, match=r"image.tar.gz is not submitted \(nothing was sent\):\n(.|\n)*" + reason):
+            run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.requests == 0 and not state_path(tarball).exists()
+
+
+def test_an_archive_over_20_gb_is_refused_unread(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    os.truncate(tarball, MAX_ARCHIVE_BYTES + 1)  # sparse: 20 GB in name only
+    started = time.monotonic()
+    with StandIn(payload, single_max=128 * KIB) as api:
+        with pytest.raises(StageError, match=r"it is 20000000001 bytes, over the API's limit of 20 GB"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+    assert api.requests == 0 and time.monotonic() - started < 10  # refused without hashing 20 GB
+
+
+def test_a_tarball_not_named_image_tar_gz_is_refused(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB, name="image-awq.tar.gz")
+    with StandIn(payload, single_max=128 * KIB) as api:
+        with pytest.raises(StageError, match=r"the file is named 'image-awq.tar.gz': the API takes only a file named"):
+            run_in_process(api, job(tmp_path, name="image-awq.tar.gz"), monkeypatch)
+    assert api.requests == 0
 
 
 def test_a_changed_archive_is_not_sent(tmp_path, monkeypatch):
-    tarball, payload = archive(tmp_path, 100_000)
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
     tarball.write_bytes(payload[:-1] + b"x")
-    with StandIn(payload, single_max=MIB) as api:
-        with pytest.raises(StageError, match=r"image.tar.gz has sha256 .* not the .* of .*image.tar.gz.sha256"):
+    with StandIn(payload, single_max=128 * KIB) as api:
+        with pytest.raises(StageError, match=r"it has sha256 .* not the .* of .*image.tar.gz.sha256"):
             run_in_process(api, job(tmp_path), monkeypatch)
     assert api.requests == 0
 
 
-def test_a_state_of_another_file_is_not_trusted(tmp_path, monkeypatch, capsys):
-    tarball, payload = archive(tmp_path, 2 * MIB)
-    state_path(tarball).write_text(
-        json.dumps(
-            {
-                "version": 1,
-                "size": len(payload),
-                "sha256": "0" * 64,
-                "upload_id": "up-old",
-                "mode": "multipart",
-                "part_size": MIB,
-                "parts": {"1": {"size": MIB, "etag": "x", "sha256": "y"}},
-            }
-        )
-    )
-    with StandIn(payload, single_max=MIB) as api:
-        run_in_process(api, job(tmp_path), monkeypatch)
-    assert "describes another file" in capsys.readouterr().out
-    assert api.puts == {1: 1, 2: 1, 3: 1, 4: 1} and not state_path(tarball).exists()
-
-
-def test_the_key_is_in_no_log_state_record_or_output(tmp_path):
-    tarball, payload = archive(tmp_path, 2 * MIB + 7)
-    the_job = job(tmp_path, part_size_mb=0.5, retries=0)
-    with StandIn(payload, single_max=MIB, cut={(3, 1)}, expire={2: 1}, echo_key=True) as api:
-        interrupted = run_as_program(api, the_job, tmp_path)
+def test_the_key_team_and_url_are_in_no_log_state_record_or_output(tmp_path):
+    tarball, payload = archive(tmp_path, 4 * 64 * KIB + 7)
+    with StandIn(payload, single_max=128 * KIB, cut={(3, 1)}, expire={2: 1}, same_upload=True, echo_key=True) as api:
+        interrupted = run_as_program(api, job(tmp_path), tmp_path)
         assert interrupted.returncode != 0 and "rerun to resume" in interrupted.stdout
         state_after_cut = state_path(tarball).read_text()
-        assert json.loads(state_after_cut)["parts"].keys() == {"1", "2"}
-        finished = run_as_program(api, the_job, tmp_path)
+        assert json.loads(state_after_cut)["etags"].keys() == {"1", "2"}
+        finished = run_as_program(api, job(tmp_path), tmp_path)
     assert finished.returncode == 0, finished.stdout
-    assert not api.storage_auth_headers  # presigned URLs never get the key
+    assert api.objects and all(TEAM in key for key in api.objects)  # the s3_key and the part URLs hold the team id
     record_text = (tmp_path / "results" / "submission.json").read_text()
-    assert json.loads(record_text)["response"]["received_authorization"] == "Bearer ***"
+    assert json.loads(record_text)["response"]["api_key"] == "***"
     log = (tmp_path / "submit.log").read_text()
-    assert "submission sub-1 recorded" in log
+    assert "submission sub-1 of variant awq-mtp2 recorded" in log
     for name, text in {
         "log": log,
         "stdout": interrupted.stdout + finished.stdout,
@@ -476,17 +670,18 @@ def test_the_key_is_in_no_log_state_record_or_output(tmp_path):
         "record": record_text,
         "archive": tarball.read_bytes().decode("latin-1"),
     }.items():
-        assert KEY not in text, name
-        assert KEY[8:24] not in text, name
-        assert api.url not in text and TEAM not in text, name  # the URL and the team stay in the environment too
+        assert KEY not in text and KEY[8:24] not in text, name
+        assert api.url not in text and TEAM not in text, name
 
 
-def test_submit_is_optional_and_reads_no_secret_from_config():
-    """`snakemake submit` plans only submit (given the tarball); the default target never includes it; its rule
-    passes no URL, team or key as params (Snakemake records params)."""
+def test_submit_is_optional_and_gated_on_the_selected_variants_records():
+    """`snakemake submit` plans submit; the default target never includes it; its rule reads the selected variant's
+    verify, quality and lossless records and passes no URL, team or key as params (Snakemake records params)."""
     default = snakemake("-n", *TINY).stdout
     assert not re.search(r"^submit\s+\d+$", default, re.M)
     planned = snakemake("-n", "submit", *TINY).stdout
     assert re.search(r"^submit\s+1$", planned, re.M)
     rule = (ROOT / "rules" / "submit.smk").read_text()
+    for record in ("verify_image/verify.json", "quality_gate/quality.json", "lossless/lossless.json"):
+        assert f'selected("{record}")' in rule
     assert "QWEN_SUBMIT_KEY" in rule and "os.environ" not in rule and "getenv" not in rule
