@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from serving import patches
-from serving.settings import SERVE, SettingsError, enabled_patches, setting_env, vllm_args
+from serving.settings import DRAFT_DIR, MIDDLEWARE, SERVE, SettingsError, enabled_patches, setting_env, vllm_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Holds serving_plugins-0.1.dist-info, whose entry points register serving/patches as vLLM general plugins; it has
@@ -50,8 +50,9 @@ def child_env(environ: dict, settings: dict | None = None) -> dict:
     settings = settings or {}
     # Read by serving.middleware inside vLLM's API server process.
     env["DEFAULT_THINKING"] = "1" if settings.get("default_thinking", SERVE["default_thinking"].default) else "0"
-    reserve = settings.get("thinking_reserve_tokens", SERVE["thinking_reserve_tokens"].default)
-    env["THINKING_RESERVE_TOKENS"] = str(int(reserve))
+    for key, setting in SERVE.items():
+        if setting.kind == MIDDLEWARE:
+            env[setting.flag] = str(settings.get(key, setting.default))
     env[patches.ENV] = patches.env_value(enabled_patches(settings))  # read by each patch's register()
     env.update(setting_env(settings))  # vLLM's own switches that have no flag (serve.model_runner)
     paths = [str(DIST_DIR), str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -121,6 +122,7 @@ def main() -> None:
             host=os.environ.get("HOST", "0.0.0.0"),
             port=int(os.environ.get("PORT", "8080")),
             cuda=cuda,
+            draft_dir=os.environ.get("DRAFT_DIR", DRAFT_DIR),
         )
         refusal = patch_refusal(settings, cuda)
     except SettingsError as error:

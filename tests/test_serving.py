@@ -1020,6 +1020,12 @@ ABUSE = {
     "malformed json": ("/v1/chat/completions", b'{"model": "x", "messages": [', {400, 422}),
     "malformed json, invocations": ("/invocations", b'{"prompt": "hi", "max_tokens": ', {400, 422}),
     "malformed json, completions": ("/v1/completions", b"not json at all", {400, 422}),
+    # past Python's recursion limit: the middleware's json.loads must not make a 500 of it
+    "json nested too deep": (
+        "/v1/chat/completions",
+        b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        {400, 422},
+    ),
     "no messages": ("/v1/chat/completions", {"model": NAME, "max_tokens": 4}, {400, 422}),
     "no prompt": ("/v1/completions", {"model": NAME, "max_tokens": 4}, {400, 422}),
     "max_tokens 0": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, {400, 422}),
@@ -1118,3 +1124,42 @@ def test_eight_concurrent_streaming_thinking_chats_all_complete(server):
         results = list(pool.map(stream_chat, range(8)))
     assert all(last == "data: [DONE]" for last, _ in results), results
     assert all(chunks > 1 for _, chunks in results), results
+
+
+def oversized_request(port: int, limit: int) -> bytes:
+    """The status line answering a chat request that declares a body one byte over `limit` and sends 64 KiB of it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {limit + 1}\r\n\r\n".encode()
+            + b"x" * 65536
+        )
+        return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+@pytest.mark.e2e
+def test_seven_streams_beside_an_oversized_request_answer_as_each_alone(server):
+    """The bounds at work among others: a body over max_request_bytes is answered 413 without the rest being read,
+    while seven greedy thinking streams (the budget's continuation included) answer as each did alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port, *_ = server
+    bodies = [
+        {
+            "model": NAME,
+            "messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+            "max_tokens": 16,
+            "thinking": True,
+            "temperature": 0.0,
+        }
+        for i in range(7)
+    ]
+    alone = [stream_text(port, body) for body in bodies]
+    limit = BASE.get("max_request_bytes", SERVE["max_request_bytes"].default)
+    with ThreadPoolExecutor(8) as pool:
+        abusive = pool.submit(oversized_request, port, limit)
+        together = list(pool.map(lambda body: stream_text(port, body), bodies))
+    assert abusive.result().split()[1] == b"413", abusive.result()
+    assert together == alone
+    assert all(finishes for _, finishes in alone), alone
+    still_serves(port)
