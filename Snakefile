@@ -38,6 +38,7 @@ localrules:
     all,
     serve_config,
     compare,
+    rank_candidates,
     select,
     lossless,
     submit,
@@ -47,8 +48,8 @@ rule all:
     input:
         rules.tarball.output,
         lambda wildcards: f"results/{selected_variant()}/verify_image/verify.json",
-        # select.mode fastest: the comparison and the choice are targets too (a checkpoint whose output exists is
-        # not an edge of the DAG otherwise, and `--report` would leave them out); tarball itself does not depend on
-        # selection.json's time, so re-selecting the same variant does not re-save the image
+        # select.mode fastest: the choice is a target too (a checkpoint whose output exists is not an edge of the DAG
+        # otherwise, and `--report` would leave it out); tarball itself does not depend on selection.json's time, so
+        # re-selecting the same variant does not re-save the image
         optional(not FIXED, "results/selection.json"),
     default_target: True

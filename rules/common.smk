@@ -7,6 +7,7 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
 from lib import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config.py
+from lib import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/test_sweeps.py
 
 # Schema (naming every bad key), cross-field and file checks, sweep expansion: before any job runs.
 try:
@@ -16,6 +17,8 @@ except pipeline_config.ConfigError as error:
 config = PIPELINE.config  # defaults filled, sweeps expanded
 
 RECIPES, COMPARED, FIXED = PIPELINE.recipes, PIPELINE.compared, PIPELINE.fixed
+# select.mode fastest: the variants ranked and checked for image.tar.gz (rules/select.smk)
+CANDIDATES = PIPELINE.candidates
 MODEL_DIR = f"weights/{config['model']['name']}"
 LOCAL_BASE = config["image"]["base"] == "local"
 SYNTHETIC = config["model"]["source"] == "synthetic"

@@ -12,9 +12,10 @@
 # is chosen by Pipeline.lossless_reference() in scripts/lib/config.py.
 
 
-rule lossless:
+checkpoint lossless:
     """Refuse a variant whose greedy outputs differ from its settings' without speculation (fails naming the set,
-    category, first differing position and both ids; for a variant select chooses among, recorded instead)."""
+    category, first differing position and both ids; for a select candidate, recorded instead). A checkpoint: select's
+    walk reads the record to decide whether this candidate's gate runs (rules/select.smk)."""
     input:
         latency=lambda wildcards: (
             f"results/{wildcards.variant}/latency_probe/latency.json" if PIPELINE.speculates(wildcards.variant) else []
@@ -26,8 +27,8 @@ rule lossless:
     params:
         speculative=lambda wildcards: variant_config(wildcards)["speculative"],
         reference_kind=lambda wildcards: PIPELINE.lossless_reference(wildcards.variant)[1],
-        # recorded, not fatal, where select chooses among compared variants (it skips this one and says why)
-        fatal=lambda wildcards: FIXED or wildcards.variant not in COMPARED,
+        # recorded, not fatal, for a select candidate (select skips it and says why)
+        fatal=lambda wildcards: FIXED or wildcards.variant not in CANDIDATES,
     resources:
         **RESOURCES["lossless"],
     log:

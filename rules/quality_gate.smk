@@ -1,4 +1,7 @@
-rule quality_gate:
+checkpoint quality_gate:
+    """lm-eval against the image's server; a failing gate is recorded (passed: false), not fatal: select moves
+    on to the next candidate and tarball refuses it. A checkpoint: select's walk reads the verdict
+    (rules/select.smk)."""
     input:
         venv=venv("eval"),
         image=rules.build_image.output.image,

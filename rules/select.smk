@@ -1,15 +1,79 @@
-checkpoint select:
-    """The variant image.tar.gz is made of (select.mode fastest): the fastest compared variant that passes every
-    gate. A checkpoint: tarball's inputs are known only once this has read the measurements."""
+# select.mode fastest: every candidate (select.candidates) is probed, ranked by speed, and checked fastest first,
+# its lossless check and then its quality gate, until one passes both; that one is image.tar.gz. The gate (hours on
+# the real model) runs for the winner and for faster candidates that failed, never for a slower one. The walk is
+# Snakemake's: `select`'s inputs read each visited record through a checkpoint's .get(), which raises until that
+# check has run, so Snakemake runs the checks one candidate after the other (scripts/lib/selection.py).
+
+
+checkpoint rank_candidates:
+    """Every candidate fastest first by select.by on the competition's prompts (fresh-prompt speed beside it): the
+    order `select` checks them in."""
     input:
-        summary=rules.compare.output.json,
-        # in COMPARED order: a variant whose greedy ids differ without speculation is skipped (rules/lossless.smk)
-        lossless=expand("results/{variant}/lossless/lossless.json", variant=COMPARED),
+        latency=expand("results/{variant}/latency_probe/latency.json", variant=CANDIDATES),
+        schema="schemas/ranking.schema.yaml",
+    output:
+        ranking=report("results/ranking.json", category="Selection"),
+    params:
+        candidates=CANDIDATES,  # in the order of the latency inputs
+        by=config["select"]["by"],
+    resources:
+        **RESOURCES["rank_candidates"],
+    log:
+        "logs/rank_candidates/rank_candidates.log",
+    benchmark:
+        "benchmarks/rank_candidates/rank_candidates.tsv"
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/rank_candidates.py"
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def select_walk():
+    """{variant: {"lossless": path, "quality": path (only where the gate ran)}} for each candidate the walk visits,
+    fastest first, up to the first that passes both checks. Raises IncompleteCheckpointException at the first record
+    that does not exist yet: Snakemake runs that check and asks again."""
+    visited = {}
+
+    def record(checkpoint, kind):
+        def read(variant):
+            path = checkpoint.get(variant=variant).output[0]
+            visited.setdefault(variant, {})[kind] = path
+            return read_json(path)
+
+        return read
+
+    ranking = read_json(checkpoints.rank_candidates.get().output.ranking)
+    selection.walk(
+        selection.order(ranking), record(checkpoints.lossless, "lossless"), record(checkpoints.quality_gate, "quality")
+    )
+    return visited
+
+
+def select_inputs(wildcards):
+    visited = select_walk()
+    return {
+        "ranking": checkpoints.rank_candidates.get().output.ranking,
+        "lossless": [paths["lossless"] for paths in visited.values()],
+        "quality": [paths["quality"] for paths in visited.values() if "quality" in paths],
+    }
+
+
+checkpoint select:
+    """The variant image.tar.gz is made of (select.mode fastest): the fastest candidate that passes the lossless
+    check and the quality gate, each candidate's outcome and the reason in results/selection.json. A checkpoint:
+    tarball's inputs are known only once this has chosen."""
+    input:
+        unpack(select_inputs),
         schema="schemas/selection.schema.yaml",
     output:
         selection=report("results/selection.json", category="Selection"),
     params:
-        by=config["select"]["by"],
+        # [variant, gated] in the walk's order: which record of the inputs is whose
+        visited=lambda wildcards: [[name, "quality" in paths] for name, paths in select_walk().items()],
     resources:
         **RESOURCES["select"],
     log:

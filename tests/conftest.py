@@ -353,11 +353,13 @@ TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
 
 
 @pytest.fixture(scope="session")
-def tiny_sweep(tiny_run):
+def tiny_sweep(tiny_run) -> float:
     """The tiny sweep over the default run (README: "...and ship the fastest"): it reuses tiny_run's variant and
     quantized checkpoint and adds the others. It replaces image.tar.gz with the selected variant's, so only modules
-    in LAST may use it."""
+    in LAST may use it. Returns when it started (time.time()): a record older than that is the default run's."""
+    started = time.time()
     build(config=TINY_SWEEP)
+    return started
 
 
 def _tiny_config() -> dict:

@@ -42,7 +42,7 @@ def test_lint_is_clean():
 def test_every_stage_is_a_rule_in_its_own_file():
     for stage in STAGES:
         text = (ROOT / "rules" / f"{stage}.smk").read_text()
-        assert re.search(rf"^rule {stage}:", text, re.M), stage
+        assert re.search(rf"^(rule|checkpoint) {stage}:", text, re.M), stage
 
 
 # The rules as Snakemake parsed them (its API, in a fresh interpreter: loading a workflow sets process-wide state).
@@ -80,8 +80,14 @@ def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
         assert len(rule["log"]) == 1 and rule["log"][0].startswith(f"logs/{name}/"), rule
         assert rule["benchmark"] and rule["benchmark"].startswith(f"benchmarks/{name}/"), rule
         assert rule["benchmark"].endswith(".tsv"), rule
-    checkpoints = {Path(rule["file"]).name: rule["name"] for rule in rules if rule["checkpoint"]}
-    assert checkpoints == {"select.smk": "select"}
+    checkpoints = {(Path(rule["file"]).name, rule["name"]) for rule in rules if rule["checkpoint"]}
+    # select's walk reads the ranking and each visited candidate's checks (rules/select.smk); tarball reads select's
+    assert checkpoints == {
+        ("select.smk", "rank_candidates"),
+        ("select.smk", "select"),
+        ("lossless.smk", "lossless"),
+        ("quality_gate.smk", "quality_gate"),
+    }
     included = set(re.findall(r'^include: "(rules/[^"]+)"', (ROOT / "Snakefile").read_text(), re.M))
     assert included == {f"rules/{p.name}" for p in (ROOT / "rules").glob("*.smk")}
 
@@ -89,12 +95,15 @@ def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
 def test_dag_renders_to_svg(tmp_path):
     if shutil.which("dot") is None:
         pytest.fail("graphviz `dot` is missing: run setup/install.sh")
-    for profile in ([], TINY):
+    # the real profile selects by measurement (select.mode fastest): its gates wait for the ranking of the probes
+    # (rules/select.smk), and verify_image for the choice
+    measured = [*STAGES[: STAGES.index("latency_probe") + 1], "rank_candidates", "select", "tarball"]
+    for profile, stages in (([], measured), (TINY, STAGES)):
         dag = snakemake(*profile, "--dag").stdout  # the default target; --dag takes an optional format
         svg = subprocess.run(["dot", "-Tsvg"], input=dag, capture_output=True, text=True, check=True).stdout
         assert "<svg" in svg
-        for stage in STAGES:
-            assert stage in svg
+        for stage in stages:
+            assert stage in svg, stage
 
 
 def test_scripts_never_read_config():

@@ -1,7 +1,7 @@
 """The lossless check: greedy ids with speculation equal those without it, or the variant is refused.
 
 Unit tests on crafted records (a flipped id must be caught, named by set, category, position and both ids), the
-wiring (select skips a refused variant and says why, tarball refuses it, the DAG puts the check before both), and
+wiring (select skips a refused variant ungated and says why, tarball refuses it, the DAG puts the check before it), and
 an e2e test that makes speculation lossy for real (tests/lossless_canary: a test-only vLLM plugin that flips
 accepted draft tokens) and shows the check failing on a real server's ids.
 """
@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 import lossless
-import select_variant
 import tarball
 from conftest import ROOT, SERVE_PY, TINY, host_server, snakemake
-from lib import lossless as check_lib
+from lib import lossless as check_lib, selection
 from lib.stage import StageError, validate_json
-from test_sweeps import fabricated_summary, latency
+from test_sweeps import latency
 
 SCHEMA = ROOT / "schemas" / "lossless.schema.yaml"
 MTP = {"method": "mtp", "k": 2}
@@ -138,23 +137,21 @@ def record(passed: bool, variant: str) -> dict:
     }
 
 
-def test_select_skips_a_refused_variant_and_says_why():
-    records = {name: record(name != "awq-k2", name) for name in ("bf16-k1", "awq-k1", "awq-k2", "awq-k2-bad")}
-    selection = select_variant.choose(fabricated_summary(), "mean_speedup", records)
-    validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
-    assert selection["variant"] == "awq-k1"  # awq-k2 is faster but not lossless
+def test_select_skips_a_refused_variant_ungated_and_says_why():
+    """The faster candidate is not lossless: select records why, never gates it, and ships the next one."""
+    ranking = selection.rank({"awq-k1": latency(0.5, 2.0), "awq-k2": latency(0.4, 3.0)}, "mean_speedup")
+    lossless_records = {name: record(name != "awq-k2", name) for name in ("awq-k1", "awq-k2")}
+    chosen = selection.choose(ranking, lossless_records, {"awq-k1": {"passed": True, "tasks": []}})
+    validate_json(chosen, ROOT / "schemas" / "selection.schema.yaml")
+    assert chosen["variant"] == "awq-k1"  # awq-k2 is faster but not lossless
     assert (
-        "refused by the lossless check: awq-k2 (not lossless against twin awq-k0: repeated prompts, category "
-        "short: greedy output differs first at output token 3"
-    ) in selection["reason"]
-    candidates = {c["variant"]: c for c in selection["candidates"]}
-    assert (
-        candidates["awq-k2"]["lossless_refusal"].startswith("not lossless")
-        and candidates["awq-k1"]["lossless_refusal"] is None
-    )
-    everything_lossy = {name: record(False, name) for name in records}
-    with pytest.raises(StageError, match="passes the quality gate and the lossless check"):
-        select_variant.choose(fabricated_summary(), "mean_speedup", everything_lossy)
+        "awq-k2 (failed the lossless check: not lossless against twin awq-k0: repeated prompts, category short: "
+        "greedy output differs first at output token 3"
+    ) in chosen["reason"]
+    refused = next(c for c in chosen["candidates"] if c["variant"] == "awq-k2")
+    assert (refused["outcome"], refused["failed_check"]) == ("failed", "lossless")
+    with pytest.raises(StageError, match="awq-k1 \\(rank 2\\): failed the lossless check"):
+        selection.choose(ranking, {name: record(False, name) for name in lossless_records}, {})
 
 
 def test_tarball_refuses_a_lossy_variant(tmp_path):
@@ -258,13 +255,12 @@ def test_the_dags_reference_ran_on_the_cpu_the_gate_left_free(tiny_run):
     assert f"core ids=[{last}]" in log, log[-3000:]
 
 
-def test_the_dag_checks_before_select_and_tarball():
-    """Dry runs: the tiny default variant's tarball waits for its lossless check, which (no twin compared) serves
-    its own image once more with speculation off; the sweep's select waits for every compared variant's check."""
+def test_the_dag_checks_before_tarball():
+    """A dry run: the tiny default variant's tarball waits for its lossless check, which serves its own image once
+    more with speculation off. (In a sweep, select asks for each candidate's check in speed order, before its gate:
+    test_sweep_dag's walk tests.)"""
     out = snakemake("-n", "--forceall", "image.tar.gz", *TINY).stdout
-    assert "rule lossless:" in out and "rule lossless_reference:" in out, out[-3000:]
-    sweep = snakemake("-n", "--forceall", "results/selection.json", *TINY, "config/tiny-sweep.yaml").stdout
-    assert "rule lossless:" in sweep, sweep[-3000:]
+    assert "checkpoint lossless:" in out and "rule lossless_reference:" in out, out[-3000:]
 
 
 # ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny DAG's outputs) ----------

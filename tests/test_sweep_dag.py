@@ -1,5 +1,7 @@
-"""The sweep's DAG: what each select mode plans, the SLURM and local profiles, and sweep config errors."""
+"""The sweep's DAG: what each select mode plans, the walk of select's checks through Snakemake's checkpoints, the
+SLURM and local profiles, and sweep config errors."""
 
+import json
 import re
 
 import pytest
@@ -37,17 +39,37 @@ def test_fixed_selection_plans_the_one_variant_only():
     assert jobs["quantize"] == 1 and jobs["latency_probe"] == 1
 
 
-def test_fastest_selection_runs_the_sweep_sharing_quantized_checkpoints():
+def test_fastest_selection_probes_every_candidate_and_checks_none_before_the_ranking():
     jobs, variants, out = forced_plan(*SWEEP)
-    # CI's sweep: tiny-k {2, 1}, two variants of one recipe (tiny-awq-k2 is tiny-awq-mtp2, tiny-awq-k1 tiny-awq-mtp1)
-    assert variants == {"tiny-awq-mtp2", "tiny-awq-mtp1"}
-    assert jobs["latency_probe"] == 2 and jobs["quality_gate"] == 2
+    # CI's sweep: tiny-k {2, 1} (tiny-awq-k2 is tiny-awq-mtp2, tiny-awq-k1 tiny-awq-mtp1) and n-gram, on one recipe
+    assert variants == {"tiny-awq-mtp2", "tiny-awq-mtp1", "tiny-awq-ngram4"}
+    assert jobs["latency_probe"] == 3 and jobs["build_image"] == 3
     assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
     assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}
-    assert jobs["compare"] == 1 and jobs["select"] == 1 and jobs["tarball"] == 1
-    # the K sweep's variants share one reference: the same recipe and serve settings with speculation off
-    assert jobs["lossless"] == 2 and jobs["lossless_reference"] == 1
-    assert "checkpoint jobs" in out  # tarball's variant is known once select has run
+    assert jobs["rank_candidates"] == 1 and jobs["select"] == 1 and jobs["tarball"] == 1
+    # the checks wait for the ranking: select asks for them one candidate at a time, fastest first
+    assert not {"quality_gate", "lossless", "lossless_reference", "compare"} & set(jobs), jobs
+    assert "checkpoint jobs" in out  # select's inputs, and tarball's variant, are known once the ranking is
+
+
+def test_the_real_profile_probes_every_candidate_and_gates_none_before_the_ranking():
+    """config.yaml's default: select.mode fastest over select.candidates. A dry run plans each candidate's chain up
+    to its latency probe and the ranking; no quality gate (hours a variant) and no lossless check yet."""
+    real = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert real["select"]["mode"] == "fastest" and len(real["select"]["candidates"]) >= 2
+    jobs, variants, out = forced_plan()
+    assert variants == set(real["select"]["candidates"])
+    assert jobs["latency_probe"] == jobs["build_image"] == len(real["select"]["candidates"])
+    assert jobs["rank_candidates"] == 1 and jobs["select"] == 1
+    assert not {"quality_gate", "lossless", "lossless_reference", "compare"} & set(jobs), jobs
+
+
+def test_a_fixed_variant_in_the_real_profile_builds_that_variant_only():
+    real = yaml.safe_load((ROOT / "config.yaml").read_text())
+    jobs, variants, _ = forced_plan("image.tar.gz", "--config", "select={mode: fixed}")
+    assert variants == {real["variant"]}
+    assert jobs["latency_probe"] == 1 and jobs["quality_gate"] == 1 and jobs["lossless"] == 1
+    assert not {"rank_candidates", "select"} & set(jobs)
 
 
 def test_every_job_declares_runtime_and_memory():
@@ -58,7 +80,7 @@ def test_every_job_declares_runtime_and_memory():
         seen.add(name)
         if name != "all":
             assert "runtime=" in resources and "mem_mb=" in resources, (name, resources)
-    assert {"quantize", "latency_probe", "compare", "select", "tarball"} <= seen
+    assert {"quantize", "latency_probe", "rank_candidates", "select", "tarball"} <= seen
 
 
 def test_slurm_profile_dry_runs_the_sweep():
@@ -67,7 +89,7 @@ def test_slurm_profile_dry_runs_the_sweep():
     assert "Group job serve" in out  # each variant's serving chain is one cluster job on one node
     assert "slurm_extra=--exclusive" in out
     jobs = out.split("Job stats:", 1)[1]
-    for rule in ("compare", "select", "quantize", "latency_probe"):
+    for rule in ("rank_candidates", "select", "quantize", "latency_probe"):
         assert re.search(rf"^{rule}\s+\d+$", jobs, re.M), rule
 
 
@@ -120,7 +142,12 @@ SWEEP_REFUSALS = [
         },
         "generates variant 'tiny-gptq-mtp1' with settings other than the 'tiny-gptq-mtp1' of variants:",
     ),
-    ({"compare": {"variants": ["tiny-k", "nope"]}}, "config key 'compare.variants': 'nope' is neither"),
+    ({"compare": {"variants": ["tiny-k", "nope"]}}, "config key 'compare.variants[1]': 'nope' is neither"),
+    (
+        {"select": {"mode": "fastest", "candidates": ["tiny-k", "tiny-awq-none", "nope"]}},
+        "config key 'select.candidates[2]': 'nope' is neither a variant nor a sweep",
+    ),
+    ({"select": {"mode": "fastest", "candidates": []}}, "config key 'select.candidates': [] should be non-empty"),
     ({"compare": {"reference": "tiny-gptq-mtp1"}}, "config key 'compare.reference'"),
     ({"select": {"mode": "fastest", "variant": "tiny-bf16-mtp1"}}, "config key 'select.variant': only read with"),
     ({"select": {"variant": "nope"}}, "config key 'select.variant': 'nope' is not one of the variants"),
@@ -157,3 +184,103 @@ def test_fixed_variant_from_select(tmp_path):
     path.write_text(yaml.safe_dump({"select": {"variant": "tiny-bf16-mtp1"}}))
     _, variants, _ = forced_plan("image.tar.gz", *TINY, str(path))
     assert variants == {"tiny-bf16-mtp1"}
+
+
+# rules/select.smk on its own, with stand-ins for the two checks: each copies a prepared record and notes its call, so
+# a real Snakemake run shows which checks the walk asks for and in what order (no image, no server: seconds).
+WALK_SNAKEFILE = """
+import json, sys
+from pathlib import Path
+
+sys.path.insert(0, config["scripts"])
+from lib import selection
+
+CANDIDATES = config["candidates"]
+RESOURCES = {name: {"mem_mb": 100, "runtime": 1} for name in ("rank_candidates", "select")}
+
+
+checkpoint lossless:
+    output:
+        "results/{variant}/lossless/lossless.json",
+    shell:
+        "echo lossless {wildcards.variant} >> checks.txt && cp records/{wildcards.variant}.lossless.json {output}"
+
+
+checkpoint quality_gate:
+    output:
+        "results/{variant}/quality_gate/quality.json",
+    shell:
+        "echo quality_gate {wildcards.variant} >> checks.txt && cp records/{wildcards.variant}.quality.json {output}"
+
+
+include: config["select_rules"]
+"""
+
+
+def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]]):
+    """A workdir with the stand-in workflow, test_sweeps' candidates' latency records and each one's (lossless
+    passed, gate passed) records; returns a function running snakemake there."""
+    from test_sweeps import LATENCIES, lossless_record, quality
+
+    (tmp_path / "Snakefile").write_text(WALK_SNAKEFILE)
+    (tmp_path / "schemas").symlink_to(ROOT / "schemas")
+    (tmp_path / "records").mkdir()
+    for variant, record in LATENCIES.items():
+        path = tmp_path / "results" / variant / "latency_probe" / "latency.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(record))
+        passed_lossless, passed_gate = outcomes[variant]
+        (tmp_path / "records" / f"{variant}.lossless.json").write_text(
+            json.dumps(lossless_record(variant, passed_lossless))
+        )
+        (tmp_path / "records" / f"{variant}.quality.json").write_text(json.dumps(quality(0.9 if passed_gate else 0.05)))
+    settings = {
+        "scripts": str(ROOT / "scripts"),
+        "select_rules": str(ROOT / "rules" / "select.smk"),
+        "candidates": sorted(LATENCIES),
+        "select": {"by": "mean_speedup"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    return lambda *args, check=True: snakemake(*args, "--configfile", "config.json", cwd=tmp_path, check=check)
+
+
+def test_snakemake_walks_the_candidates_one_check_at_a_time_and_stops_at_the_winner(tmp_path):
+    run = walk_workflow(tmp_path, {"a": (False, True), "b": (True, False), "c": (True, True), "d": (True, True)})
+    planned = run("-n", "results/selection.json").stdout
+    assert "checkpoint rank_candidates:" in planned
+    assert "checkpoint lossless:" not in planned and "checkpoint quality_gate:" not in planned  # not before the ranking
+    run("--cores", "2", "results/selection.json")
+    # fastest first: a is lossy (never gated), b fails the gate, c passes both; d, slower, is never checked
+    assert (tmp_path / "checks.txt").read_text().split("\n")[:-1] == [
+        "lossless a",
+        "lossless b",
+        "quality_gate b",
+        "lossless c",
+        "quality_gate c",
+    ]
+    assert not (tmp_path / "results" / "d" / "lossless").exists()
+    assert not (tmp_path / "results" / "d" / "quality_gate").exists()
+    chosen = json.loads((tmp_path / "results" / "selection.json").read_text())
+    assert chosen["variant"] == "c"
+    assert [(c["variant"], c["outcome"], c["failed_check"]) for c in chosen["candidates"]] == [
+        ("a", "failed", "lossless"),
+        ("b", "failed", "quality_gate"),
+        ("c", "won", None),
+        ("d", "not_gated", None),
+    ]
+    assert json.loads((tmp_path / "results" / "ranking.json").read_text())["candidates"][0]["variant"] == "a"
+    assert "Nothing to be done" in run("-n", "results/selection.json").stdout
+
+
+def test_snakemake_fails_select_when_every_candidate_fails(tmp_path):
+    run = walk_workflow(tmp_path, {"a": (False, True), "b": (True, False), "c": (False, True), "d": (True, False)})
+    result = run("--cores", "2", "results/selection.json", check=False)
+    assert result.returncode != 0 and "Error in rule select" in result.stdout + result.stderr
+    log = (tmp_path / "logs" / "select" / "select.log").read_text()
+    assert "no candidate passes the lossless check and the quality gate" in log, log[-3000:]
+    assert "a (rank 1): failed the lossless check" in log and "b (rank 2): failed the quality gate" in log
+    assert "d (rank 4): failed the quality gate: mc 0.05 < 0.1" in log
+    assert (tmp_path / "checks.txt").read_text().split() == (
+        "lossless a lossless b quality_gate b lossless c lossless d quality_gate d".split()
+    )
+    assert not (tmp_path / "results" / "selection.json").exists()

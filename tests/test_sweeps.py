@@ -1,4 +1,5 @@
-"""Sweeps expand into named variants; compare summarises them; select picks the fastest that passes (pure parts)."""
+"""Sweeps expand into named variants; compare summarises them; select ranks the candidates and checks them fastest
+first, shipping the first that passes (pure parts; the walk through Snakemake's checkpoints is in test_sweep_dag)."""
 
 import json
 
@@ -8,7 +9,7 @@ import compare
 import select_variant
 import tarball
 from conftest import ROOT
-from lib import sweeps
+from lib import selection, sweeps
 from lib.stage import StageError, validate_json
 
 BASE = {
@@ -323,8 +324,6 @@ def test_summary_without_the_other_prompt_sets():
     rows = compare.csv_rows(summary)
     assert list(rows[0]) == list(rows[1]) and rows[0]["fresh_short_median_ms"] is None
     assert "| a | bf16 | 16 | 0.0 | - | mtp K=1 | 8 | 1.00 / - | 1.00 / - |" in compare.markdown(summary)
-    selection = select_variant.choose(summary, "mean_speedup")
-    assert selection["variant"] == "b" and "1.538 on fresh prompts" in selection["reason"]
 
 
 def test_explicit_reference_wins():
@@ -363,32 +362,204 @@ def test_markdown_csv_and_plots(tmp_path):
     assert (tmp_path / "none.png").exists()
 
 
-def test_select_picks_the_fastest_variant_that_passes():
-    selection = select_variant.choose(fabricated_summary(), "mean_speedup")
-    validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
-    assert selection["variant"] == "awq-k2"  # awq-k2-bad is faster but failed the gate
-    assert "next: awq-k1" in selection["reason"] and "failed the gate: awq-k2-bad" in selection["reason"]
-    # ranked by the competition's prompts; the reason gives the fresh-prompt speed and who would win on it
-    assert "mean speedup 2.500 on the competition's repeated prompts, 1.667 on fresh prompts" in selection["reason"], (
-        selection["reason"]
+# ---- select: the ranking and the walk, on fabricated records ----
+
+# Four candidates, fastest first on the competition's prompts: a, b, c, d (d the fastest on fresh prompts).
+LATENCIES = {
+    "c": latency(0.5, 2.0, fresh=1.4),
+    "a": latency(0.2, 2.0, fresh=2.0),
+    "d": latency(0.8, 1.5, fresh=0.4),
+    "b": latency(0.3, 2.0, fresh=1.6),
+}
+FIRST_DIFFERENCE = (
+    "repeated prompts, category short: greedy output differs first at output token 3 (speculative 9, without "
+    "speculation 8)"
+)
+
+
+def lossless_record(variant: str, passed: bool) -> dict:
+    return {
+        "variant": variant,
+        "passed": passed,
+        "method": "mtp",
+        "k": 2,
+        "reference": "own image, speculation off",
+        "reason": "x",
+        "rows": [],
+        "failures": [] if passed else [FIRST_DIFFERENCE],
+    }
+
+
+def ranked() -> dict:
+    return selection.rank(LATENCIES, "mean_speedup")
+
+
+def test_rank_orders_every_candidate_by_the_competition_set_with_fresh_prompts_beside():
+    ranking = ranked()
+    validate_json(ranking, ROOT / "schemas" / "ranking.schema.yaml")
+    rows = {row["variant"]: row for row in ranking["candidates"]}
+    assert [row["variant"] for row in ranking["candidates"]] == ["a", "b", "c", "d"] == selection.order(ranking)
+    assert [rows[name]["rank"] for name in "abcd"] == [1, 2, 3, 4]
+    assert rows["a"]["mean_speedup_vs_baseline"] == pytest.approx(5.0)
+    assert rows["a"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2.5)
+    assert rows["d"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(3.125)
+    assert [rows[name]["fresh_rank"] for name in "abcd"] == [2, 3, 4, 1]
+    by_latency = selection.rank(LATENCIES, "geomean_latency_ms")
+    assert selection.order(by_latency) == ["a", "b", "c", "d"] and by_latency["by"] == "geomean_latency_ms"
+    assert by_latency["candidates"][0]["geomean_latency_ms"] < by_latency["candidates"][1]["geomean_latency_ms"]
+    # a tie on the competition's set keeps the candidates' order
+    assert selection.order(selection.rank({"y": latency(0.5, 2.0), "x": latency(0.5, 2.0)}, "mean_speedup")) == [
+        "y",
+        "x",
+    ]
+
+
+def test_rank_refuses_mean_speedup_without_baselines_and_says_what_to_set():
+    no_baseline = dict(latency(0.5, 2.0), mean_speedup=None)
+    with pytest.raises(StageError, match="c's probe has none. Set select.by: geomean_latency_ms"):
+        selection.rank({"a": latency(0.2, 2.0), "c": no_baseline}, "mean_speedup")
+    assert selection.order(selection.rank({"a": latency(0.2, 2.0), "c": no_baseline}, "geomean_latency_ms")) == [
+        "a",
+        "c",
+    ]
+
+
+def test_a_candidate_without_fresh_prompts_has_no_fresh_rank():
+    ranking = selection.rank({"a": latency(0.2, 2.0, sets=()), "b": latency(0.3, 2.0)}, "mean_speedup")
+    validate_json(ranking, ROOT / "schemas" / "ranking.schema.yaml")
+    assert [(row["variant"], row["fresh_rank"]) for row in ranking["candidates"]] == [("a", None), ("b", 1)]
+
+
+def walked(outcomes: dict[str, tuple[bool, bool]]) -> tuple[list[tuple[str, str]], list]:
+    """The walk over ranked() with each candidate's (lossless passed, gate passed): the checks it asked for, in
+    order, and what it returned."""
+    asked = []
+
+    def lossless_of(variant):
+        asked.append(("lossless", variant))
+        return lossless_record(variant, outcomes[variant][0])
+
+    def gate_of(variant):
+        asked.append(("quality_gate", variant))
+        return quality(0.9 if outcomes[variant][1] else 0.05)
+
+    return asked, selection.walk(selection.order(ranked()), lossless_of, gate_of)
+
+
+def test_the_walk_checks_fastest_first_gates_only_after_the_lossless_check_and_stops_at_the_first_pass():
+    asked, visited = walked({"a": (False, True), "b": (True, False), "c": (True, True), "d": (True, True)})
+    # a: lossy, so never gated; b: lossless but fails the gate; c passes both; d (slower) is never checked
+    assert asked == [
+        ("lossless", "a"),
+        ("lossless", "b"),
+        ("quality_gate", "b"),
+        ("lossless", "c"),
+        ("quality_gate", "c"),
+    ]
+    assert [(variant, quality is not None) for variant, _, quality in visited] == [
+        ("a", False),
+        ("b", True),
+        ("c", True),
+    ]
+    asked, _ = walked(dict.fromkeys("abcd", (True, True)))
+    assert asked == [("lossless", "a"), ("quality_gate", "a")]  # the fastest passes: nothing else is checked
+    asked, _ = walked(dict.fromkeys("abcd", (False, True)))
+    assert asked == [("lossless", name) for name in "abcd"]  # all lossy: no gate at all
+
+
+def choose(outcomes: dict[str, tuple[bool, bool]]) -> dict:
+    """select's record from the records the walk visited (exactly those: choose refuses to guess a missing one)."""
+    _, visited = walked(outcomes)
+    return selection.choose(
+        ranked(),
+        {variant: lossless for variant, lossless, _ in visited},
+        {variant: quality for variant, _, quality in visited if quality is not None},
     )
-    assert "on fresh prompts awq-k1 would be the fastest" in selection["reason"]
-    candidates = {c["variant"]: c for c in selection["candidates"]}
-    assert candidates["awq-k1"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2 / 1.1)
-    by_latency = select_variant.choose(fabricated_summary(), "geomean_latency_ms")
-    assert by_latency["variant"] == "awq-k2" and "ms on fresh prompts" in by_latency["reason"]
 
 
-def test_select_refuses_when_nothing_passes_or_speedups_are_missing():
-    summary = fabricated_summary()
-    for row in summary["variants"]:
-        row["gate_passed"] = False
-    with pytest.raises(StageError, match="no compared variant passes the quality gate"):
-        select_variant.choose(summary, "mean_speedup")
-    summary = fabricated_summary()
-    summary["variants"][0]["mean_speedup_vs_baseline"] = None
-    with pytest.raises(StageError, match="geomean_latency_ms"):
-        select_variant.choose(summary, "mean_speedup")
+def test_selection_gives_every_candidates_rank_speeds_and_outcome():
+    chosen = choose({"a": (False, True), "b": (True, False), "c": (True, True), "d": (True, True)})
+    validate_json(chosen, ROOT / "schemas" / "selection.schema.yaml")
+    assert chosen["variant"] == "c" and chosen["mode"] == "fastest" and chosen["by"] == "mean_speedup"
+    rows = {row["variant"]: row for row in chosen["candidates"]}
+    assert [row["variant"] for row in chosen["candidates"]] == ["a", "b", "c", "d"]
+    assert [rows[name]["outcome"] for name in "abcd"] == ["failed", "failed", "won", "not_gated"]
+    assert rows["a"]["failed_check"] == "lossless"
+    assert rows["a"]["failures"] == [f"not lossless against own image, speculation off: {FIRST_DIFFERENCE}"]
+    assert rows["b"]["failed_check"] == "quality_gate" and rows["b"]["failures"] == ["mc 0.05 < 0.1"]
+    assert rows["c"]["failed_check"] is None and rows["d"]["failures"] == []
+    assert (rows["c"]["rank"], rows["c"]["fresh_rank"]) == (3, 4)
+    assert rows["c"]["mean_speedup_vs_baseline"] == pytest.approx(2.0)
+    assert rows["c"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2.0 / 1.4)
+    reason = chosen["reason"]
+    assert reason.startswith(
+        "fastest by mean_speedup of the 4 candidates to pass the lossless check and the quality gate (mean speedup "
+        "2.000 on the competition's repeated prompts, 1.429 on fresh prompts; rank 3)"
+    ), reason
+    assert (
+        f"faster but failed: a (failed the lossless check: not lossless against own image, speculation off: "
+        f"{FIRST_DIFFERENCE}); b (failed the quality gate: mc 0.05 < 0.1)"
+    ) in reason
+    assert "slower, never gated: d (mean speedup 1.250 on the competition's repeated prompts, 3.125" in reason
+    # honest: the ranking is the competition's, and on fresh prompts another candidate is the fastest
+    assert reason.endswith("on fresh prompts d would be the fastest (not gated)"), reason
+
+
+def test_the_fastest_candidate_passing_ships_and_the_others_stay_unchecked():
+    chosen = choose(dict.fromkeys("abcd", (True, True)))
+    assert chosen["variant"] == "a"
+    assert [row["outcome"] for row in chosen["candidates"]] == ["won", "not_gated", "not_gated", "not_gated"]
+    assert "faster but failed" not in chosen["reason"] and "slower, never gated: b (" in chosen["reason"]
+    by_latency = selection.choose(
+        selection.rank(LATENCIES, "geomean_latency_ms"), {"a": lossless_record("a", True)}, {"a": quality(0.9)}
+    )
+    assert by_latency["variant"] == "a" and "ms on fresh prompts" in by_latency["reason"]
+
+
+def test_select_needs_every_record_the_walk_visits():
+    with pytest.raises(StageError, match="select needs b's lossless record"):
+        selection.choose(ranked(), {"a": lossless_record("a", False)}, {})
+    with pytest.raises(StageError, match="select needs a's quality gate record"):
+        selection.choose(ranked(), {"a": lossless_record("a", True)}, {})
+
+
+def test_every_candidate_failing_fails_select_naming_each_one_and_why():
+    with pytest.raises(StageError) as caught:
+        choose({"a": (False, True), "b": (True, False), "c": (False, True), "d": (True, False)})
+    message = str(caught.value)
+    assert message.startswith("no candidate passes the lossless check and the quality gate; nothing to ship")
+    assert "a (rank 1): failed the lossless check: not lossless against own image, speculation off: " in message
+    assert "b (rank 2): failed the quality gate: mc 0.05 < 0.1" in message
+    assert "c (rank 3): failed the lossless check" in message and "d (rank 4): failed the quality gate" in message
+
+
+def test_the_select_stage_reads_the_visited_records_by_the_walks_order(tmp_path):
+    """scripts/select_variant.py as Snakemake calls it: the inputs in the walk's order, `visited` saying whose."""
+    from types import SimpleNamespace
+
+    _, visited = walked({"a": (False, True), "b": (True, True), "c": (True, True), "d": (True, True)})
+    paths = {}
+    for variant, lossless, quality_record in visited:
+        for kind, record in (("lossless", lossless), ("quality", quality_record)):
+            if record is not None:
+                paths.setdefault(kind, []).append(str(tmp_path / f"{variant}.{kind}.json"))
+                (tmp_path / f"{variant}.{kind}.json").write_text(json.dumps(record))
+    (tmp_path / "ranking.json").write_text(json.dumps(ranked()))
+    job = SimpleNamespace(
+        input=SimpleNamespace(
+            ranking=str(tmp_path / "ranking.json"),
+            schema=str(ROOT / "schemas" / "selection.schema.yaml"),
+            **paths,
+        ),
+        output=SimpleNamespace(selection=str(tmp_path / "selection.json")),
+        params=SimpleNamespace(visited=[["a", False], ["b", True]]),
+    )
+    select_variant.main(job)
+    chosen = json.loads((tmp_path / "selection.json").read_text())
+    assert chosen["variant"] == "b" and [c["outcome"] for c in chosen["candidates"]][:2] == ["failed", "won"]
+    job.params.visited = [["b", False], ["a", True]]  # records handed over under the wrong names
+    with pytest.raises(StageError, match="given a's lossless record for b"):
+        select_variant.main(job)
 
 
 def test_tarball_refuses_a_variant_that_failed_the_gate(tmp_path):

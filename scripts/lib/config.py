@@ -211,6 +211,7 @@ class Pipeline:
     sweep_origin: dict
     recipes: dict
     compared: list
+    candidates: list  # what select.mode fastest ranks and checks (select.candidates resolved); unused in mode fixed
 
     @property
     def fixed(self) -> bool:
@@ -239,8 +240,14 @@ class Pipeline:
     def speculates(self, variant: str) -> bool:
         return self.config["variants"][variant]["speculative"]["method"] != "none"
 
+    @property
+    def measured(self) -> list[str]:
+        """The variants whose images this configuration builds to measure: select's candidates (mode fastest), then
+        the compared ones."""
+        return list(dict.fromkeys([*([] if self.fixed else self.candidates), *self.compared]))
+
     def reference_source(self, variant: str) -> str:
-        """The variant whose image serves `variant`'s lossless reference: among the compared variants, the first
+        """The variant whose image serves `variant`'s lossless reference: among the measured variants, the first
         with the same recipe and serve settings (with speculation off their servers are the same server, so a K
         sweep runs one reference, not one per K); the variant itself otherwise."""
 
@@ -248,8 +255,8 @@ class Pipeline:
             settings = self.config["variants"][name]
             return json.dumps([settings["recipe"], serve_settings.resolve_serve(settings["serve"])], sort_keys=True)
 
-        if variant in self.compared:
-            return next(o for o in self.compared if self.speculates(o) and key(o) == key(variant))
+        if variant in self.measured:
+            return next(o for o in self.measured if self.speculates(o) and key(o) == key(variant))
         return variant
 
     def lossless_reference(self, variant: str) -> tuple[str | None, str | None]:
@@ -321,8 +328,15 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
         raise ConfigError(problems)
     recipes = recipe_table(config["variants"])
     try:
-        # The variants `compare` measures and `select` chooses among.
+        # The variants `compare` tabulates, and those `select` ranks and checks (null: the compared ones).
         compared = sweeps.compared(config["compare"]["variants"], config["variant"], config["variants"], members)
+        candidates = (
+            compared
+            if config["select"]["candidates"] is None
+            else sweeps.compared(
+                config["select"]["candidates"], config["variant"], config["variants"], members, "select.candidates"
+            )
+        )
     except sweeps.SweepError as error:
         raise ConfigError([str(error)]) from None
     reference = config["compare"]["reference"]
@@ -330,4 +344,4 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
         raise ConfigError(
             [f"config key 'compare.reference': {reference!r} is not among the compared variants {compared}"]
         )
-    return Pipeline(config, members, origin, recipes, compared)
+    return Pipeline(config, members, origin, recipes, compared, candidates)

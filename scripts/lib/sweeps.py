@@ -119,17 +119,21 @@ def expand(variants: dict, sweeps: dict, fill: Callable[[str, dict, str], dict])
     return out, members, origin
 
 
-def compared(names: list[str] | None, default_variant: str, variants: dict, members: dict) -> list[str]:
-    """The variants a comparison runs: named variants and sweeps (a sweep stands for its variants)."""
+def compared(
+    names: list[str] | None, default_variant: str, variants: dict, members: dict, key: str = "compare.variants"
+) -> list[str]:
+    """The variants a list of variants and sweeps stands for (a sweep for its variants), each once, in order: what a
+    comparison runs (compare.variants), or what select chooses among (select.candidates, `key`). None: the default
+    variant and every sweep's variants."""
     if names is None:
         names = [default_variant, *members]
     result = []
-    for name in names:
+    for index, name in enumerate(names):
         if name in members:
             new = members[name]
         elif name in variants:
             new = [name]
         else:
-            raise SweepError(f"config key 'compare.variants': {name!r} is neither a variant nor a sweep")
+            raise SweepError(f"config key '{key}[{index}]': {name!r} is neither a variant nor a sweep")
         result += [n for n in new if n not in result]
     return result
