@@ -6,9 +6,9 @@ must equal the reference's for the same prompt: the variant's own image served a
 without speculation passes with nothing to compare.
 
 The result is recorded in results/<variant>/lossless/lossless.json (schemas/lossless.schema.yaml). A refused
-variant that select chooses among (select.mode fastest, a compared variant) is recorded with passed: false so a
-sweep goes on without it (select skips it and says why; tarball refuses it); any other refused variant, the one a
-fixed selection ships among them, fails this stage with the set, category, first differing position and both ids.
+variant that select may choose among (one of select.candidates) is recorded with passed: false, in either select
+mode, so a sweep goes on without it (select skips it and says why; tarball refuses it); any other refused variant
+fails this stage with the set, category, first differing position and both ids.
 """
 
 import json
