@@ -5,9 +5,13 @@
 #   /opt/ml/serve.json), one request per category and set: a server start and ~1/(warmup + runs) of a probe.
 #   Compared variants with the same recipe and serve settings (a K sweep) share one: with speculation off they
 #   are the same server (Pipeline.reference_source). It
-#   records its top logprobs, so a first difference at a near tie (bf16 rounding) is told from a real flip; a
+#   records its top logprobs, so a difference at a near tie (bf16 rounding) is told from a real flip; a
 #   no-speculation twin's probe cannot tell them apart (measured: MTP K=1 and K=2 both differ from tiny-awq-none at
-#   one fresh prompt's token 39, a 0.0625-nat tie).
+#   one fresh prompt's token 39, a 0.0625-nat tie). Past a near tie the reference is continued from the variant's
+#   own output and the comparison goes on from there: so the reference reads the variant's probe (it runs after it),
+#   and a variant reading a shared reference gets rule lossless_continuations (a server only if it has such a tie).
+# Besides the prompt sets, the probe's concurrent batch (4 requests at once, recorded untimed after the timed runs) is
+# compared the same way.
 # A variant without speculation passes trivially. See scripts/lossless.py and scripts/lib/lossless.py; the reference
 # is chosen by Pipeline.lossless_reference() in scripts/lib/config.py.
 
@@ -21,6 +25,8 @@ checkpoint lossless:
             f"results/{wildcards.variant}/latency_probe/latency.json" if PIPELINE.speculates(wildcards.variant) else []
         ),
         reference=lambda wildcards: PIPELINE.lossless_reference(wildcards.variant)[0] or [],
+        # the reference's continuations past this variant's near ties: in its own reference, or lossless_continuations'
+        continuations=lambda wildcards: PIPELINE.lossless_continuations(wildcards.variant) or [],
         schema="schemas/lossless.schema.yaml",
     output:
         lossless=report("results/{variant}/lossless/lossless.json", category="Lossless", labels={"variant": "{variant}"}),

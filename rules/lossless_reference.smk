@@ -3,13 +3,15 @@
 
 rule lossless_reference:
     """The variant's own image with speculation off (the reference of every compared variant with its recipe and
-    serve settings): the probe's prompts, the first timed run's request each."""
+    serve settings): the probe's prompts, the first timed run's request each, the probe's concurrent batch, then the
+    greedy continuations from this variant's own output past its near ties."""
     input:
         image=rules.build_image.output.image,
         serve=rules.serve_config.output.serve,
         varied_text=config["probe"]["varied_text"],
-        # Not read: it orders the reference after the probe, so the probe has the machine to itself.
-        after_probe=rules.latency_probe.output.latency,
+        # Read: the speculative ids to continue from after a near tie. Also orders the reference after the probe, so
+        # the probe has the machine to itself.
+        latency=rules.latency_probe.output.latency,
     output:
         reference="results/{variant}/lossless/reference.json",
     params:
@@ -28,3 +30,4 @@ rule lossless_reference:
         "../envs/driver.yaml"
     script:
         "../scripts/lossless_reference.py"
+

@@ -1,9 +1,10 @@
-"""Time the competition's prompt/output categories against the built image, one request at a time."""
+"""Time the competition's prompt/output categories against the built image, one request at a time; then, untimed,
+record one concurrent batch's greedy ids for the lossless check (lib.probe.concurrent_batch)."""
 
 import json
 from pathlib import Path
 
-from lib.probe import probe, prompt_sets
+from lib.probe import concurrent_batch, probe, prompt_sets
 from lib.stage import StageError, validate_json, write_json
 from lib.vllm_logs import cache_evidence
 
@@ -87,6 +88,10 @@ def main(job) -> None:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
         compile_cache = compile_cache_verdict(container.logs(tail=100000), job.params.require_cache_hit)
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
+        # after the timed runs, which it leaves unchanged: the lossless check's batched case (scripts/lossless.py)
+        result["batch"] = concurrent_batch(
+            container.base_url, job.params.model_name, job.params.probe, job.input.varied_text
+        )
         bandwidth = container_bandwidth(container)  # after the probe: it must not share the device with a request
     result.update(
         image=image["ref"],

@@ -1,9 +1,11 @@
 """Refuse a speculative variant whose greedy outputs differ from the same settings without speculation.
 
-For every prompt set and category the latency probe recorded, the first timed run's greedy ids (temperature 0)
-must equal the reference's for the same prompt: the variant's own image served again with speculation off
-(scripts/lossless_reference.py), up to a near tie of the reference's own logprobs (lib/lossless.py). A variant
-without speculation passes with nothing to compare.
+For every prompt set and category the latency probe recorded, the first timed run's greedy ids (temperature 0),
+and the ids of each request of its concurrent batch, must equal the reference's for the same prompt: the variant's
+own image served again with speculation off (scripts/lossless_reference.py). At a near tie of the reference's own
+logprobs the comparison goes on against the reference's continuation from the speculative output's own prefix,
+which rule lossless_reference (or lossless_continuations, for a shared reference) recorded for this variant
+(lib/lossless.py). A variant without speculation passes with nothing to compare.
 
 The result is recorded in results/<variant>/lossless/lossless.json (schemas/lossless.schema.yaml). A refused
 variant that select may choose among (one of select.candidates) is recorded with passed: false, in either select
@@ -14,12 +16,21 @@ fails this stage with the set, category, first differing position and both ids.
 import json
 from pathlib import Path
 
-from lib.lossless import compare, failures
+from lib.lossless import compare, failures, recorded_continuations
 from lib.stage import StageError, validate_json, write_json
 
 
-def check(record: dict | None, reference: dict | None, speculative: dict, reference_kind: str | None) -> dict:
-    """The lossless.json record for one variant (passed, the rows compared, what the reference was)."""
+def check(
+    record: dict | None,
+    reference: dict | None,
+    speculative: dict,
+    reference_kind: str | None,
+    continue_after=None,
+    require_batch: bool = False,
+) -> dict:
+    """The lossless.json record for one variant (passed, the rows compared, what the reference was).
+    continue_after, require_batch: see lib.lossless.compare (the stage passes the reference's recorded continuations
+    and requires the concurrent batch)."""
     method = speculative["method"]
     if method == "none":
         return {
@@ -31,18 +42,22 @@ def check(record: dict | None, reference: dict | None, speculative: dict, refere
             "rows": [],
             "failures": [],
         }
-    rows = compare(record, reference)
+    rows = compare(record, reference, continue_after, require_batch)
     lost = failures(rows)
     compared = sum(row["tokens"] or 0 for row in rows)
-    ties = [row for row in rows if row["near_tie"]]
+    ties = [(row, tie) for row in rows for tie in row["near_ties"]]
+    continued = sum(len(row["continuations"]) for row in rows)
+    unchecked = sum(row["unchecked_after"] is not None for row in rows)
     reason = (
         f"greedy ids equal without speculation for all {len(rows)} set/category pairs ({compared} tokens)"
         + (
-            f", {len(ties)} of them up to a near tie (first: {ties[0]['set']}/{ties[0]['category']} at output "
-            f"token {ties[0]['near_tie']['position']}, margin {ties[0]['near_tie']['margin']} nats)"
+            f", near ties passed: {len(ties)} in {len({id(row) for row, _ in ties})} of them (first: "
+            f"{ties[0][0]['set']}/{ties[0][0]['category']} at output token {ties[0][1]['position']}, margin "
+            f"{ties[0][1]['margin']} nats), the reference continued from the speculative prefix {continued} times"
             if ties
             else ""
         )
+        + (f"; {unchecked} compared only up to a near tie (no continuation asked)" if unchecked else "")
         if not lost
         else f"{len(lost)} of {len(rows)} set/category pairs differ; first: {lost[0]}"
     )
@@ -62,7 +77,24 @@ def main(job) -> None:
     reference_path = getattr(job.input, "reference", None)
     record = json.loads(Path(job.input.latency).read_text()) if getattr(job.input, "latency", None) else None
     reference = json.loads(Path(reference_path).read_text()) if reference_path else None
-    result = check(record, reference, speculative, job.params.reference_kind)
+    continuations = None
+    if record is not None:
+        # the reference's continuations past this variant's near ties (lossless_reference's or lossless_continuations')
+        made = json.loads(Path(job.input.continuations).read_text()).get("continuations") or {}
+        continuations = made.get(job.wildcards.variant)
+        if continuations is None:
+            raise StageError(
+                f"{job.input.continuations} has no continuations for {job.wildcards.variant} (made for "
+                f"{sorted(made)}): rerun the rule that made it"
+            )
+    result = check(
+        record,
+        reference,
+        speculative,
+        job.params.reference_kind,
+        continue_after=recorded_continuations(continuations) if continuations is not None else None,
+        require_batch=True,
+    )
     result["variant"] = job.wildcards.variant
     validate_json(result, job.input.schema)
     if not result["passed"]:

@@ -313,6 +313,51 @@ def test_probe_records_acceptance_and_first_run_token_ids_per_set(fake_vllm, tmp
     latency_probe.plot(record, "v", tmp_path / "latency.png")
 
 
+def test_the_concurrent_batch_sends_the_sets_prompts_at_once_and_records_their_ids(fake_vllm, tmp_path):
+    """After the timed runs, latency_probe records one concurrent batch (the lossless check's batched case): the
+    repeated and the varied prompt of the two shortest categories, as those sets make them, with mixed max_tokens, and
+    each request's ids. The lossless reference sends the same batch with top logprobs and keeps each request's prompt
+    ids, as its first runs do, to continue from them past a near tie."""
+    import jsonschema
+    import yaml
+
+    base_url, state = fake_vllm
+    varied = corpus(tmp_path)
+    reference = probe.probe(
+        base_url, "m", settings(sets=["repeated", "varied"], first_run_only=True), varied, lambda *a: None
+    )
+    first_prompts = {
+        name: {c["name"]: c["first_run_prompt_ids"] for c in prompt_set["categories"]}
+        for name, prompt_set in probe.prompt_sets(reference).items()
+    }
+    assert first_prompts["varied"]["short"] == state["requests"][-2]["prompt"]  # what the server tokenized
+    probed = len(state["requests"])
+    batch = probe.concurrent_batch(base_url, "m", settings(), varied)
+    sent = state["requests"][probed:]
+    assert [(r["name"], r["set"], r["category"], r["max_tokens"]) for r in batch["requests"]] == [
+        ("repeated-short-8", "repeated", "short", 8),
+        ("varied-short-4", "varied", "short", 4),
+        ("repeated-long-3", "repeated", "long", 3),
+        ("varied-long-6", "varied", "long", 6),
+    ]
+    assert len(sent) == probe.BATCH_SIZE and all("logprobs" not in r["body"] for r in sent)
+    by_prompt = {tuple(r["prompt"]): r for r in sent}
+    for request in batch["requests"]:
+        prompt = first_prompts[request["set"]][request["category"]]  # the set's own prompt for the category
+        assert request["token_ids"] == by_prompt[tuple(prompt)]["output"]
+        assert request["output_tokens"] == request["max_tokens"] and request["prompt_tokens_served"] == len(prompt)
+        assert "prompt_token_ids" not in request and "top_logprobs" not in request
+    schema = yaml.safe_load((ROOT / "schemas" / "latency.schema.yaml").read_text())
+    jsonschema.validate(batch, schema["properties"]["batch"])
+    # the lossless reference's batch: the same requests, with their top logprobs asked and their prompt ids kept
+    again = probe.concurrent_batch(base_url, "m", settings(), varied, top_logprobs=probe.REFERENCE_TOP_LOGPROBS)
+    assert [r["token_ids"] for r in again["requests"]] == [r["token_ids"] for r in batch["requests"]]
+    assert all(r["body"]["logprobs"] == probe.REFERENCE_TOP_LOGPROBS for r in state["requests"][-probe.BATCH_SIZE :])
+    assert [r["prompt_token_ids"] for r in again["requests"]] == [
+        first_prompts[r["set"]][r["category"]] for r in again["requests"]
+    ]
+
+
 def test_probe_sets_choose_what_runs(fake_vllm, tmp_path):
     base_url, state = fake_vllm
     result = probe.probe(base_url, "m", settings(sets=["fresh", "repeated"]), corpus(tmp_path), log=lambda *a: None)

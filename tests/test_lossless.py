@@ -1,16 +1,20 @@
 """The lossless check: greedy ids with speculation equal those without it, or the variant is refused.
 
-Unit tests on crafted records (a flipped id must be caught, named by set, category, position and both ids), the
-wiring (select skips a refused variant ungated and says why, tarball refuses it, the DAG puts the check before it), and
-an e2e test that makes speculation lossy for real (tests/lossless_canary: a test-only vLLM plugin that flips
-accepted draft tokens) and shows the check failing on a real server's ids.
+Unit tests on crafted records (a flipped id must be caught, named by set, category, position and both ids; a near
+tie is passed and the comparison continues from the speculative prefix, so a later flip is caught too; the concurrent
+batch is compared the same way), the wiring (select skips a refused variant ungated and says why, tarball refuses it,
+the DAG puts the check before it), and e2e tests that make speculation lossy for real (tests/lossless_canary: a
+test-only vLLM plugin that flips accepted draft tokens, everywhere or only after a near tie it took the other way) and
+show the check failing on a real server's ids.
 """
 
+import contextlib
 import copy
 import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,6 +73,33 @@ def with_reference_tops(reference: dict, set_name: str, category: str, position:
     return reference
 
 
+def continuation(after: int, spec: list[int], token_ids: list[int], tops: dict[int, list] | None = None) -> dict:
+    """What lossless_reference records after a near tie at `after`: the reference's greedy continuation from spec's
+    ids up to and including it; `tops` {index in the continuation: [[id, logprob], ...]} (else the id alone)."""
+    top_logprobs = [[[token, 0.0]] for token in token_ids]
+    for index, ranked in (tops or {}).items():
+        top_logprobs[index] = ranked
+    return {
+        "after": after,
+        "prefix_sha256": check_lib.prefix_digest(spec[: after + 1]),
+        "token_ids": token_ids,
+        "top_logprobs": top_logprobs,
+    }
+
+
+def tie_at_3(tops: list) -> tuple[dict, dict, list[int]]:
+    """(speculative record, reference record, speculative fresh/short ids): the two differ first at fresh/short output
+    token 3 (speculative 7, reference 6, whose own logprobs there are `tops`), and from there the speculative output
+    is another history (its ids 4.. are not the reference's)."""
+    lossy = copy.deepcopy(latency(0.5, 2.0))
+    row = next(c for c in lossy["fresh"]["categories"] if c["name"] == "short")
+    row["first_run_token_ids"][3:] = [7, 40, 41, 42, 43]
+    reference = latency(1.0, None)
+    ref_row = next(c for c in reference["fresh"]["categories"] if c["name"] == "short")
+    ref_row["first_run_token_ids"][3] = 6
+    return lossy, with_reference_tops(reference, "fresh", "short", 3, tops), row["first_run_token_ids"]
+
+
 @pytest.mark.parametrize(
     "tops, passes",
     [
@@ -77,22 +108,189 @@ def with_reference_tops(reference: dict, set_name: str, category: str, position:
         ([[6, -0.70], [9, -0.71]], False),  # the speculative token is not even among the reference's top ids
     ],
 )
-def test_a_first_difference_at_a_near_tie_passes_and_is_recorded_a_clear_one_fails(tops, passes):
-    lossy = copy.deepcopy(latency(0.5, 2.0))
-    row = next(c for c in lossy["fresh"]["categories"] if c["name"] == "short")
-    row["first_run_token_ids"][3] = 7
-    reference = latency(1.0, None)
-    ref_row = next(c for c in reference["fresh"]["categories"] if c["name"] == "short")
-    ref_row["first_run_token_ids"][3] = 6
-    result = lossless.check(lossy, with_reference_tops(reference, "fresh", "short", 3, tops), MTP, "own image")
+def test_a_near_tie_is_passed_recorded_and_continued_from_a_clear_difference_fails(tops, passes):
+    """Past a near tie the reference's continuation from the speculative prefix (here equal to the speculative ids)
+    is what the rest is compared with: equal, the row passes with the tie and the continuation recorded."""
+    lossy, reference, spec = tie_at_3(tops)
+    resumed = check_lib.recorded_continuations({"fresh/short": [continuation(3, spec, [40, 41, 42, 43])]})
+    result = lossless.check(lossy, reference, MTP, "own image", continue_after=resumed)
     validate_json(dict(result, variant="v"), SCHEMA)
     assert result["passed"] is passes
     row = next(r for r in result["rows"] if r["set"] == "fresh" and r["category"] == "short")
     assert row["first_difference"] == {"position": 3, "speculative": 7, "reference": 6}
     if passes:
-        assert row["near_tie"] == {"position": 3, "margin": 0.02} and "near tie" in result["reason"]
+        assert row["near_ties"] == [{"position": 3, "margin": 0.02}] and row["near_tie"] == row["near_ties"][0]
+        assert row["continuations"] == [{"after": 3, "tokens": 4}] and row["divergence"] is None
+        assert "near ties passed: 1 in 1 of them" in result["reason"] and "continued" in result["reason"]
     else:
-        assert row["near_tie"] is None and result["failures"]
+        assert row["near_ties"] == [] and row["continuations"] == [] and result["failures"]
+        assert row["divergence"] == row["first_difference"]
+
+
+def test_a_real_divergence_after_a_near_tie_fails_naming_the_later_position():
+    """The bug a check that stops at the first near tie misses: the continuation from the speculative prefix says
+    output token 6 should be 99, and the speculative run gave 42."""
+    lossy, reference, spec = tie_at_3([[6, -0.70], [7, -0.72]])
+    later = continuation(3, spec, [40, 41, 99, 43], tops={2: [[99, -0.2], [42, -2.9]]})
+    result = lossless.check(
+        lossy, reference, MTP, "own image", continue_after=check_lib.recorded_continuations({"fresh/short": [later]})
+    )
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert not result["passed"] and len(result["failures"]) == 1
+    row = next(r for r in result["rows"] if not r["passed"])
+    assert row["divergence"] == {"position": 6, "speculative": 42, "reference": 99}
+    assert row["near_ties"] == [{"position": 3, "margin": 0.02}] and row["continuations"] == [{"after": 3, "tokens": 4}]
+    assert result["failures"][0] == (
+        "fresh prompts, category short: greedy output differs at output token 6 (speculative 42, without speculation "
+        "99, continued from the speculative output after the near tie at output token 3; near ties passed at 3)"
+    )
+    # the same difference, itself a near tie in the continuation's logprobs: passed, and the walk goes on from there
+    tied = continuation(3, spec, [40, 41, 99, 43], tops={2: [[99, -0.70], [42, -0.75]]})
+    after_6 = continuation(6, spec, [43])
+    result = lossless.check(
+        lossy,
+        reference,
+        MTP,
+        "own image",
+        continue_after=check_lib.recorded_continuations({"fresh/short": [tied, after_6]}),
+    )
+    row = next(r for r in result["rows"] if r["set"] == "fresh" and r["category"] == "short")
+    assert result["passed"] and [t["position"] for t in row["near_ties"]] == [3, 6]
+    assert [c["after"] for c in row["continuations"]] == [3, 6]
+
+
+def chained_ties(count: int):
+    """(speculative ids, reference ids, reference tops, continue_after): a near tie at output tokens 1..count, each
+    continuation from the speculative prefix meeting the next one, then agreeing to the end."""
+    spec = list(range(20))
+
+    def tie(position):  # the reference's pick at `position`: its own token, the speculative one 0.01 nats behind
+        return [[100 + position, -0.5], [spec[position], -0.51]]
+
+    def continue_after(position, prefix, max_tokens):
+        assert prefix == spec[: position + 1] and max_tokens == len(spec) - position - 1
+        rest = spec[position + 1 :]
+        if position + 1 <= count:
+            return {"token_ids": [100 + position + 1, *rest[1:]], "top_logprobs": [tie(position + 1)] + [[]] * 20}
+        return {"token_ids": rest, "top_logprobs": [[]] * len(rest)}
+
+    reference = [0, 101, *spec[2:]]
+    return spec, reference, [[], tie(1)] + [[]] * 18, continue_after
+
+
+def test_continuations_are_bounded_per_row():
+    spec, reference, tops, resume = chained_ties(check_lib.MAX_CONTINUATIONS)
+    walked = check_lib.compare_ids(spec, reference, tops, resume)
+    assert walked["problem"] is None and walked["divergence"] is None
+    assert [t["position"] for t in walked["near_ties"]] == list(range(1, check_lib.MAX_CONTINUATIONS + 1))
+    assert len(walked["continuations"]) == check_lib.MAX_CONTINUATIONS
+    spec, reference, tops, resume = chained_ties(check_lib.MAX_CONTINUATIONS + 1)
+    walked = check_lib.compare_ids(spec, reference, tops, resume)
+    assert walked["problem"] == (
+        f"more than {check_lib.MAX_CONTINUATIONS} near ties (lib/lossless.py MAX_CONTINUATIONS): not compared past "
+        f"output token {check_lib.MAX_CONTINUATIONS + 1}"
+    )
+    assert len(walked["continuations"]) == check_lib.MAX_CONTINUATIONS
+
+
+def test_a_tie_at_the_last_token_needs_no_continuation_and_a_missing_or_stale_one_fails():
+    tops = [[[t, 0.0]] for t in [1, 2, 6]]
+    tops[2] = [[6, -0.7], [7, -0.72]]
+    last = check_lib.compare_ids([1, 2, 7], [1, 2, 6], tops, continue_after=lambda *_: pytest.fail("asked"))
+    assert last["near_ties"] == [{"position": 2, "margin": 0.02}] and last["continuations"] == []
+    lossy, reference, spec = tie_at_3([[6, -0.70], [7, -0.72]])
+    result = lossless.check(lossy, reference, MTP, "own image", continue_after=check_lib.recorded_continuations({}))
+    assert result["failures"] == [
+        "fresh prompts, category short: the reference recorded no continuation after the near tie at output token 3"
+    ]
+    stale = continuation(3, [*spec[:3], 8], [40, 41, 42, 43])  # made from another speculative output
+    result = lossless.check(
+        lossy, reference, MTP, "own image", continue_after=check_lib.recorded_continuations({"fresh/short": [stale]})
+    )
+    assert "was made from another speculative output" in result["failures"][0]
+    # without a reference server (the GPU proof's driver): compared up to the tie, and said so
+    result = lossless.check(lossy, reference, MTP, "own image")
+    row = next(r for r in result["rows"] if r["near_ties"])
+    assert result["passed"] and row["unchecked_after"] == 3 and "compared only up to a near tie" in result["reason"]
+
+
+def batch(ids: dict[str, list[int]], tops: bool) -> dict:
+    """A concurrent batch's record: the requests named by `ids`, each with its output ids (and the reference's
+    logprobs: the id alone at every position)."""
+    requests = []
+    for name, token_ids in ids.items():
+        set_name, category, max_tokens = name.split("-")
+        request = {
+            "name": name,
+            "set": set_name,
+            "category": category,
+            "prompt_tokens": 64,
+            "max_tokens": int(max_tokens),
+            "prompt_tokens_served": 64,
+            "output_tokens": len(token_ids),
+            "token_ids": list(token_ids),
+        }
+        if tops:
+            request["top_logprobs"] = [[[t, 0.0]] for t in token_ids]
+        requests.append(request)
+    return {"prompts": "made up", "in_flight_together": True, "requests": requests}
+
+
+BATCH_IDS = {
+    "repeated-short-8": [1, 2, 3, 4, 5, 6, 7, 8],
+    "varied-short-4": [9, 8, 7, 6],
+    "repeated-medium-4": [3, 3, 3, 3],
+    "varied-medium-8": [5, 6, 7, 8, 9, 10, 11, 12],
+}
+
+
+def test_the_concurrent_batch_is_compared_request_by_request():
+    spec, reference = latency(0.5, 2.0), latency(1.0, None)
+    spec["batch"], reference["batch"] = batch(BATCH_IDS, tops=False), batch(BATCH_IDS, tops=True)
+    result = lossless.check(
+        spec, reference, MTP, "own image", continue_after=check_lib.recorded_continuations({}), require_batch=True
+    )
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert result["passed"], result["failures"]
+    assert [r["category"] for r in result["rows"] if r["set"] == "batch"] == list(BATCH_IDS)
+    validate_json(spec, ROOT / "schemas" / "latency.schema.yaml")
+
+    lossy = copy.deepcopy(spec)
+    lossy["batch"]["requests"][3]["token_ids"][5] ^= 1  # 10 -> 11
+    result = lossless.check(
+        lossy, reference, MTP, "own image", continue_after=check_lib.recorded_continuations({}), require_batch=True
+    )
+    assert result["failures"] == [
+        "concurrent batch, request varied-medium-8: greedy output differs first at output token 5 (speculative 11, "
+        "without speculation 10)"
+    ]
+
+    # a near tie in a batched request, then a real divergence: continued like any row, failed at the later token
+    tied = copy.deepcopy(reference)
+    request = tied["batch"]["requests"][0]
+    request["token_ids"][2] = 30
+    request["top_logprobs"][2] = [[30, -0.5], [3, -0.55]]
+    spec_ids = spec["batch"]["requests"][0]["token_ids"]
+    after = continuation(2, spec_ids, [4, 5, 6, 70, 8], tops={3: [[70, -0.1], [7, -4.0]]})
+    resumed = check_lib.recorded_continuations({"batch/repeated-short-8": [after]})
+    result = lossless.check(spec, tied, MTP, "own image", continue_after=resumed, require_batch=True)
+    assert result["failures"] == [
+        "concurrent batch, request repeated-short-8: greedy output differs at output token 6 (speculative 7, without "
+        "speculation 70, continued from the speculative output after the near tie at output token 2; near ties "
+        "passed at 2)"
+    ]
+
+    # a batch either side did not record cannot pass unchecked
+    missing = copy.deepcopy(reference)
+    del missing["batch"]["requests"][1]
+    result = lossless.check(
+        spec, missing, MTP, "own image", continue_after=check_lib.recorded_continuations({}), require_batch=True
+    )
+    assert result["failures"] == [
+        "concurrent batch, request varied-short-4: the reference has no concurrent-batch request varied-short-4"
+    ]
+    result = lossless.check(latency(0.5, 2.0), reference, MTP, "own image", require_batch=True)
+    assert result["failures"] == ["concurrent batch, request all: the speculative run recorded no concurrent batch"]
 
 
 def test_a_shorter_output_and_missing_ids_or_sets_fail_rather_than_pass_unchecked():
@@ -114,6 +312,110 @@ def test_no_speculation_passes_trivially():
     result = lossless.check(None, None, {"method": "none"}, None)
     validate_json(dict(result, variant="v"), SCHEMA)
     assert result["passed"] and result["rows"] == [] and result["k"] == 0
+
+
+TOY_VOCAB = 97
+
+
+def toy_greedy(history: list[int]) -> tuple[int, list]:
+    """A toy model's greedy pick after `history` and its two most likely ids: a near tie at every fifth position."""
+    best = (sum(history) * 7 + len(history)) % TOY_VOCAB
+    margin = 0.05 if len(history) % 5 == 0 else 3.0
+    return best, [[best, -0.5], [(best + 1) % TOY_VOCAB, -0.5 - margin]]
+
+
+def toy_generate(prompt: list[int], n: int, take_ties: bool = False, flip_after_tie: int | None = None):
+    """(ids, top logprobs): n greedy ids after `prompt`. take_ties: a speculative server whose rounding takes every
+    near tie the other way (the model goes on from its pick); flip_after_tie: it then also emits the id this many
+    tokens after its first such tie with the lowest bit flipped (the output only), as tests/lossless_canary does."""
+    history, ids, tops, flip_at = list(prompt), [], [], None
+    for _ in range(n):
+        token, ranked = toy_greedy(history)
+        if take_ties and ranked[0][1] - ranked[1][1] <= check_lib.NEAR_TIE_NATS:
+            token = ranked[1][0]
+            flip_at = flip_at or (len(ids) + flip_after_tie if flip_after_tie else None)
+        history.append(token)
+        ids.append(token ^ 1 if len(ids) == flip_at else token)
+        tops.append(ranked)
+    return ids, tops
+
+
+TOY_PROMPTS = {"repeated/short": [1, 2, 3], "batch/varied-short-16": [4, 5, 6, 7]}
+
+
+def toy_records(**speculative) -> tuple[dict, dict]:
+    """(speculative record, reference record) of the toy model: the repeated/short category and one batched request,
+    16 tokens each."""
+    ids = {key: toy_generate(prompt, 16, **speculative)[0] for key, prompt in TOY_PROMPTS.items()}
+    reference = {key: toy_generate(prompt, 16) for key, prompt in TOY_PROMPTS.items()}
+    spec = {"categories": [{"name": "short", "first_run_token_ids": ids["repeated/short"]}]}
+    spec["batch"] = batch({"varied-short-16": ids["batch/varied-short-16"]}, tops=False)
+    ref_ids, ref_tops = reference["repeated/short"]
+    ref = {
+        "categories": [
+            {
+                "name": "short",
+                "first_run_token_ids": ref_ids,
+                "first_run_top_logprobs": ref_tops,
+                "first_run_prompt_ids": TOY_PROMPTS["repeated/short"],
+            }
+        ]
+    }
+    ref["batch"] = batch({"varied-short-16": reference["batch/varied-short-16"][0]}, tops=True)
+    ref["batch"]["requests"][0].update(
+        top_logprobs=reference["batch/varied-short-16"][1], prompt_token_ids=TOY_PROMPTS["batch/varied-short-16"]
+    )
+    return spec, ref
+
+
+def toy_server(asked: list):
+    """timed_completion of a toy reference server (speculation off): greedy from a prompt of ids, logging each ask."""
+
+    def complete(base_url, model, prompt, max_tokens, ignore_eos, top_logprobs=None):
+        asked.append((prompt, max_tokens))
+        ids, tops = toy_generate(prompt, max_tokens)
+        return {"token_ids": ids, "top_logprobs": tops, "prompt_token_ids": prompt}
+
+    return complete
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_the_reference_continues_where_the_check_needs_it(monkeypatch, lossy):
+    """The reference stages' walk against a toy reference server (request_continuations), then the check's walk on
+    what it recorded: the speculative run takes every near tie the other way (as rounding may), so each row needs
+    continuations from its own prefix, asked with the prompt ids the reference recorded; honest, every row passes;
+    lossy two tokens after its first tie, that token is named."""
+    asked = []
+    monkeypatch.setattr(check_lib, "timed_completion", toy_server(asked))
+    spec, reference = toy_records(take_ties=True, flip_after_tie=2 if lossy else None)
+    assert check_lib.needs_continuations(spec, reference)
+    made = check_lib.request_continuations("url", "m", spec, reference, True, log=lambda line: None)
+    made = json.loads(json.dumps(made))  # as reference.json keeps them
+    for key, entries in made.items():  # each one asked from the prompt + the speculative ids up to its tie
+        spec_ids = spec["categories"][0]["first_run_token_ids"] if key == "repeated/short" else None
+        spec_ids = spec_ids or spec["batch"]["requests"][0]["token_ids"]
+        for entry in entries:
+            assert (TOY_PROMPTS[key] + spec_ids[: entry["after"] + 1], 16 - entry["after"] - 1) in asked
+    result = lossless.check(
+        spec,
+        reference,
+        MTP,
+        "own image",
+        continue_after=check_lib.recorded_continuations(made),
+        require_batch=True,
+    )
+    validate_json(dict(result, variant="v"), SCHEMA)
+    assert all(row["near_ties"] for row in result["rows"])
+    assert len(asked) == sum(len(row["continuations"]) for row in result["rows"])  # asked only what the check reads
+    if not lossy:
+        assert result["passed"], result["failures"]
+        assert all(len(row["continuations"]) >= 2 for row in result["rows"])
+        return
+    assert not result["passed"] and len(result["failures"]) == 2
+    for row in result["rows"]:
+        first_tie = row["near_ties"][0]["position"]
+        assert row["divergence"]["position"] == first_tie + 2
+        assert row["divergence"]["speculative"] == row["divergence"]["reference"] ^ 1
 
 
 def record(passed: bool, variant: str) -> dict:
@@ -169,6 +471,9 @@ def test_tarball_refuses_a_lossy_variant(tmp_path):
 
 class Job:
     def __init__(self, tmp_path, spec_record, reference, fatal):
+        spec_record = dict(spec_record, batch=spec_record.get("batch") or batch(BATCH_IDS, tops=False))
+        reference = dict(reference, batch=reference.get("batch") or batch(BATCH_IDS, tops=True))
+        reference.setdefault("continuations", {"awq-mtp2": {}})
         (tmp_path / "latency.json").write_text(json.dumps(spec_record))
         (tmp_path / "reference.json").write_text(json.dumps(reference))
         self.input = type(
@@ -177,6 +482,7 @@ class Job:
             {
                 "latency": str(tmp_path / "latency.json"),
                 "reference": str(tmp_path / "reference.json"),
+                "continuations": str(tmp_path / "reference.json"),  # the variant's own reference holds them
                 "schema": str(SCHEMA),
             },
         )
@@ -199,15 +505,91 @@ def test_the_stage_fails_for_a_shipped_variant_and_records_for_a_compared_one(tm
     assert json.loads((tmp_path / "lossless.json").read_text())["passed"] is False
 
 
+def test_the_stage_reads_the_continuations_made_for_its_own_variant(tmp_path):
+    """The check walks with the continuations the reference made from this variant's output; a reference made for
+    other variants only (an older one, or another sweep's) is refused, not read as "no continuation needed"."""
+    lossy, reference, spec = tie_at_3([[6, -0.70], [7, -0.72]])
+    later = continuation(3, spec, [40, 41, 99, 43], tops={2: [[99, -0.2], [42, -2.9]]})
+    with pytest.raises(StageError, match=r"fresh prompts, category short: greedy output differs at output token 6"):
+        lossless.main(Job(tmp_path, lossy, dict(reference, continuations={"awq-mtp2": {"fresh/short": [later]}}), True))
+    with pytest.raises(
+        StageError, match=r"reference.json has no continuations for awq-mtp2 \(made for \['awq-mtp1'\]\)"
+    ):
+        lossless.main(Job(tmp_path, lossy, dict(reference, continuations={"awq-mtp1": {}}), True))
+    agreeing = continuation(3, spec, [40, 41, 42, 43])
+    lossless.main(Job(tmp_path, lossy, dict(reference, continuations={"awq-mtp2": {"fresh/short": [agreeing]}}), True))
+    written = json.loads((tmp_path / "lossless.json").read_text())
+    assert written["passed"] and sum(r["set"] == "batch" for r in written["rows"]) == 4
+
+
+def test_a_shared_reference_is_continued_for_another_variant_only_when_it_needs_it(tmp_path, monkeypatch):
+    """lossless_continuations, for a variant reading another's reference (a K sweep): no near tie with output after
+    it, no server starts and the record is empty; with one, the reference's image is started, asked from this
+    variant's own prefix, and the check of this variant reads what it recorded (here: the flip after a tie)."""
+    import lossless_continuations
+
+    asked, started = [], []
+    monkeypatch.setattr(check_lib, "timed_completion", toy_server(asked))
+
+    @contextlib.contextmanager
+    def reference_server(image, serve, run):
+        started.append(image["ref"])
+        yield "http://reference"
+
+    monkeypatch.setattr(lossless_continuations, "reference_server", reference_server)
+
+    def continue_for(spec: dict, reference: dict) -> dict:
+        for name, content in {
+            "latency": spec,
+            "reference": reference,
+            "image": {"ref": "pipeline:tiny-awq-mtp2", "id": "sha256:x"},
+            "serve": {"speculative": {"method": "mtp", "k": 2}},
+        }.items():
+            (tmp_path / f"{name}.json").write_text(json.dumps(content))
+        paths = {name: str(tmp_path / f"{name}.json") for name in ("latency", "reference", "image", "serve")}
+        lossless_continuations.main(
+            SimpleNamespace(
+                input=SimpleNamespace(**paths),
+                output=SimpleNamespace(continuations=str(tmp_path / "continuations.json")),
+                params=SimpleNamespace(run={}, model_name="m", ignore_eos=True),
+                wildcards=SimpleNamespace(variant="awq-mtp1"),
+            )
+        )
+        return json.loads((tmp_path / "continuations.json").read_text())
+
+    equal, reference = toy_records()  # the reference's own ids: nothing to continue
+    written = continue_for(equal, reference)
+    assert written["continuations"] == {"awq-mtp1": {}} and written["server_started"] is False
+    assert started == [] and asked == []
+
+    lossy, reference = toy_records(take_ties=True, flip_after_tie=2)
+    written = continue_for(lossy, reference)
+    assert written["server_started"] and started == ["pipeline:tiny-awq-mtp2"] and asked
+    assert set(written["continuations"]["awq-mtp1"]) == {"repeated/short", "batch/varied-short-16"}
+    job = SimpleNamespace(
+        input=SimpleNamespace(
+            latency=str(tmp_path / "latency.json"),
+            reference=str(tmp_path / "reference.json"),
+            continuations=str(tmp_path / "continuations.json"),
+            schema=str(SCHEMA),
+        ),
+        output=SimpleNamespace(lossless=str(tmp_path / "lossless.json")),
+        params=SimpleNamespace(speculative=MTP, reference_kind="tiny-awq-mtp2's image", fatal=True),
+        wildcards=SimpleNamespace(variant="awq-mtp1"),
+    )
+    with pytest.raises(StageError, match=r"repeated prompts, category short: greedy output differs at output token"):
+        lossless.main(job)
+
+
 def test_reference_differs_from_the_variant_in_speculation_only():
     import yaml
 
-    import lossless_reference
     from lib import config as pipeline_config
+    from lib.reference_server import reference_serve
 
     tiny = pipeline_config.load(yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text()))
     serve = tiny.serve_json("tiny-awq-mtp2")
-    off = lossless_reference.reference_serve(serve)
+    off = reference_serve(serve)
     assert serve["speculative"] == {"method": "mtp", "k": 2} and off["speculative"] == {"method": "none"}
     assert dict(off, speculative=None) == dict(serve, speculative=None)  # nothing else changed
 
@@ -223,9 +605,9 @@ def test_reference_differs_from_the_variant_in_speculation_only():
     ],
 )
 def test_the_reference_computes_on_the_cpu_the_gates_server_leaves_free(speculative, gpus, cpus, env):
-    import lossless_reference
+    from lib.reference_server import reference_cpu_env
 
-    assert lossless_reference.reference_cpu_env(speculative, gpus, cpus) == env
+    assert reference_cpu_env(speculative, gpus, cpus) == env
 
 
 def test_vllms_binding_report_reaches_the_stage_log():
@@ -261,6 +643,12 @@ def test_the_dag_checks_before_tarball():
     test_sweep_dag's walk tests.)"""
     out = snakemake("-n", "--forceall", "image.tar.gz", *TINY).stdout
     assert "checkpoint lossless:" in out and "rule lossless_reference:" in out, out[-3000:]
+    # the reference reads the variant's own probe only: the K sweep's other variant is not built for it
+    assert "rule lossless_continuations:" not in out and "results/tiny-awq-mtp1/" not in out, out[-3000:]
+    other = snakemake("-n", "--forceall", "results/tiny-awq-mtp1/lossless/lossless.json", *TINY).stdout
+    continuations = other.split("rule lossless_continuations:")[1].split("\n\n")[0]
+    assert "results/tiny-awq-mtp2/lossless/reference.json" in continuations, continuations  # the shared reference
+    assert "results/tiny-awq-mtp1/lossless/continuations.json" in continuations, continuations
 
 
 # ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny DAG's outputs) ----------
@@ -289,42 +677,128 @@ def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
     return tiny, variant, model, settings
 
 
+@contextlib.contextmanager
+def canary_server(tiny: dict, variant: str, switch: dict[str, str]):
+    """The variant's own image (MTP K=2, its baked compile cache: a warm start) with tests/lossless_canary mounted and
+    switched on by `switch` (its environment); yields (the running container, the served model name)."""
+    from lib.containers import run, run_container
+    from serving.settings import serve_json
+
+    settings = tiny["variants"][variant]
+    image = json.loads((ROOT / "results" / variant / "build_image" / "image.json").read_text())["ref"]
+    image_env = json.loads(run(["docker", "image", "inspect", "-f", "{{json .Config.Env}}", image]))
+    image_path = next(e.split("=", 1)[1] for e in image_env if e.startswith("PYTHONPATH="))
+    canary = "/opt/lossless-canary"  # a vLLM general plugin, found through its dist-info on PYTHONPATH
+    env = {"PYTHONPATH": f"{canary}:{image_path}", **switch}
+    with run_container(image, volumes=[f"{CANARY_DIR}:{canary}:ro"], env=env, name_prefix="lossy") as container:
+        container.wait_ready(tiny["image"]["ping_timeout_s"])
+        yield container, serve_json(settings["serve"], settings["speculative"])["served_model_name"]
+
+
 @pytest.mark.e2e
 def test_a_lossy_server_is_caught(tiny_run):
-    """The shipped variant's own image (MTP K=2, its baked compile cache: a warm start) run with tests/lossless_canary
-    mounted and switched on, flipping accepted draft tokens (what a verify-step bug such as vLLM #39273's GDN state
-    corruption looks like from outside), probed the way the DAG probes it: the check names its first flipped token
-    against the DAG's own reference run (the same image, speculation off). The honest server is the DAG's: its check
-    passed."""
-    from lib.containers import run, run_container
-    from lib.probe import run_set, same_prompt
-    from serving.settings import serve_json
+    """The shipped variant's own image run with tests/lossless_canary flipping accepted draft tokens (what a
+    verify-step bug such as vLLM #39273's GDN state corruption looks like from outside), probed the way the DAG probes
+    it, one request at a time and in its concurrent batch: the check names its first flipped token against the DAG's
+    own reference run (the same image, speculation off), in the short category and in every batched request. The
+    honest server is the DAG's: its check passed, batch included."""
+    from lib.probe import concurrent_batch, run_set, same_prompt
 
     tiny, variant, _, settings = default_variant(short_only=True)
     spec = tiny["variants"][variant]["speculative"]
     results = ROOT / "results" / variant
     honest = json.loads((results / "lossless" / "lossless.json").read_text())
     assert honest["passed"] and honest["method"] == "mtp", honest
+    assert [row["passed"] for row in honest["rows"] if row["set"] == "batch"] == [True] * 4, honest["rows"]
     probed = json.loads((results / "latency_probe" / "latency.json").read_text())
     assert short_repeated(probed)["categories"][0]["mean_acceptance_length"] > 1.5  # drafts accepted: canary has work
-    reference = short_repeated(json.loads((results / "lossless" / "reference.json").read_text()))
+    dag_reference = json.loads((results / "lossless" / "reference.json").read_text())
+    reference = dict(short_repeated(dag_reference), batch=dag_reference["batch"])
 
-    image = json.loads((results / "build_image" / "image.json").read_text())["ref"]
-    image_env = json.loads(run(["docker", "image", "inspect", "-f", "{{json .Config.Env}}", image]))
-    image_path = next(e.split("=", 1)[1] for e in image_env if e.startswith("PYTHONPATH="))
-    canary = "/opt/lossless-canary"  # a vLLM general plugin, found through its dist-info on PYTHONPATH
-    env = {"PYTHONPATH": f"{canary}:{image_path}", "LOSSLESS_CANARY_FLIP": "1"}
-    with run_container(image, volumes=[f"{CANARY_DIR}:{canary}:ro"], env=env, name_prefix="lossy") as container:
-        container.wait_ready(tiny["image"]["ping_timeout_s"])
-        base, name = container.base_url, serve_json(tiny["variants"][variant]["serve"], spec)["served_model_name"]
+    batch_settings = default_variant()[3]  # all categories: the DAG's batch (its two shortest)
+    with canary_server(tiny, variant, {"LOSSLESS_CANARY_FLIP": "1"}) as (container, name):
+        base = container.base_url
         lossy = run_set(base, name, settings, same_prompt(base, name, settings, [settings["sentence"]]), "repeated")
-    result = lossless.check(lossy, reference, spec, "reference")
+        lossy["batch"] = concurrent_batch(base, name, batch_settings, str(ROOT / batch_settings["varied_text"]))
+    assert lossy["batch"]["in_flight_together"]
+    result = lossless.check(lossy, reference, spec, "reference", require_batch=True)
     assert not result["passed"], result
     assert result["failures"][0].startswith(
         "repeated prompts, category short: greedy output differs first at output token "
     )
-    d = result["rows"][0]["first_difference"]
-    assert d["speculative"] == d["reference"] ^ 1, d
+    assert [row["passed"] for row in result["rows"]] == [False] * 5, result["rows"]
+    for row in result["rows"]:
+        d = row["divergence"]
+        assert d["speculative"] == d["reference"] ^ 1, row
+
+
+@pytest.mark.e2e
+def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
+    """tests/lossless_canary's second mode: where a step's last token is a near tie (<= 0.05 nats in the server's own
+    logits) it takes the runner-up and goes on from it, then flips the next accepted draft. The stages themselves on
+    it, as the DAG runs them: lossless_reference serves the same image with speculation off and continues the lossy
+    output from its own prefix past each near tie, and lossless names the flipped token after one. A check that
+    stopped comparing at the first near tie passes that row."""
+    import yaml
+
+    import lossless_reference
+    from lib import config as pipeline_config
+    from lib.probe import concurrent_batch, probe
+
+    tiny, variant, _, settings = default_variant(short_only=True)  # the fresh text has near ties; the sentence none
+    varied = str(ROOT / settings["varied_text"])
+    with canary_server(tiny, variant, {"LOSSLESS_CANARY_AFTER_TIE": "0.05"}) as (container, name):
+        record = probe(container.base_url, name, settings, varied)
+        record["batch"] = concurrent_batch(container.base_url, name, settings, varied)
+        taken = container.logs(tail=100000).count("[lossless-canary] near tie")
+    assert taken >= 1, "the canary met no near tie to take the other way"
+    (tmp_path / "latency.json").write_text(json.dumps(record))
+
+    results = ROOT / "results" / variant
+    lossless_reference.main(
+        SimpleNamespace(
+            input=SimpleNamespace(
+                image=str(results / "build_image" / "image.json"),
+                serve=str(results / "serve_config" / "serve.json"),
+                varied_text=varied,
+                latency=str(tmp_path / "latency.json"),
+            ),
+            output=SimpleNamespace(reference=str(tmp_path / "reference.json")),
+            params=SimpleNamespace(
+                run=pipeline_config.load(yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())).run_settings(),
+                model_name=name,
+                probe=settings,
+            ),
+            wildcards=SimpleNamespace(variant=variant),
+        )
+    )
+    lossless.main(
+        SimpleNamespace(
+            input=SimpleNamespace(
+                latency=str(tmp_path / "latency.json"),
+                reference=str(tmp_path / "reference.json"),
+                continuations=str(tmp_path / "reference.json"),
+                schema=str(SCHEMA),
+            ),
+            output=SimpleNamespace(lossless=str(tmp_path / "lossless.json")),
+            params=SimpleNamespace(
+                speculative=tiny["variants"][variant]["speculative"], reference_kind="own image", fatal=False
+            ),
+            wildcards=SimpleNamespace(variant=variant),
+        )
+    )
+    result = json.loads((tmp_path / "lossless.json").read_text())
+    assert not result["passed"], result["reason"]
+    after_tie = [r for r in result["rows"] if r["near_ties"] and r["divergence"]]
+    assert after_tie, result["failures"]
+    row = after_tie[0]
+    assert row["continuations"] and row["divergence"]["position"] > row["near_ties"][-1]["position"], row
+    assert row["divergence"]["speculative"] == row["divergence"]["reference"] ^ 1, row  # the canary's flip
+    assert any("continued from the speculative output after the near tie" in f for f in result["failures"])
+    # without the continuations the check would have stopped at the tie and passed the row
+    blind = check_lib.compare(record, json.loads((tmp_path / "reference.json").read_text()))
+    blind_row = next(r for r in blind if (r["set"], r["category"]) == (row["set"], row["category"]))
+    assert blind_row["passed"] and blind_row["unchecked_after"] == row["near_ties"][0]["position"], blind_row
 
 
 @pytest.mark.e2e
@@ -373,6 +847,13 @@ def test_the_reference_is_the_variants_own_image_without_speculation():
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))
     assert sweep.compared == ["tiny-awq-mtp2", "tiny-awq-mtp1"]  # CI's sweep: the K sweep, the shipped K first
     assert sweep.lossless_reference("tiny-awq-none") == (None, None)  # no speculation: nothing to compare
+    # the continuations past a variant's near ties: its own reference makes them, or lossless_continuations for a
+    # variant reading another's
+    assert {name: sweep.lossless_continuations(name) for name in ["tiny-awq-none", *sweep.compared]} == {
+        "tiny-awq-none": None,
+        "tiny-awq-mtp2": "results/tiny-awq-mtp2/lossless/reference.json",
+        "tiny-awq-mtp1": "results/tiny-awq-mtp1/lossless/continuations.json",
+    }
     assert {name: sweep.lossless_reference(name) for name in sweep.compared} == {
         "tiny-awq-mtp2": ("results/tiny-awq-mtp2/lossless/reference.json", "own image, speculation off"),
         # the same recipe and serve settings: one reference, the default run's, serves the whole K sweep

@@ -20,6 +20,7 @@ the server reported (prompt_tokens_served).
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib.openai_client import get_text, post_json, stream_post
@@ -106,12 +107,18 @@ REFERENCE_TOP_LOGPROBS = 2
 
 
 def timed_completion(
-    base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool, top_logprobs: int | None = None
+    base_url: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    ignore_eos: bool,
+    top_logprobs: int | None = None,
 ) -> dict:
     """One streamed /v1/completions request: end-to-end latency, time to first token, tokens produced, and the
-    generated token ids (vLLM's return_token_ids: each chunk carries its own ids, the first one the prompt's;
+    generated token ids (vLLM's return_token_ids: each chunk carries its own ids, the first one the prompt's too;
     a few bytes a chunk, so every request asks for them and the timed runs stay alike). With `top_logprobs` (the
-    lossless check's reference only, never a timed probe run) also each position's most likely ids and logprobs."""
+    lossless check's reference only, never a timed probe run) also each position's most likely ids and logprobs.
+    `prompt` is a text or a list of token ids."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -129,8 +136,10 @@ def timed_completion(
     first = None
     usage = None
     token_ids: list[int] = []
+    prompt_ids = None
     for chunk in stream_post(base_url, "/v1/completions", body):
         for choice in chunk.get("choices", []):
+            prompt_ids = prompt_ids or choice.get("prompt_token_ids")
             ids = choice.get("token_ids")
             if ids:
                 token_ids += ids
@@ -155,6 +164,7 @@ def timed_completion(
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
         "token_ids": token_ids or None,
         "top_logprobs": tops or None,
+        "prompt_token_ids": prompt_ids,
     }
 
 
@@ -348,7 +358,16 @@ def run_set(base_url: str, model: str, probe_settings: dict, prompts_of, descrip
                     spec_decode=spec_decode_delta(before, after),
                     prefix_cache=prefix_cache_delta(before, after),
                     first_run_token_ids=runs[0]["token_ids"],
-                    **({"first_run_top_logprobs": runs[0]["top_logprobs"]} if reference_only else {}),
+                    # the reference's logprobs tell a near tie from a flip; its prompt ids, as the server tokenized
+                    # them, start the continuations past a near tie (lib/lossless.py)
+                    **(
+                        {
+                            "first_run_top_logprobs": runs[0]["top_logprobs"],
+                            "first_run_prompt_ids": runs[0]["prompt_token_ids"],
+                        }
+                        if reference_only
+                        else {}
+                    ),
                 )
             )
             c = categories[-1]
@@ -455,6 +474,85 @@ def probe(base_url: str, model: str, probe_settings: dict, varied_path: str, log
         result["fresh"] = fresh_set(base_url, model, probe_settings, paragraphs, log)
     result["prompt_sets"] = [name for name in PROMPT_SETS if name in sets]
     return result
+
+
+BATCH_SIZE = 4  # concurrent requests of the lossless check's batched case
+
+
+def batch_requests(probe_settings: dict) -> list[dict]:
+    """The concurrent batch's requests: the repeated and the varied prompt (made as those sets make them) of the two
+    categories with the fewest prompt tokens (short and medium), two with their category's output_tokens and two with
+    half of it, so requests end at different steps and the batch shrinks while it decodes."""
+    by_length = sorted(probe_settings["categories"], key=lambda c: c["prompt_tokens"])
+    short, medium = (by_length * 2)[:2]
+    plan = [("repeated", short, 1), ("varied", short, 2), ("repeated", medium, 2), ("varied", medium, 1)]
+    requests = []
+    for set_name, category, divisor in plan[:BATCH_SIZE]:
+        max_tokens = max(1, category["output_tokens"] // divisor)
+        requests.append(
+            {
+                "name": f"{set_name}-{category['name']}-{max_tokens}",
+                "set": set_name,
+                "category": category["name"],
+                "prompt_tokens": category["prompt_tokens"],
+                "max_tokens": max_tokens,
+            }
+        )
+    return requests
+
+
+def concurrent_batch(
+    base_url: str,
+    model: str,
+    probe_settings: dict,
+    varied_path: str,
+    top_logprobs: int | None = None,
+) -> dict:
+    """The requests of batch_requests sent at once (greedy, not timed), each one's output ids recorded. The latency
+    probe sends them after its timed runs, the lossless reference sends the same batch with `top_logprobs`, and
+    lib/lossless.py compares the two: speculation at batch size > 1 runs code the one-at-a-time probe never does
+    (drafts of several requests verified together, requests joining and leaving the batch). With top_logprobs each
+    request also keeps its logprobs and its prompt ids as the server tokenized them (as run_set's reference does)."""
+    import threading
+
+    requests = batch_requests(probe_settings)
+    pieces = {"repeated": [probe_settings["sentence"]], "varied": varied_paragraphs(varied_path)}
+    cache: dict[str, list[int]] = {}
+    prompts = [build_prompt(base_url, model, pieces[r["set"]], r["prompt_tokens"], cache) for r in requests]
+    gate = threading.Barrier(len(requests))
+
+    def send(request: dict, prompt: str) -> tuple[float, float, dict]:
+        gate.wait(timeout=60)  # every request leaves together
+        started = time.perf_counter()
+        answer = timed_completion(
+            base_url, model, prompt, request["max_tokens"], probe_settings["ignore_eos"], top_logprobs
+        )
+        return started, time.perf_counter(), answer
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(send, requests, prompts))
+    out = []
+    for request, (_, _, answer) in zip(requests, answers, strict=True):
+        out.append(
+            dict(
+                request,
+                prompt_tokens_served=answer["prompt_tokens"],
+                output_tokens=answer["output_tokens"],
+                token_ids=answer["token_ids"],
+                **(
+                    {"top_logprobs": answer["top_logprobs"], "prompt_token_ids": answer["prompt_token_ids"]}
+                    if top_logprobs
+                    else {}
+                ),
+            )
+        )
+    return {
+        "prompts": "the repeated and the varied set's prompts of the two shortest categories, sent at once, greedy; "
+        "max_tokens the category's output_tokens or half of it; not timed",
+        # every request was sent before any had its answer (the client's view; max_num_seqs decides the server's)
+        "in_flight_together": max(start for start, _, _ in answers) < min(end for _, end, _ in answers),
+        "requests": out,
+    }
 
 
 def warm_up(base_url: str, model: str, categories: list[dict], sentence: str, log=print) -> None:
