@@ -11,6 +11,7 @@ described where the records are checked, in test_select_walked_fastest_first_and
 """
 
 import json
+import re
 
 import pytest
 
@@ -91,7 +92,9 @@ def test_select_walked_fastest_first_and_never_gated_a_slower_candidate(tiny_swe
     assert (made_to_fail["rank"], made_to_fail["outcome"], made_to_fail["failed_check"]) == (1, "failed", "lossless")
     first_difference = made_to_fail["failures"][0]
     assert (
-        first_difference.startswith("not lossless against ") and " differs first at output token " in first_difference
+        # "differs first at", or "differs at" past a near tie the reference was continued over
+        first_difference.startswith("not lossless against ")
+        and re.search(r" differs (first )?at output token \d+ \(speculative \d+", first_difference)
     )
     assert not records(MADE_TO_FAIL)["quality"].exists()  # refused before its gate
     assert winner == 1 and rows[2]["outcome"] == "not_gated"
@@ -105,7 +108,8 @@ def test_mtp_is_lossless_against_the_same_weights_without_speculation(tiny_sweep
     shipped = load(records(selection["variant"])["lossless"])
     validate_json(shipped, ROOT / "schemas" / "lossless.schema.yaml")
     assert shipped["passed"] and shipped["reference"].endswith("speculation off"), shipped
-    assert {row["set"] for row in shipped["rows"]} == {"repeated", "fresh"}  # config/tiny.yaml's probe.sets
+    # config/tiny.yaml's probe.sets, and the probe's concurrent batch
+    assert {row["set"] for row in shipped["rows"]} == {"repeated", "fresh", "batch"}
     assert all(row["tokens"] for row in shipped["rows"])
     assert not (RESULTS / "tiny-awq-mtp1" / "lossless" / "reference.json").exists()
 
