@@ -25,6 +25,8 @@ ENV HOME=/tmp \
 # Largest and least often changed first: Docker's own builder (image.reproducible: false) then rebuilds only the
 # small layers after a code change. buildah (the reproducible default) commits them all as one layer.
 COPY model/ /opt/ml/model/
+# a drafted variant's drafter (speculative.method dflash); empty otherwise
+COPY draft/ /opt/ml/draft/
 COPY --chown=1000:1000 cache/ /opt/ml/cache/
 COPY serving/ /opt/ml/code/serving/
 COPY serve.json /opt/ml/serve.json
@@ -47,6 +49,7 @@ ARG WEIGHTS_MANIFEST_SHA256
 ARG QUANTIZED_MANIFEST_SHA256
 ARG VLLM_VERSION
 ARG GPU_ARCH
+ARG DRAFT_MANIFEST_SHA256
 LABEL org.opencontainers.image.title="${TITLE}" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
@@ -58,4 +61,5 @@ LABEL org.opencontainers.image.title="${TITLE}" \
       io.qwen35-serve.weights.manifest.sha256="${WEIGHTS_MANIFEST_SHA256}" \
       io.qwen35-serve.quantized.manifest.sha256="${QUANTIZED_MANIFEST_SHA256}" \
       io.qwen35-serve.vllm.version="${VLLM_VERSION}" \
-      io.qwen35-serve.gpu_arch="${GPU_ARCH}"
+      io.qwen35-serve.gpu_arch="${GPU_ARCH}" \
+      io.qwen35-serve.draft.manifest.sha256="${DRAFT_MANIFEST_SHA256}"

@@ -17,6 +17,7 @@ if not workflow.overwrite_configfiles:
 include: "rules/common.smk"
 include: "rules/venv.smk"
 include: "rules/download.smk"
+include: "rules/download_draft.smk"
 include: "rules/download_datasets.smk"
 include: "rules/train_tiny.smk"
 include: "rules/quantize.smk"

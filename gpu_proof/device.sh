@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU proof's commands on the lent host (one device `run` call each, back to back: the host goes back when idle).
 #   bash gpu_proof/device.sh chunk NAME K       copy a staged bundle chunk (.device-stage/NAME/cK, carried) to /root/stash
-#   bash gpu_proof/device.sh start DRIVER_ARGS  unpack the bundles, start gpu_proof/driver.py detached (--variants ...)
+#   bash gpu_proof/device.sh start DRIVER_ARGS  unpack the bundles, start gpu_proof/driver.py detached (--variants ...);
+#                                               it runs the tree of .device-stage/tree/c0/tree.tar when that is carried
+#                                               (`git archive -o .device-stage/tree/c0/tree.tar HEAD`: a commit, not
+#                                               whatever the working tree holds), else this working tree
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
 #                                               budget brings nothing back)
@@ -18,7 +21,8 @@ case "$1" in
       echo "driver already running (pid $(cat "$STATE/driver.pid"))"; exit 0
     fi
     mkdir -p "$STATE/repo"
-    tar --exclude=./.device-stage --exclude=./.git --exclude=./.venvs -cf - . | tar -C "$STATE/repo" -xf -
+    if [ -f .device-stage/tree/c0/tree.tar ]; then tar -C "$STATE/repo" -xf .device-stage/tree/c0/tree.tar
+    else tar --exclude=./.device-stage --exclude=./.git --exclude=./.venvs -cf - . | tar -C "$STATE/repo" -xf -; fi
     rm -f "$STATE/driver.done"
     setsid nohup bash "$STATE/repo/gpu_proof/device.sh" run "${@:2}" >> "$STATE/driver.log" 2>&1 < /dev/null &
     sleep 2; cat "$STATE/driver.log" ;;

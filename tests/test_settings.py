@@ -174,7 +174,7 @@ def test_capture_sizes_default_to_multiples_of_k_plus_one_on_gpu():
         ({"method": "mtp", "k": 2, "prompt_lookup_max": 4}, "speculative.prompt_lookup_max: method mtp does not take"),
         ({"method": "ngram", "k": 2, "suffix_decoding_max_tree_depth": 4}, "method ngram does not take"),
         ({"method": "ngram", "k": 2}, "speculative.prompt_lookup_max: method ngram needs"),
-        ({"method": "draft_model", "k": 2}, "speculative.model: method draft_model needs"),
+        ({"method": "dflash", "k": 15}, "speculative.draft: method dflash needs"),
         ({"method": "mtp", "k": 0}, "speculative.k: method mtp needs k >= 1"),
         ({"method": "none", "k": 2}, "speculative.k: k=2 without"),
         ({"method": "medusa", "k": 2}, "speculative.method: unknown method 'medusa'"),
@@ -189,7 +189,7 @@ def test_speculative_problems_name_the_key_and_the_method(spec, words):
 def test_a_good_section_has_no_problems_and_nulls_are_not_sent():
     for method in SPECULATIVE_METHODS:
         spec = {"method": method, "k": 0 if method == "none" else 2, **{key: None for key in SPECULATIVE_KEYS[2:]}}
-        required_values = {"model": "/opt/ml/draft", "prompt_lookup_max": 4}
+        required_values = {"draft": {"repo": "z-lab/Qwen3.5-4B-DFlash"}, "prompt_lookup_max": 4}
         spec.update({key: required_values[key] for key in SPECULATIVE_REQUIRED.get(method, ())})
         assert speculative_problems(spec) == [], method
         written = serve_json({}, spec)["speculative"]
@@ -222,7 +222,7 @@ def test_model_runner_reaches_vllm_through_its_environment_variable_not_a_flag(r
 def test_model_runner_v2_is_refused_with_a_method_it_does_not_serve():
     serve_json({"model_runner": "v2"}, {"method": "mtp", "k": 2})
     serve_json({"model_runner": "v1"}, {"method": "suffix", "k": 4})
-    for method, extra in (("suffix", {}), ("ngram", {"prompt_lookup_max": 4}), ("draft_model", {"model": "/d"})):
+    for method, extra in (("suffix", {}), ("ngram", {"prompt_lookup_max": 4}), ("dflash", {"draft": {"repo": "a/b"}})):
         with pytest.raises(SettingsError, match=f"serve.model_runner: v2 does not serve speculative method {method}"):
             serve_json({"model_runner": "v2"}, {"method": method, "k": 2, **extra})
     with pytest.raises(SettingsError, match="unknown serve key"):

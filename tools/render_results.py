@@ -25,7 +25,7 @@ SETS = ("repeated", "varied", "fresh")
 REFERENCE = "bf16"  # config.yaml's unquantized variant without speculation
 # options a run gives every server of a group (gpu_proof/driver.py --together): a variant is compared with the bf16 of
 # its host that ran with the same ones
-RUN_OPTIONS = ("gpu_memory_utilization",)
+RUN_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
 
 
 def load(root: Path = RECORDS) -> list[dict]:

@@ -106,6 +106,43 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
     return problems
 
 
+def draft_folder(draft: dict) -> str:
+    """weights/drafts/<this>/: a drafter's repository, owner--name."""
+    return draft["repo"].replace("/", "--")
+
+
+def draft_problems(config: dict, root: Path) -> list[str]:
+    """A drafter must be pinned (hub) and must draft in the target's ids: refused before any job runs."""
+    from lib.quantize_checks import read_recipe
+
+    problems, revisions = [], {}
+    hub = config["model"]["source"] == "hub"
+    for name, variant in config["variants"].items():
+        draft = variant["speculative"].get("draft")
+        if draft and revisions.setdefault(draft["repo"], draft.get("revision")) != draft.get("revision"):
+            problems.append(
+                f"config key 'variants.{name}.speculative.draft.revision': {draft['repo']} is named at two revisions "
+                f"({revisions[draft['repo']]!r} and {draft.get('revision')!r}); one drafter folder holds one"
+            )
+        if variant["speculative"]["method"] not in serve_settings.DRAFTED_METHODS or not draft:
+            continue
+        key = f"config key 'variants.{name}.speculative.draft"
+        revision = draft.get("revision")
+        if hub and not (isinstance(revision, str) and re.fullmatch(r"[0-9a-f]{40}", revision)):
+            problems.append(
+                f"{key}.revision': {revision!r} does not pin {draft['repo']}: give the 40-hex commit (the hub page's "
+                "'Files and versions' -> history), as model.revision does"
+            )
+        recipe = root / variant["recipe"]
+        if recipe.is_file() and read_recipe(str(recipe))["prune_vocab"]:
+            problems.append(
+                f"{key}': {variant['recipe']} prunes the vocabulary, and vLLM's DFlash drafter drafts through the "
+                "target's head in the target's ids while its config (mask token, vocab_size) indexes the full "
+                "vocabulary; a pruned target with a drafter is not supported: pick a recipe without prune_vocab"
+            )
+    return problems
+
+
 def base_problems(image: dict) -> list[str]:
     """A registry base must be pinned by digest (a tag can move under the same config) unless opted out."""
     base = image["base"]
@@ -133,12 +170,6 @@ def named_files(config: dict) -> list[tuple[str, str, str]]:
     files.append(("probe.varied_text", config["probe"]["varied_text"], "file"))
     if config["quality"]["tasks_dir"]:
         files.append(("quality.tasks_dir", config["quality"]["tasks_dir"], "dir"))
-    # A draft model is a project folder (the image serves offline: no hub id), which the image would carry.
-    files += [
-        (f"variants.{name}.speculative.model", v["speculative"].get("model"), "dir")
-        for name, v in config["variants"].items()
-        if v["speculative"]["method"] == "draft_model" and v["speculative"].get("model") is not None
-    ]
     return files
 
 
@@ -237,6 +268,19 @@ class Pipeline:
     def recipe_key(self, variant: str) -> str:
         return Path(self.config["variants"][variant]["recipe"]).stem
 
+    @property
+    def drafts(self) -> dict[str, dict]:
+        """{folder under weights/drafts/: {repo, revision}} of every drafter a variant names."""
+        return {
+            draft_folder(draft): draft
+            for variant in self.config["variants"].values()
+            if (draft := variant["speculative"].get("draft"))
+        }
+
+    def draft_folder(self, variant: str) -> str | None:
+        draft = self.config["variants"][variant]["speculative"].get("draft")
+        return draft_folder(draft) if draft else None
+
     def speculates(self, variant: str) -> bool:
         return self.config["variants"][variant]["speculative"]["method"] != "none"
 
@@ -333,7 +377,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
         raise ConfigError([str(error)]) from None
     generated = {name: config["variants"][name] for name in origin}
     problems = variant_problems(generated, config["image"], origin)
-    problems += selection_problems(config) + missing_file_problems(config, root)
+    problems += selection_problems(config) + missing_file_problems(config, root) + draft_problems(config, root)
     if problems:
         raise ConfigError(problems)
     recipes = recipe_table(config["variants"])

@@ -25,6 +25,9 @@ PORT = "8080/tcp"
 REQUIRED_FILES = ["opt/ml/model/config.json", "opt/ml/serve.json", "opt/ml/code/serving/__main__.py"]
 CACHE_DIR = "opt/ml/cache/"
 MODEL_DIR = "opt/ml/model/"
+DRAFT_CONFIG = "opt/ml/draft/config.json"  # a drafted variant's drafter (build_image's draft label names it)
+DRAFT_LABEL = "io.qwen35-serve.draft.manifest.sha256"
+READ_ONLY_DIRS = (MODEL_DIR, "opt/ml/draft/")
 ROOT_USERS = ("", "0", "root")  # an empty config User is root too
 # What a leaked credential looks like in an env entry ("KEY=value") or a label; messages name the key only.
 SECRET_PATTERNS = {
@@ -83,12 +86,12 @@ def _scan_layer(stream: _Hashing) -> dict:
         for entry in layer:
             found["entries"] += 1
             name = _norm(entry.name)
-            if name in REQUIRED_FILES and entry.isfile():
+            if (name in REQUIRED_FILES or name == DRAFT_CONFIG) and entry.isfile():
                 found["files"].append(name)
             elif name.startswith(CACHE_DIR) and entry.isfile():
                 found["cache_files"] += 1
-            # the model is root's and written by nobody else: no unprivileged server user can change it
-            if name.startswith(MODEL_DIR) and not entry.issym() and (entry.uid != 0 or entry.mode & 0o022):
+            # the model and drafter are root's and written by nobody else: no unprivileged server user can change them
+            if name.startswith(READ_ONLY_DIRS) and not entry.issym() and (entry.uid != 0 or entry.mode & 0o022):
                 found["model_writable"].append(f"/{name} (uid {entry.uid}, mode {entry.mode:o})")
     return found
 
@@ -245,6 +248,8 @@ def verify_archive(
     for name in REQUIRED_FILES:
         if name not in files:
             errors.append(f"/{name} is in no layer")
+    if labels.get(DRAFT_LABEL, "none") != "none" and DRAFT_CONFIG not in files:
+        errors.append(f"the image is labelled with a drafter ({DRAFT_LABEL}) but /{DRAFT_CONFIG} is in no layer")
     if cache_files == 0:
         errors.append(f"no file under /{CACHE_DIR} in any layer (the compile cache was not baked in)")
     record["seconds"] = round(time.monotonic() - started, 1)

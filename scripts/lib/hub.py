@@ -7,8 +7,10 @@ lists for the pinned commit; every other stage runs with the hub switched off (l
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
+from lib.progress import Heartbeat, bytes_under, elapsed
 from lib.stage import StageError, checkpoint_files, sha256_file
 
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
@@ -96,3 +98,34 @@ def use_fetched_datasets(cache_dir: str | Path, manifest_path: str | Path) -> Pa
     # read at each load (a builder's cache root), so this holds whenever datasets was imported
     datasets.config.HF_DATASETS_CACHE = Path(cache_dir).resolve()
     return Path(cache_dir)
+
+
+def fetch_hub(repo: str, revision: str, dest: Path) -> dict:
+    """Snapshot repo@revision into dest and check every file against the hub's hashes for that commit. Returns the
+    record's `hub` section."""
+    check_revision(repo, revision)
+    if hub_offline():
+        raise StageError(
+            f"cannot download {repo}@{revision}: HF_HUB_OFFLINE is set "
+            "(unset it, or place the checkpoint yourself and rerun)"
+        )
+    from huggingface_hub import HfApi, snapshot_download
+
+    def progress(seconds: float) -> str:
+        return f"[download] {repo}@{revision[:12]}: {bytes_under(dest)} after {elapsed(seconds)}"
+
+    try:
+        expected = hub_hashes(HfApi().list_repo_tree(repo, revision=revision, recursive=True))
+        with Heartbeat(progress):  # ~9 GB for Qwen3.5-4B: a line every 30 s on the console
+            snapshot_download(repo_id=repo, revision=revision, local_dir=str(dest))
+    except Exception as error:  # offline, unknown repo/commit, gated, HTTP: all end the same way
+        raise StageError(
+            f"could not download {repo}@{revision} from the hub: {type(error).__name__}: {error}"
+        ) from error
+    shutil.rmtree(dest / ".cache", ignore_errors=True)  # download bookkeeping, not checkpoint
+    if not expected:
+        raise StageError(f"the hub lists no files for {repo}@{revision}")
+    verify_against_hub(dest, expected, f"{repo}@{revision}")
+    if not (dest / "config.json").is_file() or not list(dest.glob("*.safetensors")):
+        raise StageError(f"{repo}@{revision} has no config.json or *.safetensors: not a checkpoint")
+    return {"hub": {"repo": repo, "revision": revision, "files": expected}}

