@@ -62,15 +62,25 @@ def test_speedups_are_over_bf16_of_the_same_host_only():
         variant("a", "bf16", {"repeated": [400, 800, 1200]}),
         variant("a", "fast", {"repeated": [100, 400, 1200]}),
         variant("b", "fast", {"repeated": [100, 100, 100]}),
-        variant("b", "bf16", {"repeated": [100, 100, 100]}, options={"gpu_memory_utilization": 0.3}),
-        variant("b", "shared", {"repeated": [50, 50, 50]}, options={"gpu_memory_utilization": 0.3, "drafter": "x"}),
+        variant(
+            "b",
+            "bf16",
+            {"repeated": [100, 100, 100]},
+            options={"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 8},
+        ),
+        variant(
+            "b",
+            "shared",
+            {"repeated": [50, 50, 50]},
+            options={"gpu_memory_utilization": 0.4, "kv_cache_memory_bytes": 8, "drafter": "x"},
+        ),
     ]
     fast_a, fast_b, shared_b = records[1], records[2], records[4]
     assert render_results.speedup(fast_a, render_results.reference_of(records, fast_a), "repeated") == pytest.approx(
         (4 + 2 + 1) / 3
     )
-    # host b's bf16 shared the GPU: the reference of a variant that did too, not of one that had it alone (and never
-    # a ratio across hosts)
+    # host b's bf16 shared the GPU with a fixed KV cache: the reference of a variant that did too, whatever share of the
+    # start-up check each had, not of one that had the GPU alone (and never a ratio across hosts)
     assert render_results.reference_of(records, fast_b) is None
     assert render_results.reference_of(records, shared_b) is records[3]
     assert render_results.speedup(fast_b, None, "repeated") is None
