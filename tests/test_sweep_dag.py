@@ -41,8 +41,9 @@ def test_fixed_selection_plans_the_one_variant_only():
 
 def test_fastest_selection_probes_every_candidate_and_checks_none_before_the_ranking():
     jobs, variants, out = forced_plan(*SWEEP)
-    # CI's sweep: tiny-k {2, 1} (tiny-awq-k2 is tiny-awq-mtp2, tiny-awq-k1 tiny-awq-mtp1) and n-gram, on one recipe
-    assert variants == {"tiny-awq-mtp2", "tiny-awq-mtp1", "tiny-awq-ngram4"}
+    # CI's sweep: MTP K=2, DFlash K=3 and n-gram K=4, on one recipe
+    assert variants == {"tiny-awq-mtp2", "tiny-awq-dflash3", "tiny-awq-ngram4"}
+    assert jobs["download_draft"] == 1
     assert jobs["latency_probe"] == 3 and jobs["build_image"] == 3
     assert jobs["quantize"] == 1, "variants that differ only in speculation must share one quantize job"
     assert set(re.findall(r"recipe=([\w.-]+)", out)) == {"awq-w4a16-g32-broad"}

