@@ -5,6 +5,8 @@ rule compare:
         latency=expand("results/{variant}/latency_probe/latency.json", variant=COMPARED),
         quality=expand("results/{variant}/quality_gate/quality.json", variant=COMPARED),
         quantize=sorted({f"results/quantize/{recipe_key(name)}/report.json" for name in COMPARED}),
+        # a drafted variant's drafter record (its bytes are read every step)
+        drafts=sorted({f"weights/drafts/{d}/download.json" for d in map(PIPELINE.draft_folder, COMPARED) if d}),
         schema="schemas/summary.schema.yaml",
     output:
         json=report("results/summary.json", category="Comparison", labels={"record": "summary.json"}),
@@ -15,7 +17,10 @@ rule compare:
         k_sweep=report("results/plots/k_sweep.png", category="Comparison", labels={"record": "K sweep"}),
     params:
         # In COMPARED order; the script pairs them with the input lists by position.
-        variants=[dict(name=name, recipe_key=recipe_key(name), **config["variants"][name]) for name in COMPARED],
+        variants=[
+            dict(name=name, recipe_key=recipe_key(name), draft_folder=PIPELINE.draft_folder(name), **config["variants"][name])
+            for name in COMPARED
+        ],
         reference=config["compare"]["reference"],
     resources:
         **RESOURCES["compare"],

@@ -81,8 +81,11 @@ def category_row(category: dict, reference_median: float | None) -> dict:
     }
 
 
-def decode_step(report: dict, speculative: dict, categories: dict[str, dict], device: dict) -> dict | None:
-    """The variant's bytes per decode step (its checkpoint's, from the quantize report, with K MTP passes) and the
+def decode_step(
+    report: dict, speculative: dict, categories: dict[str, dict], device: dict, drafter_bytes: int = 0
+) -> dict | None:
+    """The variant's bytes per decode step (its checkpoint's, from the quantize report, with K MTP passes, or a
+    drafter model's one pass through its own weights and the target's head) and the
     floor they put on its inter-token latency at the contract's A10G and at the probing device's measured bandwidth
     (`device`: the latency record's device_bandwidth), beside the measured ITL per category (the competition's set).
     None for a report written before quantize recorded it."""
@@ -90,7 +93,7 @@ def decode_step(report: dict, speculative: dict, categories: dict[str, dict], de
     if step is None:
         return None
     passes = draft_passes(speculative)
-    total = step_total(step, passes)
+    total = step_total(step, passes) + (drafter_bytes + step["lm_head"] if drafter_bytes else 0)
 
     def floors(gbps: float) -> tuple[float, dict]:
         floor = bound_ms(total, gbps)
@@ -149,6 +152,7 @@ def build_summary(
     qualities: list[dict],
     quantize_reports: dict[str, dict],
     explicit_reference: str | None,
+    drafter_bytes: dict[str, int] | None = None,
 ) -> dict:
     """The summary record (schemas/summary.schema.yaml); variants, latencies and qualities are in one order."""
     names = [v["name"] for v in variants]
@@ -172,7 +176,11 @@ def build_summary(
                 "weight_bits": weight_bits(report),
                 "model_bytes": report["output_bytes"],
                 "decode_step": decode_step(
-                    report, variant["speculative"], competition["categories"], latency["device_bandwidth"]
+                    report,
+                    variant["speculative"],
+                    competition["categories"],
+                    latency["device_bandwidth"],
+                    (drafter_bytes or {}).get(variant.get("draft_folder"), 0),
                 ),
                 "speculative": variant["speculative"],
                 "max_num_seqs": variant["serve"]["max_num_seqs"],
@@ -545,7 +553,8 @@ def main(job) -> None:
     if not (len(variants) == len(latencies) == len(qualities)):
         raise StageError("compare: the variant list and the latency/quality inputs differ in length")
     reports = {Path(p).parent.name: load(p) for p in job.input.quantize}
-    summary = build_summary(variants, latencies, qualities, reports, job.params.reference)
+    drafters = {Path(p).parent.name: load(p)["bytes"] for p in job.input.drafts}  # weights/drafts/<folder>/
+    summary = build_summary(variants, latencies, qualities, reports, job.params.reference, drafters)
     validate_json(summary, job.input.schema)
     write_json(job.output.json, summary)
     rows = csv_rows(summary)

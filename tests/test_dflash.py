@@ -200,3 +200,17 @@ def test_vllm_cpu_serves_the_tiny_target_with_its_drafter_and_the_same_greedy_te
             drafts[method] = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts")]
     assert texts["dflash"] == texts["none"]
     assert drafts["dflash"] and float(drafts["dflash"][0].rsplit(" ", 1)[1]) > 0, drafts
+
+
+def test_a_drafted_step_reads_the_drafter_and_the_head_once_more():
+    import compare
+
+    step = {"decoder": 1000, "lm_head": 300, "tied_head": True, "mtp_per_draft": 400, "draft_passes": 0}
+    categories = {"short": {"mean_acceptance_length": 2.0, "itl_median_ms": 1.0}}
+    device = {"device": "cpu", "gbps": 100.0}
+    dflash = {"method": "dflash", "k": 15, "draft": DRAFT}
+    plain = compare.decode_step({"decode_step": step}, {"method": "none", "k": 0}, categories, device)
+    drafted = compare.decode_step({"decode_step": step}, dflash, categories, device, drafter_bytes=5000)
+    assert plain["bytes"] == 1300 and drafted["bytes"] == 1300 + 5000 + 300
+    mtp = compare.decode_step({"decode_step": step}, {"method": "mtp", "k": 2}, categories, device)
+    assert mtp["bytes"] == 1300 + 2 * 400
