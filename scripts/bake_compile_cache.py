@@ -2,8 +2,10 @@
 
 vLLM's torch.compile artifacts, inductor's and Triton's kernel caches all land under /opt/ml/cache (the
 serving entrypoint points them there), which is mounted from the host here and copied into the image later.
-One start: latency_probe starts the built image itself and proves from vLLM's log that it loads this cache
-(image.require_cache_hit), so a second start here would prove the same a stage earlier, at a full vLLM start.
+It runs offline like every pipeline container (lib.containers.offline_network): the model is mounted and the serving
+entrypoint turns the hub off. One start: latency_probe starts the built image itself and proves from vLLM's log that
+it loads this cache (image.require_cache_hit), so a second start here would prove the same a stage earlier, at a full
+vLLM start.
 """
 
 import json
@@ -29,9 +31,9 @@ def container_env(base: dict | None) -> dict:
     return {"PYTHONPATH": ":".join(paths)}
 
 
-def coldstart_record(empty_s: float, bake_s: float, packed: dict, image: str, gpu: dict) -> dict:
+def coldstart_record(empty_s: float, bake_s: float, packed: dict, image: str, gpu: dict, network: str) -> dict:
     """gpu: {name, compute_capability, arch} of the bake container (lib.containers.container_gpu); build_image
-    refuses a cache baked for another architecture than image.gpu_arch."""
+    refuses a cache baked for another architecture than image.gpu_arch. network: the one it ran on."""
     return {
         "gpu": {k: gpu[k] for k in ("name", "compute_capability", "arch")},
         "cold_start_empty_cache_s": round(empty_s, 1),
@@ -39,6 +41,7 @@ def coldstart_record(empty_s: float, bake_s: float, packed: dict, image: str, gp
         "cache_files": packed["files"],
         "cache_bytes": packed["bytes"],
         "image": image,
+        "network": network,
     }
 
 
@@ -84,7 +87,7 @@ def main(job) -> None:
     print(f"cold start on an empty cache: {empty_s:.0f} s; bake {bake_s:.0f} s")
     packed = deterministic_tar(cache_dir, Path(job.output.cache))
     shutil.rmtree(cache_dir)
-    record = coldstart_record(empty_s, bake_s, packed, base_ref, gpu)
+    record = coldstart_record(empty_s, bake_s, packed, base_ref, gpu, container.network)
     validate_json(record, job.input.schema)
     write_json(job.output.coldstart, record)
 

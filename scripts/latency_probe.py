@@ -78,13 +78,12 @@ def compile_cache_verdict(start_log: str, require_hit: bool) -> dict:
 
 
 def main(job) -> None:
-    from lib.containers import container_bandwidth, run_container
+    from lib.containers import container_bandwidth, recorded_image, run_container
 
     image = json.loads(Path(job.input.image).read_text())
     run = job.params.run
-    with run_container(
-        image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe"
-    ) as container:
+    image_id = recorded_image(image)
+    with run_container(image_id, gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="latency-probe") as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
         compile_cache = compile_cache_verdict(container.logs(tail=100000), job.params.require_cache_hit)
         result = probe(container.base_url, job.params.model_name, job.params.probe, job.input.varied_text)
@@ -95,7 +94,8 @@ def main(job) -> None:
         bandwidth = container_bandwidth(container)  # after the probe: it must not share the device with a request
     result.update(
         image=image["ref"],
-        image_id=image["id"],
+        image_id=image_id,
+        network=container.network,
         cold_start_s=cold_start_s,
         compile_cache=compile_cache,
         device_bandwidth=bandwidth,

@@ -20,12 +20,14 @@ def main(job) -> None:
     reference = json.loads(Path(job.input.reference).read_text())
     variant = job.wildcards.variant
     made, started = {}, needs_continuations(record, reference)
+    ran = {"image_id": None, "network": None}  # what served the continuations, when a server started
     if started:
         image = json.loads(Path(job.input.image).read_text())
         serve = json.loads(Path(job.input.serve).read_text())
-        with reference_server(image, serve, job.params.run) as base_url:
+        with reference_server(image, serve, job.params.run) as server:
+            ran = {"image_id": server.image, "network": server.network}
             made = request_continuations(
-                base_url,
+                server.base_url,
                 job.params.model_name,
                 record,
                 reference,
@@ -36,7 +38,7 @@ def main(job) -> None:
         print(f"[{variant}] no near tie with output after it: nothing to continue, no server started", flush=True)
     write_json(
         job.output.continuations,
-        {"reference": job.input.reference, "server_started": started, "continuations": {variant: made}},
+        {"reference": job.input.reference, "server_started": started, **ran, "continuations": {variant: made}},
     )
 
 

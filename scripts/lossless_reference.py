@@ -36,14 +36,15 @@ def main(job) -> None:
     variant_serve = json.loads(Path(job.input.serve).read_text())
     record = json.loads(Path(job.input.latency).read_text())  # the variant's probe: continued past its near ties
     model, settings, variant = job.params.model_name, job.params.probe, job.wildcards.variant
-    with reference_server(image, variant_serve, job.params.run) as base_url:
-        result = reference_run(base_url, model, settings, job.input.varied_text)
+    with reference_server(image, variant_serve, job.params.run) as server:
+        result = reference_run(server.base_url, model, settings, job.input.varied_text)
         made = request_continuations(
-            base_url, model, record, result, settings["ignore_eos"], lambda line: print(f"[{variant}] {line}")
+            server.base_url, model, record, result, settings["ignore_eos"], lambda line: print(f"[{variant}] {line}")
         )
     result.update(
         image=image["ref"],
-        image_id=image["id"],
+        image_id=server.image,
+        network=server.network,
         speculative=reference_serve(variant_serve)["speculative"],
         note="reference for the lossless check: the variant's image with speculation off, one request per category "
         "(the probe's first timed run's prompt) and the probe's concurrent batch; `continuations`: its greedy "

@@ -509,11 +509,12 @@ def scores_copy_path(log_path: str) -> Path:
 
 
 def main(job) -> None:
-    from lib.containers import free_port, run_container, wait_for_ping  # container plumbing, host-side
+    from lib.containers import recorded_image, run_container, wait_for_ping  # container plumbing, host-side
 
     p = job.params
     tasks = normalize_tasks(p.tasks)
-    image = json.loads(Path(job.input.image).read_text())["ref"]
+    built = json.loads(Path(job.input.image).read_text())
+    image = built["ref"]
     log_dir = scores_copy_path(job.log[0]).parent if job.log else None
     samples_dir = Path(job.log[0]).with_suffix(".samples") if job.log else None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -528,9 +529,8 @@ def main(job) -> None:
     )
     start = time.monotonic()
     check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
-    with run_container(
-        image, port=free_port(), gpus=bool(p.gpus), shm_size=p.shm_size, name_prefix="quality-gate"
-    ) as container:
+    image_id = recorded_image(built)
+    with run_container(image_id, gpus=bool(p.gpus), shm_size=p.shm_size, name_prefix="quality-gate") as container:
         ping_s = wait_for_ping(
             container.base_url,
             p.ping_timeout_s,
@@ -570,6 +570,8 @@ def main(job) -> None:
 
     report = {
         "image": image,
+        "image_id": image_id,
+        "network": container.network,
         "model_name": p.model_name,
         "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
         "limit": p.limit,

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from lib.containers import image_exists, image_id, save_image
+from lib.containers import recorded_image, save_image
 from lib.docker_archive import load_image_record, verify_archive
 from lib.gate import failed_tasks
 from lib.stage import StageError, sha256_file
@@ -60,11 +60,7 @@ def main(job) -> None:
     image = load_image_record(job.input.image)
     out = Path(job.output.tarball)
     started = time.monotonic()
-    if not image_exists(image["ref"], image["builder"]) or image_id(image["ref"], image["builder"]) != image["id"]:
-        raise StageError(
-            f"image {image['ref']} ({image['id']}) is no longer in {image['builder']}'s store; "
-            "rerun with `-R build_image`"
-        )
+    recorded_image(image)  # saved by its tag (the archive's RepoTags), which must still name the recorded ID
     save_image(image["ref"], out, image["builder"], int(job.params.compress_level))
     size = enforce_size_limit(out, float(job.params.max_size_gb))
     # the archive's config is the image's own (docker save, and buildah's docker-archive of an OCI image, keep

@@ -10,7 +10,9 @@ for people and tests to read without docker.
 With a Docker daemon (image.verify_run: auto, or always), the rule then also runs the archived image and smokes
 its endpoints: /ping, /invocations with a prompt body and with a messages body, /v1/completions,
 /v1/chat/completions and /metrics. It runs the image by the ID the archive's config hashes to (loading the
-archive first when the daemon lacks that ID), so what answers is the archive's image, not a later rebuild.
+archive first when the daemon lacks that ID), so what answers is the archive's image, not a later rebuild: where its
+tag points now does not matter here (the stages before tarball refuse a moved tag, lib.containers.recorded_image).
+Like every container the pipeline starts, it runs offline (lib.containers.offline_network).
 """
 
 import json
@@ -155,6 +157,7 @@ def smoke_image(archive: str | Path, image_id: str, mode: str, run_settings: dic
     return {
         "ran": True,
         "image_id": image_id,
+        "network": container.network,
         "loaded_from_archive": loaded,
         "ping_s": round(ping_s, 1),
         "model": model,

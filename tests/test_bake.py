@@ -46,7 +46,7 @@ def test_a_reload_failure_or_silence_is_no_hit_and_fails_the_probe_when_a_hit_is
 
 
 def test_the_coldstart_record_is_schema_valid():
-    record = coldstart_record(80.44, 200.0, PACKED, "base", CPU)
+    record = coldstart_record(80.44, 200.0, PACKED, "base", CPU, "pipeline-offline")
     validate_json(record, ROOT / "schemas" / "coldstart.schema.yaml")
     assert record["cold_start_empty_cache_s"] == 80.4 and record["cache_files"] == PACKED["files"]
     with pytest.raises(StageError, match="bake_s"):
@@ -89,7 +89,7 @@ class FakeContainer:
 
 
 def test_the_record_names_the_gpu_and_the_schema_checks_it():
-    record = coldstart_record(80.0, 200.0, PACKED, "base", H100)
+    record = coldstart_record(80.0, 200.0, PACKED, "base", H100, "pipeline-offline")
     assert record["gpu"] == H100
     schema = ROOT / "schemas" / "coldstart.schema.yaml"
     for bad in ({**H100, "arch": "hopper"}, {**H100, "compute_capability": "nine"}):

@@ -124,6 +124,57 @@ def test_wait_for_ping_stops_when_the_container_dies():
     assert time.monotonic() - start < 5
 
 
+# ---------------------------------------------------------------- the image by its recorded ID, offline
+
+BUILT, OTHER = "sha256:" + "b" * 64, "sha256:" + "c" * 64
+RECORD = {"ref": "docker.io/library/qwen35-tiny:v", "id": BUILT, "builder": "docker"}
+
+
+def test_the_recorded_id_runs_while_its_tag_names_it():
+    assert containers.recorded_image(RECORD, inspect={RECORD["ref"]: BUILT, BUILT: BUILT}.get) == BUILT
+
+
+def test_a_tag_moved_to_another_image_is_refused_naming_both_ids():
+    store = {RECORD["ref"]: OTHER, BUILT: BUILT, OTHER: OTHER}  # a later build took the tag; the old image stays
+    with pytest.raises(StageError) as error:
+        containers.recorded_image(RECORD, inspect=store.get)
+    assert OTHER in str(error.value) and BUILT in str(error.value) and "-R build_image" in str(error.value)
+
+
+@pytest.mark.parametrize("tag_names", [OTHER, None])
+def test_a_recorded_id_gone_from_the_store_is_refused(tag_names):
+    store = {RECORD["ref"]: tag_names, OTHER: OTHER}
+    with pytest.raises(StageError, match=f"recorded image {BUILT} .*no longer holds it.*-R build_image"):
+        containers.recorded_image(RECORD, inspect=store.get)
+
+
+def network(internal=True, gateway="127.0.0.1"):  # 127.0.0.1: an address every host holds
+    return {"Name": "n", "Internal": internal, "IPAM": {"Config": [{"Subnet": "172.30.0.0/16", "Gateway": gateway}]}}
+
+
+def test_an_offline_network_that_has_a_route_out_is_refused(monkeypatch):
+    monkeypatch.setattr(containers, "_inspect_network", lambda name: network(internal=False))
+    with pytest.raises(StageError, match="not --internal.*docker network rm n"):
+        containers.offline_network("n")
+
+
+def test_an_offline_network_the_host_cannot_reach_is_refused(monkeypatch):
+    monkeypatch.setattr(containers, "_inspect_network", lambda name: network(gateway="192.0.2.254"))
+    with pytest.raises(StageError, match=r"no address on Docker network n's bridge \(gateway \['192.0.2.254'\]\)"):
+        containers.offline_network("n")
+    monkeypatch.setattr(containers, "_inspect_network", lambda name: network())
+    assert containers.offline_network("n") == "n"
+
+
+def test_the_container_address_bypasses_a_proxy(monkeypatch):
+    monkeypatch.setenv("no_proxy", "localhost")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    for _ in range(2):
+        containers.bypass_proxy("172.30.0.5")
+    assert containers.os.environ["no_proxy"] == "localhost,172.30.0.5"
+    assert containers.os.environ["NO_PROXY"] == "172.30.0.5"
+
+
 # ---------------------------------------------------------------- build context
 
 
@@ -222,17 +273,22 @@ def docker(*args):
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def _tiny_tar() -> bytes:
+    """The host's /usr/bin/sleep and the libc it links, as a tar."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for path in ("/usr/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
+            archive.add(Path(path).resolve(), arcname=path.lstrip("/"))
+    return buffer.getvalue()
+
+
 @pytest.fixture(scope="module")
 def tiny_image():
-    """A few-MB image: the host's /usr/bin/sleep and the libc it links, imported from a tar."""
+    """A few-MB image of _tiny_tar, imported."""
     if not containers.image_exists(TINY):
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as archive:
-            for path in ("/usr/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"):
-                archive.add(Path(path).resolve(), arcname=path.lstrip("/"))
         subprocess.run(
             ["docker", "import", "--change", "ENV PYTHONPATH=/base/site", "-", TINY],
-            input=buffer.getvalue(),
+            input=_tiny_tar(),
             capture_output=True,
             check=True,
         )
@@ -258,10 +314,90 @@ def test_run_container_always_removes_it(tiny_image, error):
 @pytest.mark.e2e
 @needs_docker
 def test_wait_ready_reports_an_exited_container(tiny_image):
-    with containers.run_container(tiny_image, args=["/usr/bin/sleep", "--bogus"], name_prefix="test-exit") as box:
-        with pytest.raises(StageError, match="exited.*\n.*(unrecognized|invalid) option"):
+    # it may be gone before run_container looks up its address, or exit while wait_ready polls: the same report
+    with pytest.raises(StageError, match="exited.*\n.*(unrecognized|invalid) option"):
+        with containers.run_container(tiny_image, args=["/usr/bin/sleep", "--bogus"], name_prefix="test-exit") as box:
             box.wait_ready(timeout_s=30)
-    assert containers_named(box.name) == ""
+    assert docker("ps", "-aq", "--filter", "name=^/test-exit-") == ""
+
+
+# A server that answers /ping and, on /out, tries to open a TCP connection to OUT_HOST:OUT_PORT: "reached" when
+# something answered (a refusal is an answer too: there was a route), else "blocked: <error>".
+OUT_HOST, OUT_PORT = "1.1.1.1", 53
+REACH = (
+    "import os, socket\n"
+    "def reach():\n"
+    "    try:\n"
+    "        socket.create_connection((os.environ['OUT_HOST'], int(os.environ['OUT_PORT'])), timeout=5).close()\n"
+    "    except ConnectionRefusedError:\n"
+    "        return 'reached'\n"
+    "    except OSError as error:\n"
+    "        return f'blocked: {error!r}'\n"
+    "    return 'reached'\n"
+)
+SERVER = REACH + (
+    "import http.server\n"
+    "class Handler(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        body = (reach() if self.path == '/out' else 'pong').encode()\n"
+    "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
+    "        self.wfile.write(body)\n"
+    "http.server.HTTPServer(('0.0.0.0', 8080), Handler).serve_forever()\n"
+)
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_a_server_has_no_route_out_while_the_stage_reaches_it(tiny_base_image):
+    """Through run_container, as every stage starts its server: the host reaches the server, the server reaches
+    nothing outside. The same attempt from Docker's default network is the control: it must get through."""
+    from lib.openai_client import request
+
+    image, out_env = tiny_base_image["id"], {"OUT_HOST": OUT_HOST, "OUT_PORT": str(OUT_PORT)}
+    control = subprocess.run(
+        ["docker", "run", "--rm", *(f"-e{k}={v}" for k, v in out_env.items()), "--entrypoint", "", image]
+        + ["python3", "-c", REACH + "print(reach())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if control.stdout.strip() != "reached":
+        pytest.skip(f"from Docker's default network {OUT_HOST}:{OUT_PORT} is not reachable either: {control.stdout}")
+    with containers.run_container(
+        image, env=out_env, name_prefix="test-offline", docker_args=["--entrypoint", ""], args=["python3", "-c", SERVER]
+    ) as box:
+        box.wait_ready(timeout_s=60)  # the host reaches it
+        status, text, _ = request(box.base_url, "/out", timeout_s=30)
+        network = json.loads(docker("network", "inspect", box.network))[0]
+    assert status == 200 and text.startswith("blocked:"), text
+    assert network["Internal"] is True and box.network == containers.OFFLINE_NETWORK
+
+
+@pytest.mark.e2e
+@needs_docker
+def test_a_tag_moved_after_the_build_is_refused_by_real_docker(tiny_image):
+    """build_image's record, then another image given its tag (what a later build does): the stages' check, with
+    Docker's own answers, refuses it naming both IDs. A scratch tag: the pipeline's own images stay as they are."""
+    scratch, moved = "docker.io/library/pipeline-test-moved:1", "docker.io/library/pipeline-test-other:1"
+    try:
+        docker("tag", tiny_image, scratch)
+        record = {"ref": scratch, "id": containers.image_id(scratch), "builder": "docker"}
+        assert containers.recorded_image(record) == record["id"] == containers.image_id(tiny_image)
+        # the same files, another config: another image ID
+        subprocess.run(
+            ["docker", "import", "--change", "ENV MOVED=1", "-", moved],
+            input=_tiny_tar(),
+            capture_output=True,
+            check=True,
+        )
+        docker("tag", moved, scratch)
+        other = containers.image_id(scratch)
+        assert other != record["id"]
+        with pytest.raises(StageError) as error:
+            containers.recorded_image(record)
+        assert record["id"] in str(error.value) and other in str(error.value) and "-R build_image" in str(error.value)
+    finally:
+        subprocess.run(["docker", "rmi", scratch, moved], capture_output=True)
 
 
 @pytest.mark.parametrize("level", [0, 1, 6])  # the tiny profile stores (0), the real one compresses
@@ -426,7 +562,7 @@ def test_the_base_leaves_out_what_a_cpu_never_loads(tmp_path):
 
 
 def test_failure_summary_surfaces_the_root_cause_above_the_tail(monkeypatch):
-    box = containers.RunningContainer("never-started", 1)
+    box = containers.RunningContainer("never-started", "192.0.2.1")
     log = ["starting"] * 100 + ["torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler"]
     log += ["  File x, line 1"] * 100
     monkeypatch.setattr(box, "logs", lambda tail=40: "\n".join(log))

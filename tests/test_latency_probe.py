@@ -305,7 +305,7 @@ def test_probe_records_acceptance_and_first_run_token_ids_per_set(fake_vllm, tmp
         assert prompt_set["prompts"] == probe.SET_DESCRIPTIONS[name]
     fresh_ids = [c["first_run_token_ids"] for c in result["fresh"]["categories"]]
     assert fresh_ids != [c["first_run_token_ids"] for c in result["varied"]["categories"]]
-    record = dict(result, image="x", image_id="sha256:x", cold_start_s=1.0, warmup=1, ignore_eos=True)
+    record = dict(result, image="x", image_id="sha256:x", network="n", cold_start_s=1.0, warmup=1, ignore_eos=True)
     with pytest.raises(StageError, match="device_bandwidth"):  # what the summary's probe floor is read against
         validate_json(record, ROOT / "schemas" / "latency.schema.yaml")
     record["device_bandwidth"] = {"device": "cpu", "gbps": 12.5, "buffer_bytes": 1 << 28, "repeats": 5}

@@ -534,7 +534,7 @@ def test_a_shared_reference_is_continued_for_another_variant_only_when_it_needs_
     @contextlib.contextmanager
     def reference_server(image, serve, run):
         started.append(image["ref"])
-        yield "http://reference"
+        yield SimpleNamespace(base_url="http://reference", image=image["id"], network="pipeline-offline")
 
     monkeypatch.setattr(lossless_continuations, "reference_server", reference_server)
 
@@ -565,6 +565,7 @@ def test_a_shared_reference_is_continued_for_another_variant_only_when_it_needs_
     lossy, reference = toy_records(take_ties=True, flip_after_tie=2)
     written = continue_for(lossy, reference)
     assert written["server_started"] and started == ["pipeline:tiny-awq-mtp2"] and asked
+    assert (written["image_id"], written["network"]) == ("sha256:x", "pipeline-offline")  # what served them
     assert set(written["continuations"]["awq-mtp1"]) == {"repeated/short", "batch/varied-short-16"}
     job = SimpleNamespace(
         input=SimpleNamespace(

@@ -283,6 +283,8 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
     _, rows = evaluate_gate({"a": {"score": 0.5, "stderr": 0.1}}, [_task("a", 0.4)], {"a": 0.6})
     report = {
         "image": "docker.io/library/x:y",
+        "image_id": "sha256:" + "a" * 64,
+        "network": "pipeline-offline",
         "model_name": "m",
         "lm_eval_version": "0.4.11",
         "limit": 0.1,
@@ -497,11 +499,12 @@ except StageError as error:
 @contextlib.contextmanager
 def run_container(image, **kwargs):
     print("RUN-CONTAINER " + json.dumps([image, kwargs]))
-    yield SimpleNamespace(base_url={base_url!r}, alive=lambda: True, logs=lambda: "(fake)")
+    yield SimpleNamespace(base_url={base_url!r}, alive=lambda: True, logs=lambda: "(fake)", network="fake-net")
 sys.modules["lib.containers"] = types.SimpleNamespace(
-    run_container=run_container, free_port=lambda: 1, wait_for_ping=lambda url, timeout, **kw: 0.5)
+    run_container=run_container, recorded_image=lambda image: image["id"],
+    wait_for_ping=lambda url, timeout, **kw: 0.5)
 tmp = Path({tmp!r})
-(tmp / "image.json").write_text(json.dumps({{"ref": "docker.io/library/fake:1"}}))
+(tmp / "image.json").write_text(json.dumps({{"ref": "docker.io/library/fake:1", "id": "sha256:{fake_id}"}}))
 (tmp / "datasets").mkdir()  # what download_datasets fetches for tasks that load no hub dataset: nothing
 (tmp / "datasets.json").write_text("{{}}")
 job = SimpleNamespace(
@@ -520,6 +523,9 @@ except StageError as error:
 """
 
 
+FAKE_ID = "f" * 64
+
+
 @pytest.mark.e2e
 @pytest.mark.usefixtures("tiny_venvs")
 def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake_server, tmp_path):
@@ -529,7 +535,7 @@ def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake
         TINY_TASKS[1],
     ]  # the fixed answer "(A)" scores 8/32 on tiny_mc (letters balanced)
     driver = _MAIN_DRIVER.format(
-        scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path), tasks_dir=str(TASKS_DIR)
+        scripts=str(ROOT / "scripts"), base_url=base_url, tmp=str(tmp_path), tasks_dir=str(TASKS_DIR), fake_id=FAKE_ID
     )
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     run = subprocess.run(
@@ -550,7 +556,8 @@ def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake
     assert "google/IFEval" in offline and "no_such_task" in offline
 
     image, kwargs = json.loads(lines["RUN-CONTAINER"])
-    assert image == "docker.io/library/fake:1" and kwargs["gpus"] is False and kwargs["shm_size"] == "1g"
+    # the recorded ID runs, not the tag
+    assert image == f"sha256:{FAKE_ID}" and kwargs["gpus"] is False and kwargs["shm_size"] == "1g"
     assert lines["MAIN"] == "passed"  # a failing gate is recorded (passed: false), not raised: select and tarball act
     assert "the gate failed: tiny_mc" in run.stdout and "tiny_ifeval 0" not in run.stdout.split("the gate failed")[1]
     out = run.stdout.splitlines()  # the table goes to stdout, i.e. the rule's log
@@ -559,6 +566,7 @@ def test_main_fails_below_threshold_keeps_scores_and_names_missing_datasets(fake
     assert out[header + 3].startswith("tiny_ifeval ") and "PASS" in out[header + 3]
     recorded = json.loads((tmp_path / "results" / "quality.json").read_text())
     assert recorded["passed"] is False and recorded["limited"] is False and recorded["margin_stderr"] == 0
+    assert recorded["image_id"] == f"sha256:{FAKE_ID}" and recorded["network"] == "fake-net"
     report = json.loads((tmp_path / "logs" / "v1.scores.json").read_text())
     assert report["passed"] is False and [t["passed"] for t in report["tasks"]] == [False, True]
     assert report["tasks"][0]["score"] == pytest.approx(_gold("tiny_mc.test.jsonl").count("A") / 32)

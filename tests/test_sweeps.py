@@ -168,6 +168,7 @@ def latency(scale: float, acceptance: float | None, fresh: float = 1.3, sets=("v
         prompt_sets=["repeated", *sets],
         image="x",
         image_id="sha256:x",
+        network="pipeline-offline",
         cold_start_s=1.0,
         warmup=1,
         ignore_eos=True,

@@ -7,6 +7,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 import tarball
+from lib.containers import recorded_image
 from lib.stage import StageError
 
 
@@ -22,8 +23,8 @@ def fake_job(tmp_path, monkeypatch, payload: bytes, max_size_gb: float):
             }
         )
     )
-    monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: True)
-    monkeypatch.setattr(tarball, "image_id", lambda ref, builder: "sha256:ab")
+    store = {"docker.io/library/x:1": "sha256:ab", "sha256:ab": "sha256:ab"}  # the builder's store: ref -> ID
+    monkeypatch.setattr(tarball, "recorded_image", lambda image: recorded_image(image, inspect=store.get))
     monkeypatch.setattr(tarball, "save_image", lambda ref, out, builder, level: Path(out).write_bytes(payload))
     # the payload is no docker-archive: verify_image's own tests cover the check; here only its outcome counts
     monkeypatch.setattr(
@@ -77,8 +78,8 @@ def test_writes_a_checkable_sha256(tmp_path, monkeypatch):
 
 def test_refuses_an_image_that_is_gone(tmp_path, monkeypatch):
     job, out = fake_job(tmp_path, monkeypatch, b"x", max_size_gb=1)
-    monkeypatch.setattr(tarball, "image_exists", lambda ref, builder: False)
-    with pytest.raises(StageError, match="-R build_image"):
+    monkeypatch.setattr(tarball, "recorded_image", lambda image: recorded_image(image, inspect=lambda ref: None))
+    with pytest.raises(StageError, match="sha256:ab .*no longer holds it.*-R build_image"):
         tarball.main(job)
     assert list(out.iterdir()) == []
 

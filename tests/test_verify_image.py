@@ -407,6 +407,7 @@ def test_the_record_schema_takes_a_skipped_and_a_passed_smoke(tmp_path, fake_ser
     smoke = {
         "ran": True,
         "image_id": record["image_id"],
+        "network": "pipeline-offline",
         "loaded_from_archive": False,
         "ping_s": 3.0,
         "model": "m",

@@ -2,7 +2,8 @@
 
 Stdlib only: imported by the main interpreter. Two builders are supported: a Docker daemon
 (Debian's 20.10 here, driven by a newer client, hence DOCKER_BUILDKIT=0) and daemonless buildah.
-Running an image needs the Docker daemon.
+Running an image needs the Docker daemon. Every container runs offline (offline_network), and a stage after
+build_image runs the image by the ID build_image recorded (recorded_image).
 """
 
 import json
@@ -94,6 +95,115 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Every container the pipeline starts (run_container) runs on this Docker network, created --internal: nothing on it is
+# forwarded off the host, so a server, or anything it imports, has no route out. Docker publishes no port of a
+# container on an internal network (20.10 ignores -p there), so the host reaches the server at the container's own
+# address on the bridge, whose gateway address the host holds. enable_icc=false: two servers started side by side
+# (the gate's and the lossless reference's) cannot reach each other either. The host's own services stay reachable at
+# the gateway address: Docker filters forwarded traffic only.
+OFFLINE_NETWORK = "pipeline-offline"
+OFFLINE_NETWORK_OPTIONS = ["--internal", "-o", "com.docker.network.bridge.enable_icc=false"]
+SERVER_PORT = 8080  # the image's entrypoint listens here (serving/launch.py's PORT default)
+
+
+def _inspect_network(name: str) -> dict | None:
+    result = subprocess.run(["docker", "network", "inspect", name], capture_output=True, text=True)
+    return json.loads(result.stdout)[0] if result.returncode == 0 else None
+
+
+def host_holds(address: str) -> bool:
+    """Whether `address` is one of this host's own: a socket can bind to it only then."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def offline_network(name: str = OFFLINE_NETWORK) -> str:
+    """The name of the internal network every pipeline container runs on, created once (OFFLINE_NETWORK says why).
+    Refused when a network of that name has a route out, or when the host holds no address on its bridge (it could
+    not reach the server: Docker 25.0.0-25.0.3 gave internal bridges none, rootless Docker keeps its bridge in
+    another namespace)."""
+    found = _inspect_network(name)
+    if found is None:
+        create = subprocess.run(
+            ["docker", "network", "create", *OFFLINE_NETWORK_OPTIONS, name], capture_output=True, text=True
+        )
+        found = _inspect_network(name)  # a stage started beside this one may have created it first
+        if found is None:
+            raise StageError(f"docker network create --internal {name} failed: {create.stderr.strip()[-500:]}")
+    if not found.get("Internal"):
+        raise StageError(
+            f"Docker network {name} exists but is not --internal: a container on it has a route out. Remove it "
+            f"(`docker network rm {name}`); the next stage that starts a container creates it internal"
+        )
+    gateways = [c["Gateway"] for c in (found.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")]
+    if not any(host_holds(gateway) for gateway in gateways):
+        raise StageError(
+            f"this host holds no address on Docker network {name}'s bridge (gateway {gateways or 'none'}), so a "
+            "stage cannot reach the server it starts there (Docker 25.0.0-25.0.3 leave internal bridges without "
+            "one: upgrade Docker; rootless Docker cannot reach its containers by address: use the system daemon)"
+        )
+    return name
+
+
+def container_address(name: str, network: str) -> str:
+    """The container's IPv4 address on `network`; "" once it has exited (Docker releases it)."""
+    result = subprocess.run(
+        [
+            "docker",
+            "inspect",
+            "-f",
+            f'{{{{with index .NetworkSettings.Networks "{network}"}}}}{{{{.IPAddress}}}}{{{{end}}}}',
+            name,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def bypass_proxy(address: str) -> None:
+    """A host with http_proxy set would send requests for the container through the proxy, which cannot reach an
+    internal bridge: every client the stages use (urllib, requests, aiohttp) skips hosts listed in no_proxy."""
+    for key in ("no_proxy", "NO_PROXY"):
+        listed = [entry for entry in os.environ.get(key, "").split(",") if entry]
+        if address not in listed:
+            os.environ[key] = ",".join([*listed, address])
+
+
+def stored_image_id(ref: str, builder: str = "docker") -> str | None:
+    """The ID the builder's store gives `ref` (a tag or an ID), or None when it holds no such image."""
+    return image_id(ref, builder) if image_exists(ref, builder) else None
+
+
+RERUN_BUILD = "rerun build_image (`snakemake ... -R build_image`), which records the image its tag names then"
+
+
+def recorded_image(image: dict, inspect: Callable[[str], str | None] | None = None) -> str:
+    """The ID build_image recorded in `image` (its image.json), which the stages after it run and tarball saves:
+    refused when the store no longer holds it, or when its tag now names another image (a later build, a
+    `docker tag`), since what a stage measured or gated would not be what tarball ships. `inspect`: ref -> ID or
+    None, by default the recording builder's store (stored_image_id)."""
+    builder = image.get("builder", "docker")
+    inspect = inspect or (lambda ref: stored_image_id(ref, builder))
+    recorded, ref = image["id"], image["ref"]
+    if inspect(recorded) is None:
+        raise StageError(
+            f"build_image recorded image {recorded} for {ref}, but {builder}'s store no longer holds it (removed or "
+            f"pruned; {ref} names {inspect(ref) or 'no image'} now): {RERUN_BUILD}"
+        )
+    now = inspect(ref)
+    if now != recorded:
+        raise StageError(
+            f"{ref} now names image {now or '(none: the tag is gone)'}, not {recorded}, the one build_image "
+            f"recorded (another build or a `docker tag` moved it): {RERUN_BUILD}"
+        )
+    return recorded
+
+
 def last_log_line(text: str) -> str:
     """The last non-empty line of a log tail (what vLLM is busy with), shortened for a progress line."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
@@ -147,9 +257,11 @@ def wait_for_ping(
 
 
 class RunningContainer:
-    def __init__(self, name: str, port: int):
-        self.name, self.port = name, port
-        self.base_url = f"http://127.0.0.1:{port}"
+    """A container run_container started: `image` the reference it ran, `network` the network it runs on."""
+
+    def __init__(self, name: str, address: str, port: int = SERVER_PORT, network: str | None = None, image=None):
+        self.name, self.address, self.port, self.network, self.image = name, address, port, network, image
+        self.base_url = f"http://{address}:{port}"
 
     def logs(self, tail: int = 40) -> str:
         result = subprocess.run(["docker", "logs", "--tail", str(tail), self.name], capture_output=True, text=True)
@@ -289,7 +401,6 @@ def _raise_interrupt(signum, frame):
 def run_container(
     image: str,
     *,
-    port: int | None = None,
     volumes: Sequence[str] = (),
     env: dict[str, str] | None = None,
     gpus: bool = False,
@@ -298,16 +409,17 @@ def run_container(
     args: Sequence[str] = (),
     docker_args: Sequence[str] = (),
 ) -> Iterator[RunningContainer]:
-    """`docker run -d` the image with its port 8080 on 127.0.0.1:port; always `docker rm -f` it on exit.
+    """`docker run -d` the image on offline_network(), reached at its address there on SERVER_PORT; always
+    `docker rm -f` it on exit.
 
     volumes are "HOST:CONTAINER[:ro]" strings. vLLM needs more /dev/shm than Docker's 64 MB default.
     """
     if not docker_answers():
         raise StageError("running the image needs a Docker daemon (buildah can build but not run it); " + START_HINT)
-    port = port or free_port()
+    network = offline_network()
     # a name known before `docker run`, so an interrupt during the run itself still finds the container
     name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(3)}"
-    cmd = ["docker", "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8080", "--shm-size", shm_size]
+    cmd = ["docker", "run", "-d", "--name", name, "--network", network, "--shm-size", shm_size]
     if gpus:
         cmd += ["--gpus", "all"]
     for volume in volumes:
@@ -323,7 +435,15 @@ def run_container(
         pass
     try:
         run(cmd, what=f"docker run {image}")
-        yield RunningContainer(name, port)
+        address = container_address(name, network)
+        if not address:
+            box = RunningContainer(name, "", network=network, image=image)
+            raise StageError(
+                f"container {name} of {image} exited before it had an address on {network}; last container "
+                f"log lines:\n{box.failure_summary()}"
+            )
+        bypass_proxy(address)
+        yield RunningContainer(name, address, network=network, image=image)
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
         if previous is not None:

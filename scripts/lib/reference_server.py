@@ -42,9 +42,10 @@ def reference_cpu_env(speculative: dict, gpus: bool, cpus: set[int] | None = Non
 
 @contextlib.contextmanager
 def reference_server(image: dict, variant_serve: dict, run: dict):
-    """The base URL of the built `image` (build_image's image.json) served with `variant_serve`'s settings but
-    speculation off; `run`: Pipeline.run_settings()."""
-    from lib.containers import run_container
+    """The running container (lib.containers.RunningContainer: base_url, network) of the built `image`
+    (build_image's image.json, run by its recorded ID) served with `variant_serve`'s settings but speculation off;
+    `run`: Pipeline.run_settings()."""
+    from lib.containers import recorded_image, run_container
 
     with tempfile.TemporaryDirectory(prefix="lossless-") as tmp:
         serve_path = Path(tmp) / "serve.json"
@@ -52,7 +53,7 @@ def reference_server(image: dict, variant_serve: dict, run: dict):
         serve_path.chmod(0o644)
         Path(tmp).chmod(0o755)
         with run_container(
-            image["ref"],
+            recorded_image(image),
             volumes=[f"{serve_path}:{IMAGE_SERVE_JSON}:ro"],
             env=reference_cpu_env(variant_serve["speculative"], run["gpus"]),
             gpus=run["gpus"],
@@ -61,4 +62,4 @@ def reference_server(image: dict, variant_serve: dict, run: dict):
         ) as container:
             container.wait_ready(run["ping_timeout_s"])
             print("\n".join(["vLLM's CPU thread binding:", *omp_binding_lines(container.logs(tail=100000))]))
-            yield container.base_url
+            yield container
