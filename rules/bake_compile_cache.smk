@@ -7,6 +7,7 @@ rule bake_compile_cache:
         serve=rules.serve_config.output.serve,
         serving=SERVING_FILES,
         schema="schemas/coldstart.schema.yaml",
+        code=code_of("scripts/bake_compile_cache.py"),
     output:
         cache="results/{variant}/bake_compile_cache/compile_cache.tar",
         coldstart=report("results/{variant}/bake_compile_cache/coldstart.json", category="Cold start", labels={"variant": "{variant}"}),

@@ -2,6 +2,7 @@ rule base_image:
     """The tiny profile's base: Debian + Python + the CPU serving venv (no registry to pull a base from)."""
     input:
         serve_venv=venv("serve"),  # copied into the image; not a venv to run this script in
+        code=code_of("scripts/base_image.py"),
     output:
         image="results/base_image/image.json",
     params:
@@ -39,6 +40,7 @@ rule build_image:
         quantized_manifest=quantized("manifest.json"),
         draft_manifest=draft_manifest,
         serve_freeze=optional(LOCAL_BASE, venv("serve")),  # the local base's vLLM version; not a venv to run in
+        code=code_of("scripts/build_image.py"),
     output:
         image="results/{variant}/build_image/image.json",
     params:

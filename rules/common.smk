@@ -45,6 +45,16 @@ if "image_writes" not in workflow.global_resources:
 
 project_files = pipeline_config.project_files
 SERVING_FILES = project_files("serving")
+# Where a stage script's project imports live (scripts/lib/__init__.py puts the root on sys.path for `serving`).
+PROJECT_PACKAGES = {"lib": "scripts/lib", "serving": "serving"}
+
+
+def code_of(script):
+    """The project modules `script` imports, read from its import graph (scripts/lib/imports.py): inputs of the rule
+    that runs it, so a change to shared code reruns exactly the stages that import it."""
+    from lib.imports import project_modules
+
+    return [str(path) for path in project_modules(script, PROJECT_PACKAGES)]
 
 
 def tiny_training_inputs():

@@ -8,6 +8,7 @@ rule compare:
         # a drafted variant's drafter record (its bytes are read every step)
         drafts=sorted({f"weights/drafts/{d}/download.json" for d in map(PIPELINE.draft_folder, COMPARED) if d}),
         schema="schemas/summary.schema.yaml",
+        code=code_of("scripts/compare.py"),
     output:
         json=report("results/summary.json", category="Comparison", labels={"record": "summary.json"}),
         csv=report("results/summary.csv", category="Comparison", labels={"record": "summary.csv"}),

@@ -12,6 +12,7 @@ rule download:
         # a tokenizer for a model that is trained also learns the tasks' wording
         **({"generator": TINY_TRAIN["generator"]} if TRAINED else {}),
         schema="schemas/download.schema.yaml",
+        code=code_of("scripts/download.py"),
     output:
         checkpoint=directory(f"{DOWNLOAD_DIR}/checkpoint"),
         manifest=f"{DOWNLOAD_DIR}/manifest.json",

@@ -6,6 +6,7 @@ rule download_draft:
         target=SOURCE_MODEL["checkpoint"],
         target_manifest=SOURCE_MODEL["manifest"],
         schema="schemas/download.schema.yaml",
+        code=code_of("scripts/download_draft.py"),
     output:
         checkpoint=directory("weights/drafts/{draft}/checkpoint"),
         manifest="weights/drafts/{draft}/manifest.json",

@@ -3,6 +3,7 @@ rule latency_probe:
         image=rules.build_image.output.image,
         schema="schemas/latency.schema.yaml",
         varied_text=config["probe"]["varied_text"],
+        code=code_of("scripts/latency_probe.py"),
     output:
         latency=report("results/{variant}/latency_probe/latency.json", category="Latency", labels={"variant": "{variant}", "record": "json"}),
         plot=report("results/{variant}/latency_probe/latency.png", category="Latency", labels={"variant": "{variant}", "record": "plot"}),

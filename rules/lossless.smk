@@ -28,6 +28,7 @@ checkpoint lossless:
         # the reference's continuations past this variant's near ties: in its own reference, or lossless_continuations'
         continuations=lambda wildcards: PIPELINE.lossless_continuations(wildcards.variant) or [],
         schema="schemas/lossless.schema.yaml",
+        code=code_of("scripts/lossless.py"),
     output:
         lossless=report("results/{variant}/lossless/lossless.json", category="Lossless", labels={"variant": "{variant}"}),
     params:

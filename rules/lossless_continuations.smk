@@ -10,6 +10,7 @@ rule lossless_continuations:
         latency="results/{variant}/latency_probe/latency.json",
         image=lambda wildcards: f"results/{PIPELINE.reference_source(wildcards.variant)}/build_image/image.json",
         serve=lambda wildcards: f"results/{PIPELINE.reference_source(wildcards.variant)}/serve_config/serve.json",
+        code=code_of("scripts/lossless_continuations.py"),
     output:
         continuations="results/{variant}/lossless/continuations.json",
     params:

@@ -12,6 +12,7 @@ rule lossless_reference:
         # Read: the speculative ids to continue from after a near tie. Also orders the reference after the probe, so
         # the probe has the machine to itself.
         latency=rules.latency_probe.output.latency,
+        code=code_of("scripts/lossless_reference.py"),
     output:
         reference="results/{variant}/lossless/reference.json",
     params:

@@ -12,6 +12,7 @@ checkpoint quality_gate:
         # every hub dataset the tasks load, fetched once at its pinned commit; the gate runs with the hub off
         datasets_cache=FETCHED_DATASETS["gate"]["cache"],
         datasets_manifest=FETCHED_DATASETS["gate"]["manifest"],
+        code=code_of("scripts/quality_gate.py"),
     output:
         scores=report("results/{variant}/quality_gate/quality.json", category="Quality gate", labels={"variant": "{variant}"}),
     params:

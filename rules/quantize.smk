@@ -17,6 +17,7 @@ rule quantize:
         heldout=config["quantize"]["heldout"],
         keep_texts=lambda wildcards: PIPELINE.vocab_keep(wildcards.recipe)["files"],
         schema="schemas/quantize_report.schema.yaml",
+        code=code_of("scripts/quantize.py"),
     output:
         model=directory("results/quantize/{recipe}/model"),
         manifest="results/quantize/{recipe}/manifest.json",

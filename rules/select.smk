@@ -11,6 +11,7 @@ checkpoint rank_candidates:
     input:
         latency=expand("results/{variant}/latency_probe/latency.json", variant=CANDIDATES),
         schema="schemas/ranking.schema.yaml",
+        code=code_of("scripts/rank_candidates.py"),
     output:
         ranking=report("results/ranking.json", category="Selection"),
     params:
@@ -69,6 +70,7 @@ checkpoint select:
     input:
         unpack(select_inputs),
         schema="schemas/selection.schema.yaml",
+        code=code_of("scripts/select_variant.py"),
     output:
         selection=report("results/selection.json", category="Selection"),
     params:

@@ -4,6 +4,7 @@ rule serve_config:
     this file alone upstream of the bake, so the bake and what follows rerun, never quantize."""
     input:
         draft=draft_input,  # a drafted variant's drafter: K must fit its block
+        code=code_of("scripts/serve_config.py"),
     output:
         serve="results/{variant}/serve_config/serve.json",
     params:

@@ -10,6 +10,7 @@ rule submit:
         quality=selected("quality_gate/quality.json"),
         lossless=selected("lossless/lossless.json"),
         schema="schemas/submission.schema.yaml",
+        code=code_of("scripts/submit.py"),
     output:
         record="results/submission.json",
     params:

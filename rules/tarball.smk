@@ -8,6 +8,7 @@ rule tarball:
         lossless=selected("lossless/lossless.json"),  # greedy ids equal without speculation (rules/lossless.smk)
         # No results/selection.json input: the functions above already wait for the `select` checkpoint, and a
         # selection that names the image.tar.gz already holds (a sweep after the default run) must not re-save it.
+        code=code_of("scripts/tarball.py"),
     output:
         tarball="image.tar.gz",
         sha256="image.tar.gz.sha256",

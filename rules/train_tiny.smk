@@ -10,6 +10,7 @@ if TRAINED:
             record=rules.download.output.record,
             **tiny_training_inputs(),
             schema="schemas/download.schema.yaml",
+            code=code_of("scripts/train_tiny.py"),
         output:
             checkpoint=directory(SOURCE_MODEL["checkpoint"]),
             manifest=SOURCE_MODEL["manifest"],

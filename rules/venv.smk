@@ -2,6 +2,7 @@ rule venv:
     """A stage's virtualenv from envs/<env>.txt; its pip freeze is what dependent rules depend on."""
     input:
         requirements="envs/{env}.txt",
+        code=code_of("scripts/make_venv.py"),
     output:
         freeze=".venvs/{env}/pip-freeze.txt",
     params:

@@ -7,6 +7,7 @@ rule verify_image:
         sha256=rules.tarball.output.sha256,
         image=selected_image_record,
         schema="schemas/verify.schema.yaml",
+        code=code_of("scripts/verify_image.py"),
     output:
         report=report("results/{variant}/verify_image/verify.json", category="Image", labels={"variant": "{variant}"}),
     params:
