@@ -735,20 +735,23 @@ def test_a_lossy_server_is_caught(tiny_run):
 
 @pytest.mark.e2e
 def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
-    """tests/lossless_canary's second mode: where a step's last token is a near tie (<= 0.05 nats in the server's own
-    logits) it takes the runner-up and goes on from it, then flips the next accepted draft. The stages themselves on
-    it, as the DAG runs them: lossless_reference serves the same image with speculation off and continues the lossy
-    output from its own prefix past each near tie, and lossless names the flipped token after one. A check that
-    stopped comparing at the first near tie passes that row."""
+    """tests/lossless_canary's second mode: where a step's token is a near tie (<= 0.07 nats in the server's own
+    logits: the tiny model's bf16 margins come in 1/64-nat steps, and the reference's own may be a step wider) it
+    takes the runner-up and goes on from it, then flips the next accepted draft. The stages themselves on it, as the
+    DAG runs them: lossless_reference serves the same image with speculation off and continues the lossy output from
+    its own prefix past each near tie, and lossless names the flipped token after one. A check that stopped
+    comparing at the first near tie passes that row."""
     import yaml
 
     import lossless_reference
     from lib import config as pipeline_config
     from lib.probe import concurrent_batch, probe
 
-    tiny, variant, _, settings = default_variant(short_only=True)  # the fresh text has near ties; the sentence none
+    tiny, variant, _, settings = default_variant()
+    # the fresh text has near ties (the sentence none): a short and a medium output of it, the long prompt left out
+    settings["categories"] = [c for c in settings["categories"] if c["name"] != "long"]
     varied = str(ROOT / settings["varied_text"])
-    with canary_server(tiny, variant, {"LOSSLESS_CANARY_AFTER_TIE": "0.05"}) as (container, name):
+    with canary_server(tiny, variant, {"LOSSLESS_CANARY_AFTER_TIE": "0.07"}) as (container, name):
         record = probe(container.base_url, name, settings, varied)
         record["batch"] = concurrent_batch(container.base_url, name, settings, varied)
         taken = container.logs(tail=100000).count("[lossless-canary] near tie")

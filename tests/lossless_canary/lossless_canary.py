@@ -7,11 +7,11 @@ LOSSLESS_CANARY_FLIP=1: every verify step in which a draft token was accepted em
 lowest bit flipped (id ^ 1) instead. The model itself goes on from the right token (its KV cache and GDN state saw
 it), so only the output stream is wrong, and only where speculation accepted a draft.
 
-LOSSLESS_CANARY_AFTER_TIE=<nats>: lossy only after a near tie. Where a step's last token (the one the next step feeds
-back: the recovered or bonus token) won by at most <nats> over the runner-up in this server's own logits, it emits the
-runner-up instead, and the model goes on from it, as a rounding difference between a K+1-token verify pass and
-one-token steps could make it; the next step that accepts a draft then flips that draft's output id (id ^ 1, as
-above), once, and the canary looks for the next tie. A check that stops comparing at the first near tie passes such
+LOSSLESS_CANARY_AFTER_TIE=<nats>: lossy only after a near tie. Where a step's token won by at most <nats> over the
+runner-up in this server's own logits, it emits the runner-up instead and rejects the rest of the step, as if the
+target had picked the runner-up there (what a rounding difference between a K+1-token verify pass and one-token steps
+can do), so the model goes on from it; the next step that accepts a draft then flips that draft's output id (id ^ 1,
+as above), once, and the canary looks for the next tie. A check that stops comparing at the first near tie passes such
 a server; one that continues the reference from the speculative prefix past the tie names the flipped token. One
 request at a time: the state is the process's, not a request's.
 
@@ -59,17 +59,20 @@ class AfterTie:
         values, indices = top
         draft_end = metadata.cu_num_draft_tokens.tolist()
         for row, drafts in enumerate(metadata.num_draft_tokens):
-            last = int((output_token_ids[row] >= 0).sum()) - 1  # the recovered (last < drafts) or the bonus token
-            if last < drafts:
-                logits_row = int(metadata.target_logits_indices[draft_end[row] - drafts + last])
-            else:
-                logits_row = int(metadata.bonus_logits_indices[row])
-            margin = float(values[logits_row, 0] - values[logits_row, 1])
-            if margin <= self.nats and int(output_token_ids[row, last]) == int(indices[logits_row, 0]):
-                output_token_ids[row, last] = indices[logits_row, 1]
-                self.armed, self.ties = True, self.ties + 1
-                print(f"[lossless-canary] near tie ({margin:.4f} nats) taken the other way", flush=True)
-                return
+            emitted = int((output_token_ids[row] >= 0).sum())  # accepted drafts, then the recovered or bonus token
+            for position in range(emitted):
+                if position < drafts:
+                    logits_row = int(metadata.target_logits_indices[draft_end[row] - drafts + position])
+                else:
+                    logits_row = int(metadata.bonus_logits_indices[row])
+                margin = float(values[logits_row, 0] - values[logits_row, 1])
+                if margin <= self.nats and int(output_token_ids[row, position]) == int(indices[logits_row, 0]):
+                    # the runner-up as this step's recovered token: the drafts after it rejected
+                    output_token_ids[row, position] = indices[logits_row, 1]
+                    output_token_ids[row, position + 1 :] = -1
+                    self.armed, self.ties = True, self.ties + 1
+                    print(f"[lossless-canary] near tie ({margin:.4f} nats) taken the other way", flush=True)
+                    return
 
 
 def register() -> None:
