@@ -25,6 +25,7 @@ include: "rules/serve_config.smk"
 include: "rules/bake_compile_cache.smk"
 include: "rules/build_image.smk"
 include: "rules/latency_probe.smk"
+include: "rules/load_probe.smk"
 include: "rules/quality_gate.smk"
 include: "rules/lossless_reference.smk"
 include: "rules/lossless_continuations.smk"
@@ -50,6 +51,8 @@ rule all:
     input:
         rules.tarball.output,
         lambda wildcards: f"results/{selected_variant()}/verify_image/verify.json",
+        # the shipped image under concurrent load (rules/load_probe.smk): a target, not an input of the tarball
+        lambda wildcards: f"results/{selected_variant()}/load_probe/load.json",
         # select.mode fastest: the choice is a target too (a checkpoint whose output exists is not an edge of the DAG
         # otherwise, and `--report` would leave it out); tarball itself does not depend on selection.json's time, so
         # re-selecting the same variant does not re-save the image
