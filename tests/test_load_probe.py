@@ -140,6 +140,8 @@ class FakeVllm(BaseHTTPRequestHandler):
             return out
 
         if not body.get("stream"):
+            if mode == "not_json":
+                return self.reply(200, "ok")
             kind = "chat.completion" if chat else "text_completion"
             reply = dict(created, object=kind, choices=[choice("".join(words), range(logged), finish)], usage=usage)
             return self.reply(200, reply)
@@ -288,10 +290,11 @@ def test_a_difference_at_a_near_tie_passes_and_is_recorded():
         ("no_done", lambda kind: kind.valid and kind.stream, "did not end with data: [DONE]"),
         ("no_finish", lambda kind: kind.valid, "finish_reason"),
         ("open_thought", lambda kind: kind.thinking and kind.valid, "holds no closed thought"),
+        ("not_json", lambda kind: kind.valid and not kind.stream, "not an OpenAI-style answer"),
         ("dies", lambda kind: False, "after the load: the server's container is no longer running; /ping answered 503"),
     ],
 )
-def test_a_broken_stream_a_missing_finish_an_open_thought_or_a_dead_server_fails(mode, failing, says):
+def test_a_broken_answer_or_a_dead_server_fails_naming_the_requests(mode, failing, says):
     record = probe(mode)
     assert not record["passed"]
     assert failed_kinds(record) == {kind.name for kind in kinds() if failing(kind)}

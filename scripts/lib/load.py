@@ -45,215 +45,119 @@ QUESTIONS = ("Say hello.", "Name three colours.")
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of request of the mix. body: a JSON body, or raw bytes (malformed on purpose)."""
+    """One kind of request of the mix. body: a JSON body, or raw bytes (malformed on purpose). What it is (endpoint
+    class, streamed, thinking, greedy) is read from its path and body."""
 
     name: str
     path: str
-    endpoint: str  # one of ENDPOINTS: the latency class of a valid request
     body: dict | bytes
-    valid: bool
-    stream: bool = False
-    chat: bool = False  # answered as a chat (message / delta) rather than a completion (text)
-    thinking: bool = False  # a thinking chat request: the middleware's thinking budget applies
-    greedy: bool = False  # temperature 0 with token ids: compared with the same request alone
+    valid: bool = True
     expect_status: int | None = None  # an invalid request's exact status, where the server promises one
 
     @property
+    def fields(self) -> dict:
+        return self.body if isinstance(self.body, dict) else {}
+
+    @property
+    def endpoint(self) -> str:
+        """The latency class (ENDPOINTS) of the request."""
+        if self.path == "/invocations":
+            messages = "messages" in self.fields or b'"messages"' in (
+                self.body if isinstance(self.body, bytes) else b""
+            )
+            return "invocations_messages" if messages else "invocations_prompt"
+        return "chat" if self.path == "/v1/chat/completions" else "completions"
+
+    @property
+    def chat(self) -> bool:
+        """Answered as a chat (message / delta), not a completion (text)."""
+        return self.endpoint in ("chat", "invocations_messages")
+
+    @property
+    def stream(self) -> bool:
+        return self.fields.get("stream") is True
+
+    @property
+    def thinking(self) -> bool:
+        """A thinking chat request: the middleware's thinking budget applies."""
+        kwargs = self.fields.get("chat_template_kwargs")
+        switched = self.fields.get("thinking") is True or (isinstance(kwargs, dict) and kwargs.get("enable_thinking"))
+        return self.chat and bool(switched)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 with its token ids asked for: compared with the same request sent alone."""
+        return self.valid and self.fields.get("temperature") == 0 and bool(self.fields.get("logprobs"))
+
+    @property
     def max_tokens(self):
-        return self.body.get("max_tokens") if isinstance(self.body, dict) else None
+        return self.fields.get("max_tokens")
 
 
-def _completion(model, prompt, max_tokens, greedy=True, **extra) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **extra}
-    if greedy:
-        body.update(temperature=0.0, logprobs=TOP_LOGPROBS, return_tokens_as_token_ids=True)
-    return body
+def _completion(model, prompt, max_tokens, **sampling) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+    return dict(
+        body, **(sampling or {"temperature": 0.0, "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True})
+    )
 
 
-def _chat(model, question, max_tokens, **extra) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, **extra}
-    body.update(temperature=0.0, logprobs=True, top_logprobs=TOP_LOGPROBS, return_tokens_as_token_ids=True)
-    return body
+def _chat(model, question, max_tokens) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens}
+    return dict(body, temperature=0.0, logprobs=True, top_logprobs=TOP_LOGPROBS, return_tokens_as_token_ids=True)
 
 
 def _streamed(body: dict) -> dict:
     return dict(body, stream=True, stream_options={"include_usage": True})
 
 
-def _without_model(body: dict) -> dict:
+def _invocation(body: dict) -> dict:
     """An /invocations body: the contract's bodies name no model."""
     return {key: value for key, value in body.items() if key != "model"}
 
 
 def request_kinds(model: str, max_tokens: int, max_request_bytes: int, max_model_len: int) -> list[Kind]:
     """The mix's kinds, valid first. model: the served model name; the limits: the variant's serve.json."""
-    completion = _completion(model, PROMPTS[0], max_tokens)
-    other_completion = _completion(model, PROMPTS[1], max_tokens)
-    chat = _chat(model, QUESTIONS[0], max_tokens)
-    other_chat = _chat(model, QUESTIONS[1], max_tokens)
+    completion, other_completion = (_completion(model, prompt, max_tokens) for prompt in PROMPTS)
+    chat, other_chat = (_chat(model, question, max_tokens) for question in QUESTIONS)
     thinking = dict(other_chat, thinking=True)
+    completions, chats = "/v1/completions", "/v1/chat/completions"
     valid = [
-        Kind("completions", "/v1/completions", "completions", completion, True, greedy=True),
+        Kind("completions", completions, completion),
+        Kind("completions_stream", completions, _streamed(other_completion)),
         Kind(
-            "completions_stream",
-            "/v1/completions",
-            "completions",
-            _streamed(other_completion),
-            True,
-            stream=True,
-            greedy=True,
+            "completions_sampled", completions, _completion(model, PROMPTS[1], max_tokens, temperature=0.8, top_p=0.95)
         ),
-        Kind(
-            "completions_sampled",
-            "/v1/completions",
-            "completions",
-            _completion(model, PROMPTS[1], max_tokens, greedy=False, temperature=0.8, top_p=0.95),
-            True,
-        ),
-        Kind("chat", "/v1/chat/completions", "chat", chat, True, chat=True, greedy=True),
-        Kind(
-            "chat_stream",
-            "/v1/chat/completions",
-            "chat",
-            _streamed(other_chat),
-            True,
-            stream=True,
-            chat=True,
-            greedy=True,
-        ),
-        Kind("chat_thinking", "/v1/chat/completions", "chat", thinking, True, chat=True, thinking=True, greedy=True),
-        Kind(
-            "chat_thinking_stream",
-            "/v1/chat/completions",
-            "chat",
-            _streamed(dict(chat, thinking=True)),
-            True,
-            stream=True,
-            chat=True,
-            thinking=True,
-            greedy=True,
-        ),
-        Kind(
-            "chat_thinking_kwargs",
-            "/v1/chat/completions",
-            "chat",
-            dict(chat, chat_template_kwargs={"enable_thinking": True}),
-            True,
-            chat=True,
-            thinking=True,
-            greedy=True,
-        ),
-        Kind(
-            "invocations_prompt",
-            "/invocations",
-            "invocations_prompt",
-            _without_model(other_completion),
-            True,
-            greedy=True,
-        ),
-        Kind(
-            "invocations_prompt_stream",
-            "/invocations",
-            "invocations_prompt",
-            _without_model(_streamed(completion)),
-            True,
-            stream=True,
-            greedy=True,
-        ),
-        Kind(
-            "invocations_messages",
-            "/invocations",
-            "invocations_messages",
-            _without_model(other_chat),
-            True,
-            chat=True,
-            greedy=True,
-        ),
-        Kind(
-            "invocations_messages_thinking_stream",
-            "/invocations",
-            "invocations_messages",
-            _without_model(_streamed(thinking)),
-            True,
-            stream=True,
-            chat=True,
-            thinking=True,
-            greedy=True,
-        ),
+        Kind("chat", chats, chat),
+        Kind("chat_stream", chats, _streamed(other_chat)),
+        Kind("chat_thinking", chats, thinking),
+        Kind("chat_thinking_stream", chats, _streamed(dict(chat, thinking=True))),
+        Kind("chat_thinking_kwargs", chats, dict(chat, chat_template_kwargs={"enable_thinking": True})),
+        Kind("invocations_prompt", "/invocations", _invocation(other_completion)),
+        Kind("invocations_prompt_stream", "/invocations", _invocation(_streamed(completion))),
+        Kind("invocations_messages", "/invocations", _invocation(other_chat)),
+        Kind("invocations_messages_thinking_stream", "/invocations", _invocation(_streamed(thinking))),
     ]
-    over_limit = _completion(model, "x" * max_request_bytes, max_tokens)
     invalid = [
-        Kind(
-            "malformed_json_completions", "/v1/completions", "completions", json.dumps(completion).encode()[:-9], False
-        ),
-        Kind(
-            "malformed_json_invocations",
-            "/invocations",
-            "invocations_messages",
-            json.dumps(_without_model(chat)).encode()[:-9],
-            False,
-        ),
-        Kind("max_tokens_wrong_type", "/v1/chat/completions", "chat", dict(chat, max_tokens="many"), False, chat=True),
-        Kind(
-            "messages_wrong_type", "/v1/chat/completions", "chat", dict(chat, messages=QUESTIONS[0]), False, chat=True
-        ),
-        Kind("stream_wrong_type", "/v1/completions", "completions", dict(completion, stream="maybe"), False),
-        Kind(
-            "chat_template_kwargs_wrong_type",
-            "/v1/chat/completions",
-            "chat",
-            dict(thinking, chat_template_kwargs="on"),
-            False,
-            chat=True,
-        ),
-        Kind("body_over_size_limit", "/v1/completions", "completions", over_limit, False, expect_status=413),
-        Kind("max_tokens_negative", "/v1/completions", "completions", dict(completion, max_tokens=-1), False),
-        Kind(
-            "max_tokens_negative_thinking_stream",
-            "/v1/chat/completions",
-            "chat",
-            _streamed(dict(thinking, max_tokens=-1)),
-            False,
-            stream=True,
-            chat=True,
-            thinking=True,
-        ),
-        Kind(
-            "max_tokens_over_context",
-            "/invocations",
-            "invocations_prompt",
-            _without_model(dict(completion, max_tokens=max_model_len + 1)),
-            False,
-        ),
+        ("malformed_json_completions", completions, json.dumps(completion).encode()[:-9]),
+        ("malformed_json_invocations", "/invocations", json.dumps(_invocation(chat)).encode()[:-9]),
+        ("max_tokens_wrong_type", chats, dict(chat, max_tokens="many")),
+        ("messages_wrong_type", chats, dict(chat, messages=QUESTIONS[0])),
+        ("stream_wrong_type", completions, dict(completion, stream="maybe")),
+        ("chat_template_kwargs_wrong_type", chats, dict(thinking, chat_template_kwargs="on")),
+        ("max_tokens_negative", completions, dict(completion, max_tokens=-1)),
+        ("max_tokens_negative_thinking_stream", chats, _streamed(dict(thinking, max_tokens=-1))),
+        ("max_tokens_over_context", "/invocations", _invocation(dict(completion, max_tokens=max_model_len + 1))),
         # every " word" is at least one token, so this is past max_model_len (or, under a small max_request_bytes,
         # over the size limit: a 4xx either way)
-        Kind(
-            "prompt_over_context",
-            "/v1/completions",
-            "completions",
-            dict(completion, prompt=" word" * (max_model_len + 1)),
-            False,
-        ),
-        Kind("unknown_model", "/v1/completions", "completions", dict(completion, model=UNKNOWN_MODEL), False),
-        Kind(
-            "unknown_model_stream",
-            "/v1/chat/completions",
-            "chat",
-            _streamed(dict(chat, model=UNKNOWN_MODEL)),
-            False,
-            stream=True,
-            chat=True,
-        ),
-        Kind(
-            "no_messages",
-            "/invocations",
-            "invocations_messages",
-            _without_model(dict(chat, messages=[])),
-            False,
-            chat=True,
-        ),
+        ("prompt_over_context", completions, dict(completion, prompt=" word" * (max_model_len + 1))),
+        ("unknown_model", completions, dict(completion, model=UNKNOWN_MODEL)),
+        ("unknown_model_stream", chats, _streamed(dict(chat, model=UNKNOWN_MODEL))),
+        ("no_messages", "/invocations", _invocation(dict(chat, messages=[]))),
     ]
-    return valid + invalid
+    over_limit = Kind(
+        "body_over_size_limit", completions, dict(completion, prompt="x" * max_request_bytes), False, expect_status=413
+    )
+    return valid + [Kind(name, path, body, False) for name, path, body in invalid] + [over_limit]
 
 
 def plan(kinds: list[Kind], requests: int, seed: int = PLAN_SEED) -> list[Kind]:
@@ -381,58 +285,68 @@ def _server_error(answer: Answer) -> str | None:
     return None
 
 
+MALFORMED = (ValueError, KeyError, IndexError, TypeError, AttributeError)
+
+
+def _parse_stream(kind: Kind, answer: Answer, parsed: dict) -> list[str]:
+    problems = []
+    if not answer.events or answer.events[-1] != "[DONE]":
+        problems.append("the stream did not end with data: [DONE]")
+    finishes = []
+    for event in answer.events:
+        if event == "[DONE]":
+            continue
+        if not isinstance(event, dict):
+            problems.append(f"a stream event is not JSON: {str(event)[:120]!r}")
+            continue
+        if event.get("error"):
+            problems.append(f"an error event in the stream: {str(event['error'])[:300]}")
+        parsed["model"] = event.get("model") or parsed["model"]
+        parsed["usage"] = event.get("usage") or parsed["usage"]
+        for choice in event.get("choices") or []:
+            if choice.get("index") != 0:
+                problems.append(f"a chunk's choice has index {choice.get('index')!r}, not 0")
+            part = (choice.get("delta") or {}).get("content") if kind.chat else choice.get("text")
+            parsed["text"] += part if isinstance(part, str) else ""
+            ids, tops = _logprob_ids(choice, kind.chat)
+            parsed["ids"] += ids
+            parsed["tops"] += tops
+            if choice.get("finish_reason") is not None:
+                finishes.append(choice["finish_reason"])
+    if len(finishes) != 1:
+        problems.append(f"the stream gave {len(finishes)} finish_reasons {finishes}, not one")
+    parsed["finish_reason"] = finishes[-1] if finishes else None
+    return problems
+
+
+def _parse_json(kind: Kind, answer: Answer, parsed: dict) -> list[str]:
+    problems = []
+    body = json.loads(answer.text)
+    choice = body["choices"][0]
+    if choice.get("index") != 0:
+        problems.append(f"choices[0].index is {choice.get('index')!r}, not 0")
+    if kind.chat:
+        message = choice["message"]
+        if message.get("role") != "assistant":
+            problems.append(f"choices[0].message.role is {message.get('role')!r}, not 'assistant'")
+        text = message.get("content")
+    else:
+        text = choice["text"]
+    if not isinstance(text, str):
+        problems.append(f"the answer's text is {type(text).__name__}, not a string")
+    parsed.update(text=text if isinstance(text, str) else "", finish_reason=choice.get("finish_reason"))
+    parsed.update(usage=body.get("usage"), model=body.get("model"))
+    parsed["ids"], parsed["tops"] = _logprob_ids(choice, kind.chat)
+    return problems
+
+
 def _parse_body(kind: Kind, answer: Answer) -> tuple[dict, list[str]]:
     """The fields the checks need from a 200 answer, and what is wrong with its shape."""
     parsed = {"text": "", "finish_reason": None, "ids": [], "tops": [], "usage": None, "model": None}
-    problems = []
-    if kind.stream:
-        if not answer.events or answer.events[-1] != "[DONE]":
-            problems.append("the stream did not end with data: [DONE]")
-        finishes = []
-        for event in answer.events:
-            if event == "[DONE]":
-                continue
-            if not isinstance(event, dict):
-                problems.append(f"a stream event is not JSON: {str(event)[:120]!r}")
-                continue
-            if event.get("error"):
-                problems.append(f"an error event in the stream: {str(event['error'])[:300]}")
-            parsed["model"] = event.get("model") or parsed["model"]
-            parsed["usage"] = event.get("usage") or parsed["usage"]
-            for choice in event.get("choices") or []:
-                if choice.get("index") != 0:
-                    problems.append(f"a chunk's choice has index {choice.get('index')!r}, not 0")
-                part = (choice.get("delta") or {}).get("content") if kind.chat else choice.get("text")
-                parsed["text"] += part if isinstance(part, str) else ""
-                ids, tops = _logprob_ids(choice, kind.chat)
-                parsed["ids"] += ids
-                parsed["tops"] += tops
-                if choice.get("finish_reason") is not None:
-                    finishes.append(choice["finish_reason"])
-        if len(finishes) != 1:
-            problems.append(f"the stream gave {len(finishes)} finish_reasons {finishes}, not one")
-        parsed["finish_reason"] = finishes[-1] if finishes else None
-        return parsed, problems
     try:
-        body = json.loads(answer.text)
-        choice = body["choices"][0]
-        if choice.get("index") != 0:
-            problems.append(f"choices[0].index is {choice.get('index')!r}, not 0")
-        if kind.chat:
-            message = choice["message"]
-            if message.get("role") != "assistant":
-                problems.append(f"choices[0].message.role is {message.get('role')!r}, not 'assistant'")
-            text = message.get("content")
-        else:
-            text = choice["text"]
-        if not isinstance(text, str):
-            problems.append(f"the answer's text is {type(text).__name__}, not a string")
-        parsed.update(text=text if isinstance(text, str) else "", finish_reason=choice.get("finish_reason"))
-        parsed.update(usage=body.get("usage"), model=body.get("model"))
-        parsed["ids"], parsed["tops"] = _logprob_ids(choice, kind.chat)
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
-        problems.append(f"not an OpenAI-style body ({type(error).__name__}: {error}): {answer.text.strip()[:300]}")
-    return parsed, problems
+        return parsed, (_parse_stream if kind.stream else _parse_json)(kind, answer, parsed)
+    except MALFORMED as error:
+        return parsed, [f"not an OpenAI-style answer ({type(error).__name__}: {error}): {answer.text.strip()[:300]}"]
 
 
 def check_answer(kind: Kind, answer: Answer, model: str) -> tuple[dict, list[str]]:
