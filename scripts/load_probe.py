@@ -4,17 +4,18 @@ failed, when a valid request is not answered correctly, an invalid one is not an
 or not at all, or the server does not answer /ping and one more request afterwards; the record
 (schemas/load.schema.yaml) keeps p50/p99 latency per endpoint and the error counts."""
 
+import dataclasses
 import json
 from pathlib import Path
 
-from lib.load import alone, kinds_summary, ping, plan, request_kinds, run_load, send, verdict
+from lib.load import Server, alone, kinds_summary, ping, plan, request_kinds, run_load, send, verdict
 from lib.stage import StageError, validate_json, write_json
 
 
 def load_probe(base_url: str, model: str, settings: dict, serve: dict, alive, log=print) -> dict:
     """The probe against a running server; the record (passed or not). alive(): whether the server still runs."""
-    limits = {"max_request_bytes": serve["max_request_bytes"], "max_model_len": serve["max_model_len"]}
-    kinds = request_kinds(model, settings["max_tokens"], **limits)
+    server = Server.of(serve)
+    kinds = request_kinds(model, settings["max_tokens"], server)
     planned = plan(kinds, settings["requests"])
     timeout_s = settings["client_timeout_s"]
     references = alone(base_url, kinds, model, timeout_s)
@@ -26,7 +27,7 @@ def load_probe(base_url: str, model: str, settings: dict, serve: dict, alive, lo
     return {
         "model": model,
         "settings": dict(settings),
-        "server_limits": limits,
+        "server": dataclasses.asdict(server),
         "wall_s": load["wall_s"],
         "max_in_flight": load["max_in_flight"],
         "kinds": kinds_summary(kinds, planned),

@@ -17,7 +17,7 @@ from load_probe import load_probe
 MODEL = "Qwen/Qwen3.5-4B"
 LIMITS = {"max_request_bytes": 4096, "max_model_len": 256}
 SETTINGS = {"requests": 64, "concurrency": 8, "max_tokens": 8, "client_timeout_s": 30}
-SERVE = {**LIMITS, "served_model_name": MODEL}
+SERVE = {**LIMITS, "served_model_name": MODEL, "default_thinking": False, "thinking_reserve_tokens": 256}
 
 
 class FakeVllm(BaseHTTPRequestHandler):
@@ -100,8 +100,9 @@ class FakeVllm(BaseHTTPRequestHandler):
             if mode == "near_tie" and repeat:
                 ids[3] = ids[3] + 1
         words = [f" w{token}" for token in ids]
-        logged = max_tokens // 2 if thinking else max_tokens  # the budget's answer comes without logprobs
-        if thinking and mode != "open_thought":
+        budgeted = thinking and self.server.budget
+        logged = max_tokens // 2 if budgeted else max_tokens  # the budget's answer comes without logprobs
+        if budgeted and mode != "open_thought":
             words.insert(logged, "\n</think>\n\n")
         finish = None if mode == "no_finish" else "length"
         created = {"id": "cmpl-1", "created": 1, "model": MODEL}
@@ -165,9 +166,11 @@ class Server(ThreadingHTTPServer):
 
 
 @contextmanager
-def fake_server(mode: str | None = None, fail_at: int = 30):
-    """The stand-in on a free port; fail_at: the POST answered 500 in mode one_500 (after the lone runs)."""
+def fake_server(mode: str | None = None, budget: bool = True, fail_at: int = 30):
+    """The stand-in on a free port; budget: it has a thinking budget; fail_at: the POST answered 500 in mode one_500
+    (after the lone runs)."""
     server = Server(("127.0.0.1", 0), FakeVllm)
+    server.budget = budget
     server.mode, server.fail_at, server.lock, server.posts, server.seen = mode, fail_at, threading.Lock(), 0, {}
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -178,9 +181,10 @@ def fake_server(mode: str | None = None, fail_at: int = 30):
         server.server_close()
 
 
-def probe(mode: str | None = None, **settings) -> dict:
-    with fake_server(mode) as base_url:
-        return load_probe(base_url, MODEL, {**SETTINGS, **settings}, SERVE, alive=lambda: mode != "dies", log=print)
+def probe(mode: str | None = None, serve: dict | None = None) -> dict:
+    serve = serve or SERVE
+    with fake_server(mode, budget=serve["thinking_reserve_tokens"] > 0) as base_url:
+        return load_probe(base_url, MODEL, SETTINGS, serve, alive=lambda: mode != "dies", log=print)
 
 
 def failed_kinds(record: dict) -> set[str]:
@@ -190,8 +194,8 @@ def failed_kinds(record: dict) -> set[str]:
 # ----- the mix -----
 
 
-def kinds() -> list[load.Kind]:
-    return load.request_kinds(MODEL, 8, **LIMITS)
+def kinds(**serve) -> list[load.Kind]:
+    return load.request_kinds(MODEL, 8, load.Server.of({**SERVE, **serve}))
 
 
 def test_the_mix_covers_every_endpoint_streamed_and_not_thinking_on_and_off():
@@ -205,6 +209,18 @@ def test_the_mix_covers_every_endpoint_streamed_and_not_thinking_on_and_off():
     assert any(not kind.greedy for kind in valid)  # a sampled request too
     assert all(kind.body["max_tokens"] == 8 for kind in valid)
     assert all("model" not in kind.body for kind in kinds() if kind.path == "/invocations" and kind.valid)
+
+
+def test_which_chat_requests_think_follows_the_request_then_the_server():
+    by_name = {kind.name: kind for kind in kinds(default_thinking=True)}
+    assert by_name["chat"].thinking and by_name["chat_thinking"].thinking and not by_name["completions"].thinking
+    assert not any(kind.budgeted for kind in kinds(thinking_reserve_tokens=0))
+    assert {kind.name for kind in kinds() if kind.budgeted and kind.valid} == {
+        "chat_thinking",
+        "chat_thinking_stream",
+        "chat_thinking_kwargs",
+        "invocations_messages_thinking_stream",
+    }
 
 
 def test_the_invalid_requests_cross_what_they_name():
@@ -299,6 +315,11 @@ def test_a_broken_answer_or_a_dead_server_fails_naming_the_requests(mode, failin
     assert not record["passed"]
     assert failed_kinds(record) == {kind.name for kind in kinds() if failing(kind)}
     assert any(says in failure for failure in record["failures"]), record["failures"]
+
+
+def test_an_open_thought_passes_where_the_server_has_no_thinking_budget():
+    record = probe("open_thought", serve=dict(SERVE, thinking_reserve_tokens=0))
+    assert record["passed"], record["failures"]
 
 
 def test_a_failing_probe_says_what_failed_in_one_message():

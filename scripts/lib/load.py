@@ -8,7 +8,7 @@ max_tokens negative or past max_model_len, a prompt past max_model_len, an unkno
 every kind once, then the valid kinds in turn, in a seeded shuffle so invalid requests land among valid ones.
 
 The verdict (verdict): a valid request must be answered 200 with a well-formed OpenAI body (a stream: JSON events
-ending in [DONE], a finish_reason, no error event), at most max_tokens tokens, a thinking request cut by the thinking
+ending in [DONE], a finish_reason, no error event), at most max_tokens tokens, a thinking answer cut by the thinking
 budget with its thought closed; a greedy one the same ids as the same request sent alone before the load (a first
 difference at a near tie, lib/lossless.py's NEAR_TIE_NATS in the lone run's own logprobs, passes: batched
 arithmetic may flip it, and nothing after it can be compared). An invalid request must be answered 4xx (the body
@@ -19,6 +19,7 @@ Stdlib only (http.client: a body over the limit is answered 413 before it is all
 broken pipe instead of the answer).
 """
 
+import dataclasses
 import http.client
 import json
 import random
@@ -44,13 +45,28 @@ QUESTIONS = ("Say hello.", "Name three colours.")
 
 
 @dataclass(frozen=True)
+class Server:
+    """What the variant's serve.json says its server does with a request (serving/settings.py)."""
+
+    max_request_bytes: int
+    max_model_len: int
+    default_thinking: bool
+    thinking_reserve_tokens: int
+
+    @classmethod
+    def of(cls, serve: dict) -> "Server":
+        return cls(**{setting.name: serve[setting.name] for setting in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
 class Kind:
     """One kind of request of the mix. body: a JSON body, or raw bytes (malformed on purpose). What it is (endpoint
-    class, streamed, thinking, greedy) is read from its path and body."""
+    class, streamed, thinking, greedy) is read from its path and body, and the server's settings."""
 
     name: str
     path: str
     body: dict | bytes
+    server: Server
     valid: bool = True
     expect_status: int | None = None  # an invalid request's exact status, where the server promises one
 
@@ -79,10 +95,20 @@ class Kind:
 
     @property
     def thinking(self) -> bool:
-        """A thinking chat request: the middleware's thinking budget applies."""
+        """Whether the model thinks before it answers: chat_template_kwargs.enable_thinking, else a top-level
+        "thinking", else the server's default (serving/middleware.py's order)."""
+        if not self.chat:
+            return False
         kwargs = self.fields.get("chat_template_kwargs")
-        switched = self.fields.get("thinking") is True or (isinstance(kwargs, dict) and kwargs.get("enable_thinking"))
-        return self.chat and bool(switched)
+        if isinstance(kwargs, dict) and "enable_thinking" in kwargs:
+            return bool(kwargs["enable_thinking"])
+        return bool(self.fields["thinking"]) if "thinking" in self.fields else self.server.default_thinking
+
+    @property
+    def budgeted(self) -> bool:
+        """A thinking answer the middleware's thinking budget cuts and finishes: its thought closed, its logprobs
+        those of the thought alone."""
+        return self.thinking and self.server.thinking_reserve_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -115,27 +141,25 @@ def _invocation(body: dict) -> dict:
     return {key: value for key, value in body.items() if key != "model"}
 
 
-def request_kinds(model: str, max_tokens: int, max_request_bytes: int, max_model_len: int) -> list[Kind]:
-    """The mix's kinds, valid first. model: the served model name; the limits: the variant's serve.json."""
+def request_kinds(model: str, max_tokens: int, server: Server) -> list[Kind]:
+    """The mix's kinds, valid first. model: the served model name."""
     completion, other_completion = (_completion(model, prompt, max_tokens) for prompt in PROMPTS)
     chat, other_chat = (_chat(model, question, max_tokens) for question in QUESTIONS)
     thinking = dict(other_chat, thinking=True)
     completions, chats = "/v1/completions", "/v1/chat/completions"
     valid = [
-        Kind("completions", completions, completion),
-        Kind("completions_stream", completions, _streamed(other_completion)),
-        Kind(
-            "completions_sampled", completions, _completion(model, PROMPTS[1], max_tokens, temperature=0.8, top_p=0.95)
-        ),
-        Kind("chat", chats, chat),
-        Kind("chat_stream", chats, _streamed(other_chat)),
-        Kind("chat_thinking", chats, thinking),
-        Kind("chat_thinking_stream", chats, _streamed(dict(chat, thinking=True))),
-        Kind("chat_thinking_kwargs", chats, dict(chat, chat_template_kwargs={"enable_thinking": True})),
-        Kind("invocations_prompt", "/invocations", _invocation(other_completion)),
-        Kind("invocations_prompt_stream", "/invocations", _invocation(_streamed(completion))),
-        Kind("invocations_messages", "/invocations", _invocation(other_chat)),
-        Kind("invocations_messages_thinking_stream", "/invocations", _invocation(_streamed(thinking))),
+        ("completions", completions, completion),
+        ("completions_stream", completions, _streamed(other_completion)),
+        ("completions_sampled", completions, _completion(model, PROMPTS[1], max_tokens, temperature=0.8, top_p=0.95)),
+        ("chat", chats, chat),
+        ("chat_stream", chats, _streamed(other_chat)),
+        ("chat_thinking", chats, thinking),
+        ("chat_thinking_stream", chats, _streamed(dict(chat, thinking=True))),
+        ("chat_thinking_kwargs", chats, dict(chat, chat_template_kwargs={"enable_thinking": True})),
+        ("invocations_prompt", "/invocations", _invocation(other_completion)),
+        ("invocations_prompt_stream", "/invocations", _invocation(_streamed(completion))),
+        ("invocations_messages", "/invocations", _invocation(other_chat)),
+        ("invocations_messages_thinking_stream", "/invocations", _invocation(_streamed(thinking))),
     ]
     invalid = [
         ("malformed_json_completions", completions, json.dumps(completion).encode()[:-9]),
@@ -146,18 +170,20 @@ def request_kinds(model: str, max_tokens: int, max_request_bytes: int, max_model
         ("chat_template_kwargs_wrong_type", chats, dict(thinking, chat_template_kwargs="on")),
         ("max_tokens_negative", completions, dict(completion, max_tokens=-1)),
         ("max_tokens_negative_thinking_stream", chats, _streamed(dict(thinking, max_tokens=-1))),
-        ("max_tokens_over_context", "/invocations", _invocation(dict(completion, max_tokens=max_model_len + 1))),
+        ("max_tokens_over_context", "/invocations", _invocation(dict(completion, max_tokens=server.max_model_len + 1))),
         # every " word" is at least one token, so this is past max_model_len (or, under a small max_request_bytes,
         # over the size limit: a 4xx either way)
-        ("prompt_over_context", completions, dict(completion, prompt=" word" * (max_model_len + 1))),
+        ("prompt_over_context", completions, dict(completion, prompt=" word" * (server.max_model_len + 1))),
         ("unknown_model", completions, dict(completion, model=UNKNOWN_MODEL)),
         ("unknown_model_stream", chats, _streamed(dict(chat, model=UNKNOWN_MODEL))),
         ("no_messages", "/invocations", _invocation(dict(chat, messages=[]))),
     ]
-    over_limit = Kind(
-        "body_over_size_limit", completions, dict(completion, prompt="x" * max_request_bytes), False, expect_status=413
+    over_limit = dict(completion, prompt="x" * server.max_request_bytes)
+    return (
+        [Kind(name, path, body, server) for name, path, body in valid]
+        + [Kind(name, path, body, server, valid=False) for name, path, body in invalid]
+        + [Kind("body_over_size_limit", completions, over_limit, server, valid=False, expect_status=413)]
     )
-    return valid + [Kind(name, path, body, False) for name, path, body in invalid] + [over_limit]
 
 
 def plan(kinds: list[Kind], requests: int, seed: int = PLAN_SEED) -> list[Kind]:
@@ -378,11 +404,11 @@ def check_answer(kind: Kind, answer: Answer, model: str) -> tuple[dict, list[str
         problems.append(f"{tokens} completion tokens for max_tokens {kind.max_tokens}")
     if kind.greedy and not parsed["ids"]:
         problems.append("no token ids in the logprobs asked for")
-    # a thinking answer's logprobs cover the thought the budget cut, not the answer the middleware added to it
-    elif kind.greedy and not kind.thinking and isinstance(tokens, int) and len(parsed["ids"]) != tokens:
+    # a budgeted answer's logprobs cover the thought the budget cut, not the answer the middleware added to it
+    elif kind.greedy and not kind.budgeted and isinstance(tokens, int) and len(parsed["ids"]) != tokens:
         problems.append(f"{len(parsed['ids'])} token ids in the logprobs for {tokens} completion tokens")
     # the thinking budget's promise: a thought cut short is closed, and an answer follows it
-    if kind.thinking and parsed["finish_reason"] == "length" and "</think>" not in parsed["text"]:
+    if kind.budgeted and parsed["finish_reason"] == "length" and "</think>" not in parsed["text"]:
         problems.append(f"a thinking answer cut at max_tokens holds no closed thought: {parsed['text'][:200]!r}")
     return parsed, problems
 
@@ -558,6 +584,7 @@ def kinds_summary(kinds: list[Kind], planned: list[Kind]) -> list[dict]:
             "valid": kind.valid,
             "stream": kind.stream,
             "thinking": kind.thinking,
+            "budgeted": kind.budgeted,
             "greedy": kind.greedy,
             "expect_status": kind.expect_status,
             "body_bytes": len(_body_bytes(kind)),
