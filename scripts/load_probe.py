@@ -36,16 +36,23 @@ def load_probe(base_url: str, model: str, settings: dict, serve: dict, alive, lo
 
 
 def main(job) -> None:
-    from lib.containers import run_container
+    from lib.containers import recorded_image, run_container
     from lib.load import failure_message
 
     image = json.loads(Path(job.input.image).read_text())
     serve = json.loads(Path(job.input.serve).read_text())
     run = job.params.run
-    with run_container(image["ref"], gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="load-probe") as container:
+    image_id = recorded_image(image)
+    with run_container(image_id, gpus=run["gpus"], shm_size=run["shm_size"], name_prefix="load-probe") as container:
         cold_start_s = container.wait_ready(run["ping_timeout_s"])
         record = load_probe(container.base_url, job.params.model_name, job.params.load, serve, container.alive)
-    record.update(variant=job.wildcards.variant, image=image["ref"], image_id=image["id"], cold_start_s=cold_start_s)
+    record.update(
+        variant=job.wildcards.variant,
+        image=image["ref"],
+        image_id=image_id,
+        network=container.network,
+        cold_start_s=cold_start_s,
+    )
     latency = record["latency_ms"]
     for name, stats in latency.items():
         if stats["count"]:
