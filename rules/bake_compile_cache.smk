@@ -1,7 +1,7 @@
 rule bake_compile_cache:
     """Serve the quantized model once in the base image, so the compile and kernel caches ship in the image."""
     input:
-        base=optional(LOCAL_BASE, "results/base_image/image.json"),
+        base=BASE_RECORD,
         model=quantized("model"),
         draft=draft_input,
         serve=rules.serve_config.output.serve,

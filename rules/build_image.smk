@@ -24,9 +24,30 @@ rule base_image:
         "../scripts/base_image.py"
 
 
+rule pull_base:
+    """The real profile's base: image.base from its registry, at the digest its tag's lock entry holds."""
+    input:
+        lock=LOCK_ENTRIES["base"],  # config/lock/images/<registry>/<repository>/<tag>.yaml (none when pinned)
+        code=code_of("scripts/pull_base.py"),
+    output:
+        image="results/pull_base/image.json",
+    params:
+        base=config["image"]["base"],
+    resources:
+        **RESOURCES["pull_base"],
+    log:
+        "logs/pull_base/pull_base.log",
+    benchmark:
+        "benchmarks/pull_base/pull_base.tsv"
+    conda:
+        "../envs/driver.yaml"
+    script:
+        "../scripts/pull_base.py"
+
+
 rule build_image:
     input:
-        base=optional(LOCAL_BASE, rules.base_image.output.image),
+        base=BASE_RECORD,
         model=quantized("model"),
         draft=draft_input,
         cache=rules.bake_compile_cache.output.cache,

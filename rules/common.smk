@@ -7,6 +7,7 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
 from lib import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config.py
+from lib import lock as pipeline_lock  # what each floating name resolved to (config/lock/), tests/test_lock.py
 from lib import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/test_sweeps.py
 
 # Schema (naming every bad key), cross-field and file checks, sweep expansion: before any job runs.
@@ -21,6 +22,13 @@ RECIPES, COMPARED, FIXED = PIPELINE.recipes, PIPELINE.compared, PIPELINE.fixed
 CANDIDATES = PIPELINE.candidates
 MODEL_DIR = f"weights/{config['model']['name']}"
 LOCAL_BASE = config["image"]["base"] == "local"
+# What bake_compile_cache and build_image start from: the tiny profile's local build, or the registry base pulled at
+# the digest its lock entry holds.
+BASE_RECORD = "results/base_image/image.json" if LOCAL_BASE else "results/pull_base/image.json"
+# Each fetch's lock entries, inputs of its rule: an entry changed since (a refresh) refetches (scripts/lib/lock.py).
+LOCK_ENTRIES = {
+    fetch: pipeline_lock.entry_inputs(config, fetch, workflow.basedir) for fetch in ("calibration", "gate", "base")
+}
 SYNTHETIC = config["model"]["source"] == "synthetic"
 TINY_TRAIN = config["model"]["tiny"]["train"]
 TRAINED = SYNTHETIC and TINY_TRAIN["steps"] > 0

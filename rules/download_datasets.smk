@@ -12,6 +12,7 @@ rule download_datasets:
         venv=venv("eval"),  # lm-eval resolves the gate's tasks to the datasets they load
         tasks=lambda wildcards: project_files(TASKS_DIR) if TASKS_DIR and wildcards.use == "gate" else [],
         schema="schemas/datasets.schema.yaml",
+        lock=lambda wildcards: LOCK_ENTRIES[wildcards.use],  # the datasets' lock entries (config/lock/datasets/)
         code=code_of("scripts/download_datasets.py"),
     output:
         cache=directory("datasets/{use}/cache"),

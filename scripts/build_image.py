@@ -117,12 +117,15 @@ def stage_context(
 
 
 def resolve_base(base_json: str | None, base_ref: str | None, builder: str) -> dict:
-    """The base image to build FROM; a local base (from base_image) must still be in the image store."""
+    """The base image to build FROM; a local base (from base_image) must still be in the image store, a registry one
+    (from pull_base) is named by its digest and pulled where missing."""
     if not base_json:
         if not base_ref:
             raise StageError("build_image needs input.base (from base_image) or params.base_ref (a registry image)")
         return {"ref": base_ref, "id": None}
     base = json.loads(Path(base_json).read_text())
+    if base.get("digest"):  # a registry base at the digest pull_base resolved: any store pulls exactly it again
+        return {"ref": base["ref"], "id": None}
     rerun = f"rerun with `-R base_image` to rebuild it (it was built with {base['builder']})"
     if base["builder"] != builder:
         raise StageError(

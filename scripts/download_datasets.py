@@ -5,10 +5,12 @@ use "calibration": quantize's calibration set (calibration.source hf_dataset), l
 use "gate": every hub dataset the quality gate's tasks load, found by letting lm-eval build each task exactly as
 quality_gate does, with `datasets.load_dataset` pinned to the commit quality.datasets names for that dataset.
 
-Each dataset's commit is resolved before anything is loaded (null: its main branch, warned about); every file the
-loader downloaded is checked against the hashes the hub lists for that commit (lib/hub.py) and then dropped: what is
-kept is the prepared cache (arrow files), its sha256 manifest and a record of what was fetched, for which user, at
-which commit. Built aside and renamed into place (lib/checkpoint.py): a failure keeps nothing a rerun would trust.
+Each dataset's commit is resolved before anything is loaded (null: its main branch, warned about) and checked against
+the dataset's lock entry (lib/lock.py: a filled entry must hold the same commit, else the stage fails naming both);
+every file the loader downloaded is checked against the hashes the hub lists for that commit (lib/hub.py) and then
+dropped: what is kept is the prepared cache (arrow files), its sha256 manifest and a record of what was fetched, for
+which user, at which commit. Built aside and renamed into place (lib/checkpoint.py): a failure keeps nothing a rerun
+would trust, and writes no lock entry; an empty entry is filled with the commit fetched once all of it is in place.
 """
 
 import os
@@ -19,6 +21,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from lib import lock
 from lib.checkpoint import write_checkpoint
 from lib.hub import hub_hashes, hub_repo_cache, verify_against_hub
 from lib.progress import Heartbeat, bytes_under, elapsed
@@ -37,10 +40,18 @@ def is_hub_dataset(path) -> bool:
 class Fetcher:
     """Resolves each hub dataset to one commit (once), loads it into `cache_dir`, and remembers what it loaded."""
 
-    def __init__(self, cache_dir: Path, hub_cache: Path, pins: dict[str, str | None]):
+    def __init__(
+        self,
+        cache_dir: Path,
+        hub_cache: Path,
+        pins: dict[str, str | None],
+        use: str = "gate",
+        locked: dict[str, lock.Entry] | None = None,
+    ):
         import datasets
 
         self.cache_dir, self.hub_cache, self.pins = cache_dir, hub_cache, dict(pins)
+        self.use, self.locked = use, dict(locked or {})  # repo -> its lock entry, where it has one
         self.fetched: dict[str, dict] = {}  # repo -> its record entry
         self._load_dataset = datasets.load_dataset  # the library's own, also while fetch_gate stands in for it
 
@@ -64,10 +75,19 @@ class Fetcher:
                 ) from error
             if revision and commit != revision:
                 raise StageError(f"the hub answers commit {commit} for {repo}@{revision}")
+            locked = self.locked.get(repo)
+            if locked is not None:
+                source = f"the hub's {'commit ' + revision if revision else 'main branch'} of dataset {repo}"
+                lock.check(locked, commit, source, revision, lock.dataset_key(self.use, repo))
             if not revision:
+                if locked is None:
+                    kept = "no lock entry holds it: pin it"
+                elif locked.value:
+                    kept = f"as its lock entry {locked.path} holds"
+                else:
+                    kept = f"recorded in its lock entry {locked.path} once fetched"
                 print(
-                    f"WARNING: dataset {repo} is not pinned: its main branch is {commit} today (recorded). Pin it: "
-                    f"`{repo}: {commit}`",
+                    f"WARNING: dataset {repo} is not pinned: its main branch is {commit} today ({kept})",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -150,10 +170,10 @@ def fetch_gate(fetcher: Fetcher, tasks: list[dict], tasks_dir: str | None) -> No
         datasets.load_dataset = real
 
 
-def fetch(use: str, params, dest: Path, hub_cache: Path) -> dict:
+def fetch(use: str, params, dest: Path, hub_cache: Path, locked: dict[str, lock.Entry] | None = None) -> dict:
     """Fill `dest` (the datasets cache) for `use`; return the record's fields."""
     pins = {params.calibration["dataset"]: params.calibration["revision"]} if use == "calibration" else params.pins
-    fetcher = Fetcher(dest, hub_cache, dict(pins or {}))
+    fetcher = Fetcher(dest, hub_cache, dict(pins or {}), use, locked)
 
     def progress(seconds: float) -> str:
         fetched = ", ".join(fetcher.fetched) or "none yet"
@@ -180,14 +200,20 @@ def main(job) -> None:
         raise StageError(f"download_datasets: use must be one of {USES}, got {use!r}")
     out = Path(job.output.cache).parent
     out.mkdir(parents=True, exist_ok=True)
+    locked = {entry.name: entry for entry in lock.read_entries(job.input.lock) if entry.kind == "datasets"}
     # the loader's raw downloads go to a hub cache of their own, checked, then dropped: only the prepared cache stays
     hub_cache = Path(tempfile.mkdtemp(prefix=".hub-", dir=out))
     os.environ["HF_HUB_CACHE"] = str(hub_cache)  # before huggingface_hub is imported (it reads it once)
     try:
         output = SimpleNamespace(checkpoint=job.output.cache, manifest=job.output.manifest, record=job.output.record)
-        record = write_checkpoint(output, lambda tmp: fetch(use, job.params, tmp, hub_cache), {"use": use}, SCHEMA)
+        record = write_checkpoint(
+            output, lambda tmp: fetch(use, job.params, tmp, hub_cache, locked), {"use": use}, SCHEMA
+        )
     finally:
         shutil.rmtree(hub_cache, ignore_errors=True)
+    answers = [(locked[entry["repo"]], entry["commit"]) for entry in record["datasets"] if entry["repo"] in locked]
+    for written in lock.record(answers):
+        print(f"download_datasets [{use}]: recorded {written.name}@{written.value} in {written.path}")
     for entry in record["datasets"]:
         print(
             f"download_datasets [{use}]: {entry['repo']}@{entry['commit']} for {', '.join(entry['users'])}, "

@@ -156,7 +156,8 @@ def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
 @pytest.mark.e2e
 def test_a_new_gate_dataset_pin_refetches_the_gate_data_and_regates_only(tiny_run, tmp_path):
     override = tmp_path / "datasets.yaml"
-    override.write_text(yaml.safe_dump({"quality": {"datasets": {"org/not-loaded-by-any-task": None}}}))
+    # pinned: a floating one would first need a lock entry (tools/lock.py add)
+    override.write_text(yaml.safe_dump({"quality": {"datasets": {"org/not-loaded-by-any-task": "e" * 40}}}))
     jobs = planned_jobs(str(override))
     # the calibration set, the image and its measurements stay; the gate's data, the gate and the archive it admits
     assert set(jobs) == {"download_datasets", "quality_gate", "tarball"}, jobs

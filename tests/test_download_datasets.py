@@ -1,6 +1,7 @@
 """download_datasets against a local stand-in of the hub (tests/hub_standin.py), through the real huggingface_hub,
-datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, and later stages reading the fetched
-cache with the hub off (quality_gate's task loading, quantize's calibration loading)."""
+datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, the lock (lib/lock.py: the first fetch
+records the commit, later ones must resolve to it, tools/lock.py moves it), and later stages reading the fetched cache
+with the hub off (quality_gate's task loading, quantize's calibration loading)."""
 
 import json
 import subprocess
@@ -8,15 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hub_standin import StandinHub, run_stage_script
+from lib import lock
 from lib.stage import HUB_OFFLINE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tools import lock as lock_tool  # noqa: E402
+
 SCRIPT = ROOT / "scripts" / "download_datasets.py"
 EVAL = ROOT / ".venvs" / "eval" / "bin" / "python"
 COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
-COMMIT, OTHER_COMMIT = "c" * 40, "d" * 40
+COMMIT, OTHER_COMMIT, MOVED_COMMIT = "c" * 40, "d" * 40, "f" * 40
 DATA = "data/train-00000-of-00001.jsonl"
 CARD = b"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*.jsonl\n---\n"
 TASK_YAML = """task: {task}
@@ -63,11 +69,11 @@ def tasks_dir(tmp_path):
     return folder
 
 
-def fetch(tmp_path, hub, use, params, name="out"):
+def fetch(tmp_path, hub, use, params, name="out", lock_entries=()):
     out = tmp_path / name / use
     job = {
         "rule": "download_datasets",
-        "input": {},
+        "input": {"lock": [str(path) for path in lock_entries]},
         "output": {"cache": str(out / "cache"), "manifest": str(out / "manifest.json"), "record": str(out / "d.json")},
         "params": {"calibration": None, "tasks": None, "pins": None, "tasks_dir": None, **params},
         "log": [],
@@ -160,6 +166,74 @@ def test_a_corrupted_or_unknown_dataset_keeps_nothing(tmp_path, hub, tasks_dir):
 
     result, _ = fetch(tmp_path, hub, "gate", gate_params(tasks_dir, {"org/gate-qa": "e" * 40}), name="unknown")
     assert result.returncode != 0 and f"cannot resolve the dataset org/gate-qa@{'e' * 40} on the hub" in result.stderr
+
+
+def lock_entry(tmp_path, repo, value=None) -> Path:
+    path = lock.entry_path("datasets", repo, tmp_path / "lock")
+    lock.write_entry(path, "datasets", repo, value)
+    return path
+
+
+def kept_nothing(out: Path) -> bool:
+    return not (out / "cache").exists() and not (out / "manifest.json").exists() and not (out / "d.json").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("tiny_venvs")
+def test_the_first_fetch_locks_the_commit_and_every_later_fetch_must_resolve_to_it(
+    tmp_path, hub, tasks_dir, monkeypatch
+):
+    entry = lock_entry(tmp_path, "org/gate-qa")
+    params = gate_params(tasks_dir, {"org/gate-qa": None})  # floating: main, as the lock holds it
+    result, _ = fetch(tmp_path, hub, "gate", params, lock_entries=[entry])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert lock.read_entry(entry).value == COMMIT
+    assert f"recorded org/gate-qa@{COMMIT} in {entry}" in result.stdout
+    written = entry.stat().st_mtime_ns
+
+    result, _ = fetch(tmp_path, hub, "gate", params, name="again", lock_entries=[entry])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"its main branch is {COMMIT} today (as its lock entry {entry} holds)" in result.stderr
+    assert entry.stat().st_mtime_ns == written  # matched, not rewritten
+
+    hub.add(
+        "org/gate-qa", MOVED_COMMIT, dict(hub.repos[("dataset", "org/gate-qa")].files), lfs={DATA}, repo_type="dataset"
+    )
+    result, out = fetch(tmp_path, hub, "gate", params, name="moved", lock_entries=[entry])
+    assert result.returncode != 0
+    assert (
+        f"the hub's main branch of dataset org/gate-qa answers {MOVED_COMMIT} now, but the lock entry {entry} holds "
+        f"{COMMIT}" in result.stderr
+    )
+    assert f"(config key 'quality.datasets.org/gate-qa': {COMMIT})" in result.stderr
+    assert "python3 tools/lock.py refresh org/gate-qa" in result.stderr
+    assert kept_nothing(out) and lock.read_entry(entry).value == COMMIT
+
+    # the refresh command moves the entry to what the hub answers now; the fetch then passes
+    profile = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    profile["quality"]["datasets"] = {"org/gate-qa": None}
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(profile))
+    for key, value in (("HF_ENDPOINT", hub.endpoint), ("NO_PROXY", "127.0.0.1"), ("HF_HOME", str(tmp_path / "h"))):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    refresh = ["refresh", "org/gate-qa", "--configfile", str(tmp_path / "profile.yaml")]
+    assert lock_tool.main([*refresh, "--lock-dir", str(entry.parents[2])]) == 0
+    assert lock.read_entry(entry).value == MOVED_COMMIT
+    result, _ = fetch(tmp_path, hub, "gate", params, name="refreshed", lock_entries=[entry])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("tiny_venvs")
+def test_a_pin_the_lock_disagrees_with_fails_naming_both_and_the_key(tmp_path, hub):
+    entry = lock_entry(tmp_path, "org/calib", OTHER_COMMIT)
+    calibration = {"dataset": "org/calib", "split": "train", "revision": COMMIT}
+    result, out = fetch(tmp_path, hub, "calibration", {"calibration": calibration}, lock_entries=[entry])
+    assert result.returncode != 0
+    assert f"config key 'calibration.revision' pins {COMMIT}, but the lock entry {entry} holds {OTHER_COMMIT}" in (
+        result.stderr
+    )
+    assert kept_nothing(out) and lock.read_entry(entry).value == OTHER_COMMIT
 
 
 OFFLINE_CALIBRATION = """

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jsonschema
 
-from lib import ROOT, sweeps
+from lib import ROOT, lock, sweeps
 from lib.schema import SCHEMA_PATH, load as schema
 from serving import settings as serve_settings
 
@@ -144,15 +144,18 @@ def draft_problems(config: dict, root: Path) -> list[str]:
 
 
 def base_problems(image: dict) -> list[str]:
-    """A registry base must be pinned by digest (a tag can move under the same config) unless opted out."""
+    """A registry base is named by tag, its digest held by the lock (lib/lock.py), or by tag@digest; a bare name (the
+    `latest` Docker would assume) is refused unless the base may float (image.allow_unpinned_base)."""
     base = image["base"]
-    if base == "local" or image["allow_unpinned_base"] or re.search(r"@sha256:[0-9a-f]{64}$", base):
+    if base == "local":
         return []
-    return [
-        f"config key 'image.base': {base!r} is not pinned by digest; write it as "
-        f"{base.split('@')[0]}@sha256:<digest> (after `docker pull`, `docker inspect -f "
-        "'{{index .RepoDigests 0}}'` prints it), or set image.allow_unpinned_base: true to accept a movable tag"
-    ]
+    try:
+        _, tag, digest = lock.parse_image(base)
+        if not (tag or digest or image["allow_unpinned_base"]):
+            lock.image_name(base)  # raises, saying how to name a tag
+    except lock.LockError as error:
+        return [f"config key 'image.base': {error}"]
+    return []
 
 
 def named_files(config: dict) -> list[tuple[str, str, str]]:
@@ -363,6 +366,9 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
     # The catalog's own problems first: they would otherwise surface as a sweep point that differs from it.
     problems = variant_problems(config["variants"], config["image"])
     problems += base_problems(config["image"])
+    if problems:
+        raise ConfigError(problems)
+    problems = lock.problems(config, root)  # the lock entries of what the config fetches, against its pins
     if problems:
         raise ConfigError(problems)
 
