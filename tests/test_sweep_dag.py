@@ -200,6 +200,10 @@ CANDIDATES = config["candidates"]
 RESOURCES = {name: {"mem_mb": 100, "runtime": 1} for name in ("rank_candidates", "select")}
 
 
+def code_of(script):  # rules/common.smk's: the modules a script imports (none needed by the stand-ins)
+    return []
+
+
 checkpoint lossless:
     output:
         "results/{variant}/lossless/lossless.json",
