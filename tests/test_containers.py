@@ -336,10 +336,16 @@ REACH = (
     "    return 'reached'\n"
 )
 SERVER = REACH + (
-    "import http.server\n"
+    "import http.server, time\n"
+    "def lookup():\n"
+    "    started = time.monotonic()\n"
+    "    try:\n"
+    "        return 'resolved ' + socket.gethostbyname('example.com')\n"
+    "    except OSError:\n"
+    "        return f'failed after {time.monotonic() - started:.1f} s'\n"
     "class Handler(http.server.BaseHTTPRequestHandler):\n"
     "    def do_GET(self):\n"
-    "        body = (reach() if self.path == '/out' else 'pong').encode()\n"
+    "        body = {'/out': reach, '/dns': lookup}.get(self.path, lambda: 'pong')().encode()\n"
     "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
     "        self.wfile.write(body)\n"
     "http.server.HTTPServer(('0.0.0.0', 8080), Handler).serve_forever()\n"
@@ -368,8 +374,11 @@ def test_a_server_has_no_route_out_while_the_stage_reaches_it(tiny_base_image):
     ) as box:
         box.wait_ready(timeout_s=60)  # the host reaches it
         status, text, _ = request(box.base_url, "/out", timeout_s=30)
+        _, looked_up, _ = request(box.base_url, "/dns", timeout_s=30)
         network = json.loads(docker("network", "inspect", box.network))[0]
     assert status == 200 and text.startswith("blocked:"), text
+    # no name server to wait on (NO_DNS): a lookup fails at once, not after the resolver's 5 s timeout, twice
+    assert looked_up.startswith("failed after") and float(looked_up.split()[2]) < 4, looked_up
     assert network["Internal"] is True and box.network == containers.OFFLINE_NETWORK
 
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,6 +105,10 @@ def free_port() -> int:
 OFFLINE_NETWORK = "pipeline-offline"
 OFFLINE_NETWORK_OPTIONS = ["--internal", "-o", "com.docker.network.bridge.enable_icc=false"]
 SERVER_PORT = 8080  # the image's entrypoint listens here (serving/launch.py's PORT default)
+# Docker's embedded DNS leaves a query for an outside name on an internal network unanswered, so every such lookup
+# waited out the resolver's 10 s (torch's c10d looks up its store's client at every vLLM start). A resolv.conf naming
+# the container's own loopback, where nothing listens, fails them at once; /etc/hosts names still resolve.
+NO_DNS = "nameserver 127.0.0.1\n"
 
 
 def _inspect_network(name: str) -> dict | None:
@@ -419,7 +424,12 @@ def run_container(
     network = offline_network()
     # a name known before `docker run`, so an interrupt during the run itself still finds the container
     name = f"{name_prefix}-{os.getpid()}-{secrets.token_hex(3)}"
+    dns_dir = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    (dns_dir / "resolv.conf").write_text(NO_DNS)
+    dns_dir.chmod(0o755)
+    (dns_dir / "resolv.conf").chmod(0o644)
     cmd = ["docker", "run", "-d", "--name", name, "--network", network, "--shm-size", shm_size]
+    cmd += ["-v", f"{dns_dir / 'resolv.conf'}:/etc/resolv.conf:ro"]
     if gpus:
         cmd += ["--gpus", "all"]
     for volume in volumes:
@@ -446,6 +456,7 @@ def run_container(
         yield RunningContainer(name, address, network=network, image=image)
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+        shutil.rmtree(dns_dir, ignore_errors=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
