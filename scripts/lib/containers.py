@@ -192,7 +192,7 @@ def recorded_image(image: dict, inspect: Callable[[str], str | None] | None = No
     refused when the store no longer holds it, or when its tag now names another image (a later build, a
     `docker tag`), since what a stage measured or gated would not be what tarball ships. `inspect`: ref -> ID or
     None, by default the recording builder's store (stored_image_id)."""
-    builder = image.get("builder", "docker")
+    builder = image["builder"]  # the store build_image handed the image to
     inspect = inspect or (lambda ref: stored_image_id(ref, builder))
     recorded, ref = image["id"], image["ref"]
     if inspect(recorded) is None:

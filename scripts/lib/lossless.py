@@ -180,7 +180,7 @@ def paired_outputs(record: dict, reference: dict, require_batch: bool = False):
         if require_batch:
             yield BATCH_SET, "all", None, None, None, "the speculative run recorded no concurrent batch"
         return
-    reference_requests = {r["name"]: r for r in (reference.get("batch") or {}).get("requests", [])}
+    reference_requests = {r["name"]: r for r in batch_requests(reference)}
     for request in batch["requests"]:
         want = reference_requests.get(request["name"])
         problem = None
@@ -249,6 +249,12 @@ def failures(rows: list[dict]) -> list[str]:
     return [describe(row) for row in rows if not row["passed"]]
 
 
+def batch_requests(record: dict) -> list[dict]:
+    """The requests of a record's concurrent batch (none when it recorded no batch)."""
+    batch = record.get("batch")
+    return batch["requests"] if batch else []
+
+
 def reference_prompt_ids(reference: dict) -> dict[str, list[int] | None]:
     """{row key: the prompt ids the reference server tokenized for that row} (its first runs and its batch)."""
     keyed = {
@@ -256,7 +262,7 @@ def reference_prompt_ids(reference: dict) -> dict[str, list[int] | None]:
         for set_name, prompt_set in prompt_sets(reference).items()
         for category in prompt_set["categories"]
     }
-    for request in (reference.get("batch") or {}).get("requests", []):
+    for request in batch_requests(reference):
         keyed[row_key(BATCH_SET, request["name"])] = request.get("prompt_token_ids")
     return keyed
 
