@@ -527,7 +527,7 @@ def _copy_into(clone: Path, relative: str) -> None:
 
 @pytest.mark.e2e
 def test_a_second_clone_builds_the_same_image_and_tarball(tiny_verified, tmp_path):
-    """README, "What the same inputs give the same image covers": a fresh clone of this commit at another path,
+    """docs/reproducibility.md, what the same inputs give: a fresh clone of this commit at another path,
     given this clone's base image, quantized checkpoint and bake outputs, builds through its own build_image rule
     (the only rule allowed to run there) the same image ID, and `docker save` of it gives the same image.tar.gz
     bytes. The image is removed first, so the second build is a build, not a tag lookup."""
