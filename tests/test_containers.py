@@ -476,6 +476,8 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
             weights_manifest=str(tmp_path / "weights.json"),
             quantized_manifest=str(tmp_path / "quantized.json"),
             coldstart=str(tmp_path / "coldstart.json"),
+            draft=[],  # no drafter: the image's /opt/ml/draft is empty and its draft label "none"
+            draft_manifest=[],
         ),
         params=NS(
             tag="docker.io/library/pipeline-test-built:1",
@@ -499,6 +501,7 @@ def test_dockerfile_layout_and_env(tmp_path, tiny_image, reproducible):
         assert config["Entrypoint"] == ["python3", "-m", "serving"] and "8080/tcp" in config["ExposedPorts"]
         assert not (tmp_path / "out" / "context").exists()
         assert config["Labels"]["io.qwen35-serve.variant"] == "v1"
+        assert config["Labels"]["io.qwen35-serve.draft.manifest.sha256"] == "none"
         assert config["Labels"] == out["labels"]
         assert out["built_with"].split()[0] == ("buildah" if reproducible else "docker")
         if reproducible:  # the same inputs again, after removing the image: the same ID

