@@ -322,8 +322,12 @@ def test_wait_ready_reports_an_exited_container(tiny_image):
 
 
 # A server that answers /ping and, on /out, tries to open a TCP connection to OUT_HOST:OUT_PORT: "reached" when
-# something answered (a refusal is an answer too: there was a route), else "blocked: <error>".
-OUT_HOST, OUT_PORT = "1.1.1.1", 53
+# something answered (a refusal is an answer too: there was a route), else "blocked: <error>". The target is another
+# container on Docker's default bridge, so the control (reaching it from that bridge) needs no internet.
+OUT_PORT = 9999
+LISTEN = (
+    "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 9999))\ns.listen()\nwhile True: s.accept()[0].close()\n"
+)
 REACH = (
     "import os, socket\n"
     "def reach():\n"
@@ -356,19 +360,35 @@ SERVER = REACH + (
 @needs_docker
 def test_a_server_has_no_route_out_while_the_stage_reaches_it(tiny_base_image):
     """Through run_container, as every stage starts its server: the host reaches the server, the server reaches
-    nothing outside. The same attempt from Docker's default network is the control: it must get through."""
+    nothing beyond its own network, here a listener in another container on Docker's default bridge. The same
+    attempt from that bridge is the control: it must get through (no internet needed, so the test never skips)."""
+    image = tiny_base_image["id"]
+    target = docker("run", "-d", "--rm", "--entrypoint", "", image, "python3", "-c", LISTEN)
+    try:
+        out_host = docker("inspect", "-f", "{{.NetworkSettings.IPAddress}}", target)
+        out_env = {"OUT_HOST": out_host, "OUT_PORT": str(OUT_PORT)}
+        control = subprocess.run(
+            ["docker", "run", "--rm", *(f"-e{k}={v}" for k, v in out_env.items()), "--entrypoint", "", image]
+            + ["python3", "-c", REACH + "print(reach())"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert control.stdout.strip() == "reached", (out_host, control.stdout, control.stderr[-2000:])
+        status, text, looked_up, network, box_network = offline_server_reaching(image, out_env)
+    finally:
+        subprocess.run(["docker", "rm", "-f", target], capture_output=True)
+    assert status == 200 and text.startswith("blocked:"), text
+    # no name server to wait on (NO_DNS): a lookup fails at once, not after the resolver's 5 s timeout, twice
+    assert looked_up.startswith("failed after") and float(looked_up.split()[2]) < 4, looked_up
+    assert network["Internal"] is True and box_network == containers.OFFLINE_NETWORK
+
+
+def offline_server_reaching(image: str, out_env: dict):
+    """SERVER started through run_container, as a stage starts its server: what its /out and /dns answered, and the
+    network it ran on."""
     from lib.openai_client import request
 
-    image, out_env = tiny_base_image["id"], {"OUT_HOST": OUT_HOST, "OUT_PORT": str(OUT_PORT)}
-    control = subprocess.run(
-        ["docker", "run", "--rm", *(f"-e{k}={v}" for k, v in out_env.items()), "--entrypoint", "", image]
-        + ["python3", "-c", REACH + "print(reach())"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if control.stdout.strip() != "reached":
-        pytest.skip(f"from Docker's default network {OUT_HOST}:{OUT_PORT} is not reachable either: {control.stdout}")
     with containers.run_container(
         image, env=out_env, name_prefix="test-offline", docker_args=["--entrypoint", ""], args=["python3", "-c", SERVER]
     ) as box:
@@ -376,10 +396,7 @@ def test_a_server_has_no_route_out_while_the_stage_reaches_it(tiny_base_image):
         status, text, _ = request(box.base_url, "/out", timeout_s=30)
         _, looked_up, _ = request(box.base_url, "/dns", timeout_s=30)
         network = json.loads(docker("network", "inspect", box.network))[0]
-    assert status == 200 and text.startswith("blocked:"), text
-    # no name server to wait on (NO_DNS): a lookup fails at once, not after the resolver's 5 s timeout, twice
-    assert looked_up.startswith("failed after") and float(looked_up.split()[2]) < 4, looked_up
-    assert network["Internal"] is True and box.network == containers.OFFLINE_NETWORK
+    return status, text, looked_up, network, box.network
 
 
 @pytest.mark.e2e
