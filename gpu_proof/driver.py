@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from lib.containers import free_port, wait_for_ping  # noqa: E402
-from lib.decode_bytes import draft_passes, part_bytes, step_bytes  # noqa: E402
+from lib.decode_bytes import draft_passes, part_bytes, step_bytes, step_total  # noqa: E402
 from lib.probe import probe  # noqa: E402
 
 SITE_VLLM = os.environ.get("SITE_VLLM", "/tmp/site-vllm")
@@ -390,10 +390,10 @@ class Driver:
         bandwidth, checkpoint = self._read("bandwidth"), self._read("checkpoint")
         if not bandwidth or not checkpoint:
             return None
-        step = step_bytes(record["weights"], draft_passes(record["speculative"]))
-        drafting = record["drafter_bytes"] + step["lm_head"] if record["drafter_bytes"] else 0  # its head pass too
+        passes = draft_passes(record["speculative"])
+        step_weights = step_total(step_bytes(record["weights"], passes), passes, record["drafter_bytes"])
         return decode_bound(
-            step["total"] + drafting, bandwidth["copy_gbps"], checkpoint["text_config"], record["probe"]["categories"]
+            step_weights, bandwidth["copy_gbps"], checkpoint["text_config"], record["probe"]["categories"]
         )
 
     def stop(self, proc) -> None:

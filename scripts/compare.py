@@ -93,7 +93,7 @@ def decode_step(
     if step is None:
         return None
     passes = draft_passes(speculative)
-    total = step_total(step, passes) + (drafter_bytes + step["lm_head"] if drafter_bytes else 0)
+    total = step_total(step, passes, drafter_bytes)
 
     def floors(gbps: float) -> tuple[float, dict]:
         floor = bound_ms(total, gbps)

@@ -23,7 +23,6 @@ def build_synthetic(target: str, drafter: dict, dest: Path) -> None:
     from lib.tiny.drafter import build_random_drafter
 
     dims = {key: value for key, value in drafter.items() if key != "seed"}
-    dims["hidden_size"] = read_config(target).get("text_config", {}).get("hidden_size")
     with torch.device("cpu"):
         build_random_drafter(dest, target, dims, seed=int(drafter["seed"]))
 

@@ -229,7 +229,7 @@ def test_the_checkpoint_and_drafter_builders_run_on_the_current_tiny_model_api(t
     assert (
         data["weights_sha256"][shards[0]] == hashlib.sha256((tmp_path / "model" / shards[0]).read_bytes()).hexdigest()
     )
-    drafter_dims = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    drafter_dims = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
     drafter_dims |= {"head_dim": 32, "intermediate_size": 96, "target_layer_ids": [0, 2], "block_size": 4}
     subprocess.run(
         [*build, "--drafter", str(tmp_path / "drafter"), str(tmp_path / "d.json"), "--target", str(tmp_path / "model")]

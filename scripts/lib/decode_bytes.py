@@ -25,9 +25,11 @@ def part_bytes(model_dir: str | Path) -> dict[str, int]:
     return parts
 
 
-def step_total(step: dict, draft_passes: int) -> int:
-    """A step's bytes (step_bytes' decoder, lm_head, mtp_per_draft) with `draft_passes` MTP passes."""
-    return step["decoder"] + step["lm_head"] + draft_passes * step["mtp_per_draft"]
+def step_total(step: dict, draft_passes: int, drafter_bytes: int = 0) -> int:
+    """A step's bytes (step_bytes' decoder, lm_head, mtp_per_draft) with `draft_passes` MTP passes, or with a drafter
+    model of `drafter_bytes` (DFlash: one pass through the drafter, then the target's head once more)."""
+    drafting = drafter_bytes + step["lm_head"] if drafter_bytes else 0
+    return step["decoder"] + step["lm_head"] + draft_passes * step["mtp_per_draft"] + drafting
 
 
 def step_bytes(parts: dict[str, int], draft_passes: int = 0) -> dict:

@@ -17,7 +17,6 @@ from pathlib import Path
 # of 128 and an MLP of 9216). That checkpoint also sets use_sliding_window (five sliding layers, the last one full),
 # which a random stand-in leaves out: every layer here attends to the whole context, the costlier case.
 QWEN35_4B_DRAFTER = {
-    "hidden_size": 2560,
     "num_hidden_layers": 6,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
@@ -30,11 +29,12 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def drafter_config(target_text: dict, dims: dict, mask_token_id: int) -> dict:
-    """config.json of a drafter for a target whose text config is `target_text`."""
+    """config.json of a drafter for a target whose text config is `target_text`; its hidden size is the target's (it
+    embeds and reads out through the target's own embedding and head)."""
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "hidden_size": dims["hidden_size"],
+        "hidden_size": target_text["hidden_size"],
         "num_hidden_layers": dims["num_hidden_layers"],
         "num_attention_heads": dims["num_attention_heads"],
         "num_key_value_heads": dims["num_key_value_heads"],
