@@ -491,6 +491,22 @@ class Job:
         self.wildcards = type("W", (), {"variant": "awq-mtp2"})
 
 
+def lossless_job(tmp_path, variant, speculative, reference_kind, fatal, continuations="reference.json"):
+    """scripts/lossless.py's job over latency.json and reference.json already in tmp_path (the continuations in
+    `continuations`: the variant's own reference holds them, a sharer's come from lossless_continuations)."""
+    return SimpleNamespace(
+        input=SimpleNamespace(
+            latency=str(tmp_path / "latency.json"),
+            reference=str(tmp_path / "reference.json"),
+            continuations=str(tmp_path / continuations),
+            schema=str(SCHEMA),
+        ),
+        output=SimpleNamespace(lossless=str(tmp_path / "lossless.json")),
+        params=SimpleNamespace(speculative=speculative, reference_kind=reference_kind, fatal=fatal),
+        wildcards=SimpleNamespace(variant=variant),
+    )
+
+
 def test_the_stage_fails_for_a_shipped_variant_and_records_for_a_compared_one(tmp_path):
     lossy = flipped(latency(0.5, 2.0), "repeated", "long", 0)
     with pytest.raises(
@@ -567,17 +583,7 @@ def test_a_shared_reference_is_continued_for_another_variant_only_when_it_needs_
     assert written["server_started"] and started == ["pipeline:tiny-awq-mtp2"] and asked
     assert (written["image_id"], written["network"]) == ("sha256:x", "pipeline-offline")  # what served them
     assert set(written["continuations"]["awq-mtp1"]) == {"repeated/short", "batch/varied-short-16"}
-    job = SimpleNamespace(
-        input=SimpleNamespace(
-            latency=str(tmp_path / "latency.json"),
-            reference=str(tmp_path / "reference.json"),
-            continuations=str(tmp_path / "continuations.json"),
-            schema=str(SCHEMA),
-        ),
-        output=SimpleNamespace(lossless=str(tmp_path / "lossless.json")),
-        params=SimpleNamespace(speculative=MTP, reference_kind="tiny-awq-mtp2's image", fatal=True),
-        wildcards=SimpleNamespace(variant="awq-mtp1"),
-    )
+    job = lossless_job(tmp_path, "awq-mtp1", MTP, "tiny-awq-mtp2's image", True, "continuations.json")
     with pytest.raises(StageError, match=r"repeated prompts, category short: greedy output differs at output token"):
         lossless.main(job)
 
@@ -776,21 +782,7 @@ def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
             wildcards=SimpleNamespace(variant=variant),
         )
     )
-    lossless.main(
-        SimpleNamespace(
-            input=SimpleNamespace(
-                latency=str(tmp_path / "latency.json"),
-                reference=str(tmp_path / "reference.json"),
-                continuations=str(tmp_path / "reference.json"),
-                schema=str(SCHEMA),
-            ),
-            output=SimpleNamespace(lossless=str(tmp_path / "lossless.json")),
-            params=SimpleNamespace(
-                speculative=tiny["variants"][variant]["speculative"], reference_kind="own image", fatal=False
-            ),
-            wildcards=SimpleNamespace(variant=variant),
-        )
-    )
+    lossless.main(lossless_job(tmp_path, variant, tiny["variants"][variant]["speculative"], "own image", False))
     result = json.loads((tmp_path / "lossless.json").read_text())
     assert not result["passed"], result["reason"]
     after_tie = [r for r in result["rows"] if r["near_ties"] and r["divergence"]]
