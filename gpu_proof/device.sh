@@ -8,8 +8,10 @@
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
 #                                               budget brings nothing back)
-# Bundles (staged here by ../shared/device/stage.sh): vllm==0.26.0 and llmcompressor==0.14.0.1, and for suffix
-# decoding arctic-inference 0.1.1 built the way scripts/lib/local_builds.py builds it (.device-stage/arctic/c0).
+# Bundles (staged for an offline host, site-specific): vLLM (VLLM_BUNDLE names it, default `vllm`: the release
+# engine.vllm names, with the torch and NCCL it pins where the host's differ) and llmcompressor, and for suffix
+# decoding arctic-inference built the way scripts/lib/local_builds.py builds it (.device-stage/arctic/c0).
+# A trained checkpoint to serve (--checkpoint, --quantized) travels as .device-stage/models/c0/models.tar.
 # The driver runs from a copy of the tree in $STATE/repo, so a later call's fresh tree does not move under it.
 set -u
 STATE=${STATE:-/tmp/gp}
@@ -30,19 +32,26 @@ case "$1" in
     echo $$ > "$STATE/driver.pid"
     cd "$STATE/repo"
     t0=$(date +%s)
-    [ -d /tmp/site-vllm ] || (cat /root/stash/vllm.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
+    bundle=${VLLM_BUNDLE:-vllm}
+    export SITE_VLLM=/tmp/site-$bundle
+    [ -d "$SITE_VLLM" ] || (cat /root/stash/$bundle.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
     [ -d /tmp/site-llmcompressor ] || (cat /root/stash/llmcompressor.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
     wait
     # arctic-inference without its vllm.general_plugins entry point (it would patch vLLM wholesale)
     for wheel in /root/stash/arctic_inference-*.whl; do
-      [ -f "$wheel" ] && [ ! -d /tmp/site-vllm/arctic_inference ] || continue
-      python3 -m zipfile -e "$wheel" /tmp/site-vllm/ && rm -f /tmp/site-vllm/arctic_inference-*.dist-info/entry_points.txt
+      [ -f "$wheel" ] && [ ! -d "$SITE_VLLM/arctic_inference" ] || continue
+      python3 -m zipfile -e "$wheel" "$SITE_VLLM/" && rm -f "$SITE_VLLM"/arctic_inference-*.dist-info/entry_points.txt
     done
     mkdir -p /tmp/site-extra  # jsonschema & co. for the driver's config check and quantize's report check
     for m in jsonschema jsonschema_specifications referencing rpds attrs; do
-      [ -d "/tmp/site-extra/$m" ] || cp -r "/tmp/site-vllm/$m" /tmp/site-extra/ 2>/dev/null || true
+      [ -d "/tmp/site-extra/$m" ] || cp -r "$SITE_VLLM/$m" /tmp/site-extra/ 2>/dev/null || true
     done
-    cp -r /tmp/site-vllm/{jsonschema,referencing,rpds_py,jsonschema_specifications,attrs}-*.dist-info /tmp/site-extra/ 2>/dev/null
+    cp -r "$SITE_VLLM"/{jsonschema,referencing,rpds_py,jsonschema_specifications,attrs}-*.dist-info /tmp/site-extra/ 2>/dev/null
+    models=/root/stash/models.tar
+    [ -f "$models" ] && [ ! -d /tmp/models ] && mkdir -p /tmp/models && tar -C /tmp/models -xf "$models"
+    # the engine must import before any step is spent on it
+    PYTHONPATH=$SITE_VLLM python3 -c 'import torch, vllm; print("engine:", "vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))' \
+      || { echo "driver exit: the engine does not import"; touch "$STATE/driver.done"; exit 1; }
     echo "[unpack] $(( $(date +%s) - t0 )) s"
     env PYTHONPATH=/tmp/site-extra PYTHONUNBUFFERED=1 python3 -u gpu_proof/driver.py --state "$STATE" "${@:2}"
     echo "driver exit $?"

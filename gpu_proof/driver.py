@@ -18,6 +18,12 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     time on an otherwise idle GPU: a start costs minutes, a lease has thirty
   --random-drafter  dflash variants draft with random weights of the real drafter's shapes (no hub here)
   --profile V       after V's probe, one short request between /start_profile and /stop_profile (vLLM's profiler)
+  --checkpoint DIR  serve this checkpoint instead of a random one (the tiny profile's trained checkpoint, made on a
+                    CPU by the pipeline's own rules, with --config config/tiny.yaml): acceptance and the lossless check
+                    mean something only on trained weights
+  --quantized R=DIR a recipe's quantized model made elsewhere (the pipeline's quantize rule): step quantize-R uses it
+  --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
+                    refuses them at start, so a new engine is first measured without them
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
 """
 
@@ -109,7 +115,9 @@ class Driver:
         self.results, self.done = state / "results", state / "done"
         for folder in (self.results / "logs", self.done, state / "serve", state / "cache", state / "quant"):
             folder.mkdir(parents=True, exist_ok=True)
-        self.model_dir = state / "weights" / "Qwen3.5-4B-random"
+        given = self.options.get("checkpoint")
+        self.model_dir = Path(given) if given else state / "weights" / "Qwen3.5-4B-random"
+        self.quantized = {key: Path(value) for key, value in (self.options.get("quantized") or {}).items()}
         self.drafter_dir = state / "weights" / "drafter-random"
         self.serve_env = dict(self.options.get("serve_env") or {})
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
@@ -175,6 +183,9 @@ class Driver:
         self.record("environment", {"kind": "environment", "status": "ok", **environment})
 
     def step_checkpoint(self, _: str) -> None:
+        if self.options.get("checkpoint"):
+            self.record("checkpoint", describe_checkpoint(self.model_dir))
+            return
         shutil.rmtree(self.model_dir, ignore_errors=True)
         self._python([str(ROOT / "gpu_proof" / "build_checkpoint.py"), str(self.model_dir), str(self.state / "c.json")])
         self.record("checkpoint", json.loads((self.state / "c.json").read_text()))
@@ -191,6 +202,12 @@ class Driver:
 
     def step_quantize(self, recipe_key: str) -> None:
         recipe = self.pipeline.recipes[recipe_key]
+        if recipe_key in self.quantized:
+            model = self.quantized[recipe_key]
+            if not (model / "config.json").is_file():
+                raise RuntimeError(f"--quantized {recipe_key}={model}: no config.json there")
+            self.record(f"quantize-{recipe_key}", {"kind": "quantize", "status": "ok", "given": str(model)})
+            return
         out = self.state / "quant" / recipe_key
         shutil.rmtree(out, ignore_errors=True)
         result = self.state / f"quantize-{recipe_key}.json"
@@ -272,7 +289,7 @@ class Driver:
         recipe = self.variants[name]["recipe"]
         if not quantizes(recipe):
             return self.model_dir
-        model = self.state / "quant" / Path(recipe).stem / "model"
+        model = self.quantized.get(Path(recipe).stem) or self.state / "quant" / Path(recipe).stem / "model"
         if not (model / "config.json").is_file():
             raise RuntimeError(f"{model} is missing: quantize-{Path(recipe).stem} did not finish")
         return model
@@ -286,6 +303,9 @@ class Driver:
             options["gpu_memory_utilization"] = settings["gpu_memory_utilization"] = share
             options["kv_cache_memory_bytes"] = SHARED_KV_CACHE_BYTES
             settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(SHARED_KV_CACHE_BYTES)]
+        if self.options.get("patches") == "off":
+            settings["patches"] = {patch: False for patch in settings["patches"]}
+            options["patches"] = "off"
         if settings["speculative"]["method"] == "dflash":
             options["drafter"] = "random weights of the real drafter's shapes"
         if self.options["profile"] == name:
@@ -429,6 +449,32 @@ class Driver:
 # ---- pure helpers (tested without a GPU) ----
 
 
+def describe_checkpoint(path: Path) -> dict:
+    """A given checkpoint's record: its text config in the terms decode_bound reads, and each file's sha256."""
+    import hashlib
+
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    layer_types = text["layer_types"]
+    keys = ("hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "linear_num_value_heads")
+    keys += ("linear_key_head_dim", "linear_value_head_dim", "vocab_size", "tie_word_embeddings")
+    files = sorted(path.glob("*.safetensors"))
+    return {
+        "kind": "checkpoint",
+        "status": "ok",
+        "path": str(path),
+        "builder": "given (--checkpoint)",
+        "architecture": config["architectures"][0],
+        "text_config": {key: text[key] for key in keys if key in text}
+        | {
+            "full_attention_layers": layer_types.count("full_attention"),
+            "linear_attention_layers": layer_types.count("linear_attention"),
+        },
+        "weights_sha256": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files},
+        "total_bytes": sum(f.stat().st_size for f in files),
+    }
+
+
 def tail(log_path: Path, lines: int = 30) -> str:
     text = Path(log_path).read_text(errors="replace").splitlines() if Path(log_path).exists() else []
     return "\n".join(text[-lines:])
@@ -472,6 +518,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-drafter", action="store_true")
     parser.add_argument("--profile", default=None, metavar="VARIANT")
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR")
+    parser.add_argument("--quantized", action="append", default=[], metavar="RECIPE=DIR")
+    parser.add_argument("--patches", choices=("catalog", "off"), default="catalog")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
@@ -479,11 +528,17 @@ def main(argv: list[str] | None = None) -> None:
     steps = plan(names, pipeline.config["variants"], args.together, args.random_drafter)
     if args.profile and args.profile not in names:
         raise PlanError(f"--profile {args.profile}: not among --variants {names}")
+    quantized = dict(item.split("=", 1) for item in args.quantized)
+    unknown = sorted(set(quantized) - set(pipeline.recipes))
+    if unknown:
+        raise PlanError(f"--quantized {unknown}: not a recipe of the catalog; known: {sorted(pipeline.recipes)}")
     if args.plan:
         print("\n".join(steps))
         return
     options = {key: getattr(args, key) for key in ("together", "random_drafter", "profile", "warmup", "runs")}
     options["serve_env"] = dict(item.split("=", 1) for item in args.serve_env)
+    options["quantized"] = quantized
+    options.update(checkpoint=args.checkpoint, patches=args.patches)
     Driver(Path(args.state), names, pipeline, options).run()
 
 

@@ -154,6 +154,65 @@ def test_a_relaunch_skips_what_is_done_and_a_failed_start_leaves_the_others_prob
     assert (results / f"variant-{names[0]}.json").stat().st_mtime_ns == probed_at
 
 
+def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_patch_off(tmp_path):
+    """The trained-weights proof: the tiny profile's catalog, its checkpoint and quantized model made on a CPU by the
+    pipeline (--checkpoint, --quantized), every patch off (--patches off: a new engine before the patches are
+    re-decided); nothing random is built, the given checkpoint is described by its files' digests."""
+    tiny = driver.catalog(ROOT / "config" / "tiny.yaml")
+    given, quantized = tmp_path / "given", tmp_path / "given-awq"
+    write_checkpoint(given)
+    (given / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": {
+                    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                    "num_key_value_heads": 2,
+                    "head_dim": 128,
+                    "linear_num_value_heads": 2,
+                    "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128,
+                },
+            }
+        )
+    )
+    shutil.copytree(given, quantized)
+    names = ["tiny-awq-none", "tiny-awq-mtp2"]
+    options = {"warmup": 1, "runs": 1, "checkpoint": str(given), "patches": "off"}
+    d = driver.Driver(tmp_path / "state", names, tiny, options | {"quantized": {"awq-w4a16-g32-broad": str(quantized)}})
+    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    d.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
+    d.record("bandwidth", {"kind": "bandwidth", "status": "ok", "copy_gbps": 4000.0})
+    for step in ("environment", "bandwidth"):
+        (d.done / step).write_text("0\n")
+    d.run()
+    results = tmp_path / "state" / "results"
+    checkpoint = json.loads((results / "checkpoint.json").read_text())
+    digest = hashlib.sha256((given / "model.safetensors").read_bytes()).hexdigest()
+    assert checkpoint["weights_sha256"] == {"model.safetensors": digest}
+    assert (checkpoint["text_config"]["full_attention_layers"], checkpoint["text_config"]["head_dim"]) == (1, 128)
+    assert not (tmp_path / "state" / "weights").exists() and not any((tmp_path / "state" / "quant").iterdir())
+    for name in names:
+        record = json.loads((results / f"variant-{name}.json").read_text())
+        assert record["status"] == "ok", record.get("error")
+        assert record["options"]["patches"] == "off" and not any(record["serve"]["patches"].values())
+        assert record["serve"]["max_model_len"] == tiny.config["variants"][name]["serve"]["max_model_len"]
+    lossless = json.loads((results / "lossless.json").read_text())
+    assert [(c["variant"], c["reference_variant"]) for c in lossless["checks"]] == [("tiny-awq-mtp2", "tiny-awq-none")]
+    with pytest.raises(driver.PlanError, match="no-such-recipe"):
+        driver.main(
+            [
+                "--config",
+                str(ROOT / "config" / "tiny.yaml"),
+                "--variants",
+                "tiny-awq-none",
+                "--plan",
+                "--quantized",
+                "no-such-recipe=/x",
+            ]
+        )
+
+
 def test_a_variant_the_catalog_does_not_define_is_refused_before_any_step(tmp_path, pipeline):
     with pytest.raises(driver.PlanError, match="awq-no-such-variant"):
         driver.main(["--variants", "bf16,awq-no-such-variant", "--state", str(tmp_path / "state")])
