@@ -8,8 +8,9 @@
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
 #                                               budget brings nothing back)
-# Bundles (staged here by ../shared/device/stage.sh): vllm==0.26.0 and llmcompressor==0.14.0.1, and for suffix
-# decoding arctic-inference 0.1.1 built the way scripts/lib/local_builds.py builds it (.device-stage/arctic/c0).
+# Bundles (how they reach an offline host is site-specific): vllm==0.26.0 and llmcompressor==0.14.0.1 as xz-packed
+# site-packages trees split in parts (vllm.tar.xz.*, llmcompressor.tar.xz.*), and for suffix decoding
+# arctic-inference 0.1.1 built the way scripts/lib/local_builds.py builds it (a wheel), all in /root/stash.
 # The driver runs from a copy of the tree in $STATE/repo, so a later call's fresh tree does not move under it.
 set -u
 STATE=${STATE:-/tmp/gp}
