@@ -139,8 +139,7 @@ def main() -> None:
         "total_params": sum(g["params"] for g in groups.values()),
         "total_bytes": sum(g["bytes"] for g in groups.values()),
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
-        # machine33-34 (the first H200) gave other greedy ids than the H100s, and nothing said whether the weights
-        # were the same: a digest per weights file says it (a few seconds for the full-size checkpoint)
+        # two hosts whose greedy ids differ can tell whether their weights were the same
         "weights_sha256": {p.name: sha256_file(p) for p in sorted(out.glob("*.safetensors"))},
         "tokenizer_s": round(tokenizer_s, 1),
         "build_s": round(build_s, 1),

@@ -8,10 +8,11 @@
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
 #                                               budget brings nothing back)
-# Bundles (staged for an offline host, site-specific): vLLM (VLLM_BUNDLE names it, default `vllm`: the release
-# engine.vllm names, with the torch and NCCL it pins where the host's differ) and llmcompressor, and for suffix
-# decoding arctic-inference built the way scripts/lib/local_builds.py builds it (.device-stage/arctic/c0).
-# A trained checkpoint to serve (--checkpoint, --quantized) travels as .device-stage/models/c0/models.tar.
+# Bundles (how they reach an offline host is site-specific), xz-packed site-packages trees split in parts in
+# /root/stash: vLLM (NAME.tar.xz.*, NAME from VLLM_BUNDLE, default `vllm`: the release engine.vllm names, with the
+# torch and NCCL it pins where the host's differ) and llmcompressor (llmcompressor.tar.xz.*), and for suffix decoding
+# arctic-inference built the way scripts/lib/local_builds.py builds it (a wheel). A trained checkpoint to serve
+# (--checkpoint, --quantized) travels as models.tar.
 # The driver runs from a copy of the tree in $STATE/repo, so a later call's fresh tree does not move under it.
 set -u
 STATE=${STATE:-/tmp/gp}

@@ -38,8 +38,8 @@ CACHE_DIRS = {
 # Triton's autotuner times every config of a kernel at each start and keeps the fastest only in memory, unless told
 # to keep it in its cache dir (above, baked). vLLM's GDN prefill kernels are autotuned over block sizes, which set the
 # order of their sums. Kept, every start of a baked image and every variant on one cache runs the block sizes the
-# first start picked instead of whatever this start's timing favours (on an H100 the later starts timed nothing:
-# results/gpu-proof/h100-autotune-kept). It does not make a random model's near-tie tokens reproducible across starts.
+# first start picked instead of whatever this start's timing favours (and a later start times nothing). It does not
+# make a random model's near-tie tokens reproducible across starts.
 KEEP_AUTOTUNING = {"TRITON_CACHE_AUTOTUNING": "1"}
 
 

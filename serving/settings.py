@@ -36,8 +36,8 @@ class Setting:
 
 
 # vLLM 0.26's two model runners. It picks V1 for a hybrid model such as Qwen3.5 although V2 carries its GDN state
-# and MTP (vLLM PR #35520); V2 prepares a step's inputs on the GPU, which on an H100 took a third off an MTP K=2
-# token (results/gpu-proof/h100-runner2).
+# and MTP (vLLM PR #35520); V2 prepares a step's inputs on the GPU, which makes an MTP step cheaper on a host-bound
+# GPU (docs/results.md: the H100 table's awq-w4a16-g32-head4-vocab131k-mtp2 with and without -runner2).
 MODEL_RUNNERS = {"v1": "0", "v2": "1"}
 # The speculative methods V2 serves of those a config may name (vLLM 0.26, config/vllm.py
 # _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft models are refused at start).
@@ -111,9 +111,9 @@ PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
     "mamba prefix-cache alignment needs Triton)",
     "ngram_gpu": "not measured safe: refused like ngram until the lossless check passes with prefix caching on",
-    "suffix": "measured: on an H100 (results/gpu-proof/h100-suffix-depth) the repeated long prompt's greedy output "
-    "left the reference without a near tie with prefix caching on, and short and medium requests got slower; on CPU "
-    "the mamba prefix-cache alignment needs Triton",
+    "suffix": "measured: on an H100 with prefix caching on, the repeated long prompt's greedy output left the "
+    "reference without a near tie, and short and medium requests got slower; on CPU the mamba prefix-cache alignment "
+    "needs Triton",
     "dflash": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 

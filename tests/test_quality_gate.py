@@ -199,7 +199,7 @@ def test_the_real_profile_gates_on_every_doc_by_default():
     assert config["quality"]["limit"] is None
 
 
-# The contract's generation settings (../shared/spec/contract.md, "Quality benchmarks"): MMLU-Pro 5-shot thinking
+# The contract's generation settings (the competition's contract, "Quality benchmarks"): MMLU-Pro 5-shot thinking
 # off; IFEval 0-shot thinking off, max 512 tokens; GPQA-Diamond 0-shot CoT, thinking on, streaming, max 12,288.
 CONTRACT = {
     "mmlu_pro": {"num_fewshot": 5, "thinking": False, "stream": False},

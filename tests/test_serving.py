@@ -430,8 +430,12 @@ def test_every_plugin_entry_point_resolves_to_a_guarded_register_of_its_patch():
         assert guards == [plugin.removeprefix("serving_")], (target, guards)  # switched by its own registry entry
 
 
-def test_the_committed_entry_points_are_the_registrys():
-    for name, text in patches.dist_files().items():
+def test_the_committed_dist_info_is_the_registrys():
+    """Every file of the committed dist-info (METADATA, entry points, RECORD) is written from the registry."""
+    generated = patches.dist_files()
+    committed = sorted(path.name for path in patches.DIST_INFO.iterdir())
+    assert committed == sorted(generated), f"files not written from the registry: run `{patches.REGENERATE}`"
+    for name, text in generated.items():
         committed = (patches.DIST_INFO / name).read_text()
         assert committed == text, f"{patches.DIST_INFO / name} differs from the registry: run `{patches.REGENERATE}`"
 

@@ -5,12 +5,12 @@ Only /opt/ml/serve.json is replaced, by the variant's own with `speculative: {me
 build, kernels and serve settings. The baked compile cache was made with speculation on, so a start compiles: slower,
 not different.
 
-On a CPU host vLLM's worker binds its OpenMP threads automatically to every allowed CPU but the last, which it leaves
-to the server's own processes, so two servers started alike compute on the same CPUs while the last one idles. The
-reference runs beside the quality gate, so its worker is bound to that last CPU instead (reference_cpu_env): on 2 cores
-the pair took 225-229 s instead of 297 s (2026-11-26, AVX2-only EPYCs), greedy ids unchanged. Only because this start
-compiles anyway: the binding is part of vLLM's compile-cache key, and the gate's server, which loads the baked cache,
-keeps the automatic binding.
+On a CPU host vLLM's worker binds its OpenMP threads automatically to every allowed CPU but the last, which it
+leaves to the server's own processes, so two servers started alike compute on the same CPUs while the last one
+idles. The reference runs beside the quality gate, so its worker is bound to that last CPU instead
+(reference_cpu_env): on 2 cores the pair then finishes sooner, with the same greedy ids. Only because this start
+compiles anyway: the binding is part of vLLM's compile-cache key, and the gate's server, which loads the baked
+cache, keeps the automatic binding.
 """
 
 import contextlib

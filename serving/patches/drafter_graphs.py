@@ -3,10 +3,10 @@ batch shape (off by default; the ngram_gpu variant turns on serve.patches.drafte
 
 Why it exists: vLLM 0.26 builds NgramProposerGPU with cudagraph_mode=NONE. Each decode step runs its bookkeeping
 (update_token_ids_ngram: the sampled tokens, their counts, the next token), its matcher (propose: scatter into the
-token buffer, then the inductor-compiled n-gram kernel) and, padded, draft_padding's fill as ~60 separate eager
-kernel launches and copies. On an H100 (results/gpu-proof/h100-ngram-gpu, machine13) a padded step was 3.6 ms of GPU
-work but 5.5-6.4 ms of inter-token latency: the host could not keep up, async scheduling or not. Captured, each of
-the two calls is one graph launch plus copies of its inputs in and its outputs out.
+token buffer, then the inductor-compiled n-gram kernel) and, padded, draft_padding's fill as dozens of separate
+eager kernel launches and copies. On an H100 a padded step's inter-token latency was well above its GPU work: the
+host could not keep up, async scheduling or not. Captured, each of the two calls is one graph launch plus copies of
+its inputs in and its outputs out.
 
 How: the first call of a key runs eagerly (lazy initialisation, Triton autotuning, dynamo compiling a new shape all
 happen there, none of it capturable); the second captures; later ones copy the step's tensors into the graph's own

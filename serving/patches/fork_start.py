@@ -2,9 +2,9 @@
 
 Why: vLLM's CPU platform forces `spawn` for every process it starts, so a server imports vLLM, torch and
 transformers three times in a row: the API server, then the engine core it spawns, then the worker the engine
-core spawns, about 14 s each on two AVX2 cores (about 28 s of a 70 s container start go to the second and third).
-Both parents have all of it imported already; a forked child starts at once. (vLLM forks its workers by default
-on GPUs; the CPU platform is what forces spawn.)
+core spawns; on a small CPU the second and third are a large part of a container's start. Both parents have all of
+it imported already; a forked child starts at once. (vLLM forks its workers by default on GPUs; the CPU platform is
+what forces spawn.)
 
 What spawn gave that a fork must keep:
 - The worker's OpenMP binding. vLLM sets it in environment variables around the worker's start (`OMP_NUM_THREADS`

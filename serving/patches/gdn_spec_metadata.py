@@ -1,13 +1,12 @@
 """vLLM general plugin (entry point in _dist/): the GDN metadata of a verify step in which every request carries
 drafts, built with slices instead of the general path's masks, syncs and index gathers.
 
-Why it exists: on an H100 a captured speculative step (padded ngram_gpu, drafter graphs) spent 8.3 ms of profiled
-host time against 1.7 ms for a plain step; the largest block after the drafter was vLLM 0.26's GDN metadata builder
-in its speculative branch (results/gpu-proof/h100-graph-drafter-traced, docs/gpu-proof.md), run once per GDN
-KV-cache group (three on Qwen3.5-4B) with the same inputs but the block table: each run pins the draft-count mask
-and copies it to the GPU, makes six `.item()`s on CPU tensors, gathers the block table and the accepted counts
-through a CPU boolean mask (an index copy to the GPU each), and builds a fresh arange, before copying all of it into
-the builder's persistent CUDA-graph buffers.
+Why it exists: on an H100 a captured speculative step (padded ngram_gpu, drafter graphs) spent several times a plain
+step's profiled host time; the largest block after the drafter was vLLM 0.26's GDN metadata builder in its
+speculative branch, run once per GDN KV-cache group (three on Qwen3.5-4B) with the same inputs but the block table:
+each run pins the draft-count mask and copies it to the GPU, makes six `.item()`s on CPU tensors, gathers the block
+table and the accepted counts through a CPU boolean mask (an index copy to the GPU each), and builds a fresh arange,
+before copying all of it into the builder's persistent CUDA-graph buffers.
 
 When every request of the batch is a speculative decode (each draft count >= 0, some > 0; what padded drafts give at
 every step) and the batch fits the FULL graph, the general path's mask is all True, so every masked gather is a

@@ -6,12 +6,12 @@ step: the bonus tokens go through the whole Sampler (a float32 copy of their log
 the logits processors, then argmax), and the target logits are gathered, copied to float32, cloned, run through the
 processors and the sampling constraints, and only then argmaxed. Each is a few host-launched ops, and a speculative
 step on the H100 is host-bound: after the GDN metadata and the indices (gdn_spec_metadata, spec_decode_indices) the
-rejection sampler is the largest host cost left of a step (results/gpu-proof/h100-spec-indices). A greedy batch in
-which nothing can move an argmax (no penalties, bad words, allowed-token masks, active min-tokens or logit-bias
-processors, thinking budget, logprobs or synthetic acceptance) samples exactly the argmax of its raw logits: bf16 to
-float32 is exact, so the argmax of the raw rows is the one vLLM takes. The plugin then runs vLLM's own
-`rejection_sample` on the raw target rows and takes the bonus tokens by argmax; any other batch goes to vLLM's
-forward. tests/test_lossless.py compares both with vLLM's forward batch by batch.
+rejection sampler is the largest host cost left of a step in a profiler trace. A greedy batch in which nothing can
+move an argmax (no penalties, bad words, allowed-token masks, active min-tokens or logit-bias processors, thinking
+budget, logprobs or synthetic acceptance) samples exactly the argmax of its raw logits: bf16 to float32 is exact, so
+the argmax of the raw rows is the one vLLM takes. The plugin then runs vLLM's own `rejection_sample` on the raw
+target rows and takes the bonus tokens by argmax; any other batch goes to vLLM's forward. tests/test_lossless.py
+compares both with vLLM's forward batch by batch.
 
 serve.patches.greedy_rejection: false leaves vLLM's code alone.
 """

@@ -3,8 +3,8 @@ shape, instead of recomputed and copied to the GPU every step.
 
 Why it exists: vLLM 0.26's runner builds a speculative step's indices (`_calc_spec_decode_metadata`: which logits
 are the drafts' targets, which the bonus tokens', the draft-count prefix sums) on the host with numpy and copies each
-of the five arrays to the GPU through pinned memory: five pins and five host-to-device copies every step, which the
-trace of a captured padded ngram_gpu step counts among its remaining host costs (results/gpu-proof/h100-gdn-metadata).
+of the five arrays to the GPU through pinned memory: five pins and five host-to-device copies every step, which a
+profiler trace of a captured padded ngram_gpu step on an H100 counts among its remaining host costs.
 Those arrays depend on the draft counts and the scheduled-token prefix sums only. With padded drafts every decode
 step of a batch has the same counts, so the arrays are the same step after step; the plugin keeps them, per batch
 shape, for steps in which every request verifies its drafts (no prefill, no plain decode), and gathers the step's
