@@ -22,6 +22,8 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     CPU by the pipeline's own rules, with --config config/tiny.yaml): acceptance and the lossless check
                     mean something only on trained weights
   --quantized R=DIR a recipe's quantized model made elsewhere (the pipeline's quantize rule): step quantize-R uses it
+  --engine X.Y.Z    the vLLM release the bundle must be (default: the config's engine.vllm); another one is measured
+                    only when named here, and the environment record says which ran
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
@@ -176,6 +178,9 @@ class Driver:
             env = dict(os.environ, PYTHONPATH=site)
             found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
             versions[label] = json.loads(found.stdout)
+        bundled, expected = versions["vllm_bundle"]["vllm"], self.options.get("engine")
+        if expected and bundled.split("+", 1)[0] != expected:
+            raise RuntimeError(f"the vLLM bundle at {SITE_VLLM} is {bundled}, not {expected} (--engine, engine.vllm)")
         cpuinfo = Path("/proc/cpuinfo").read_text()
         models = {line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")}
         environment = {"gpu": {"name": name, "driver": driver, "memory_total": memory}, "versions": versions}
@@ -449,6 +454,11 @@ class Driver:
 # ---- pure helpers (tested without a GPU) ----
 
 
+def expected_engine(pipeline, given: str | None) -> str:
+    """The vLLM release a run serves with: --engine where given, else the config's engine.vllm."""
+    return given or pipeline.config["engine"]["vllm"]
+
+
 def describe_checkpoint(path: Path) -> dict:
     """A given checkpoint's record: its text config in the terms decode_bound reads, and each file's sha256."""
     import hashlib
@@ -521,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="DIR")
     parser.add_argument("--quantized", action="append", default=[], metavar="RECIPE=DIR")
     parser.add_argument("--patches", choices=("catalog", "off"), default="catalog")
+    parser.add_argument("--engine", default=None, metavar="X.Y.Z")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
@@ -538,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     options = {key: getattr(args, key) for key in ("together", "random_drafter", "profile", "warmup", "runs")}
     options["serve_env"] = dict(item.split("=", 1) for item in args.serve_env)
     options["quantized"] = quantized
-    options.update(checkpoint=args.checkpoint, patches=args.patches)
+    options.update(checkpoint=args.checkpoint, patches=args.patches, engine=expected_engine(pipeline, args.engine))
     Driver(Path(args.state), names, pipeline, options).run()
 
 

