@@ -92,7 +92,7 @@ def dry_run_with(tmp_path: Path, config: dict):
             "is not an image reference",
         ),
         (  # a tag whose digest nothing holds yet: added to the lock on purpose (tools/lock.py add)
-            lambda c: c["image"].update(base="vllm/vllm-openai:v0.0.1"),
+            lambda c: (c["image"].update(base="vllm/vllm-openai:v0.0.1"), c.update(engine={"vllm": "0.0.1"})),
             "image.base",
             "floats (no pin) and has no lock entry config/lock/images/docker.io/vllm/vllm-openai/v0.0.1.yaml",
         ),
