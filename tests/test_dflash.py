@@ -109,9 +109,8 @@ def run_serve_config(tmp_path, k: int, drafter: dict):
     draft = tmp_path / "draft"
     draft.mkdir(exist_ok=True)
     (draft / "config.json").write_text(json.dumps(drafter))
-    serve = dict(serve_json({}, {"method": "dflash", "k": k, "draft": DRAFT}))
     job = SimpleNamespace(
-        params=SimpleNamespace(serve=serve),
+        params=SimpleNamespace(serve={}, speculative={"method": "dflash", "k": k, "draft": DRAFT}),
         input=SimpleNamespace(draft=str(draft)),
         output=SimpleNamespace(serve=str(tmp_path / "serve.json")),
         wildcards=SimpleNamespace(variant="v"),
