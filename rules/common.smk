@@ -58,11 +58,12 @@ PROJECT_PACKAGES = {"lib": "scripts/lib", "serving": "serving"}
 
 
 def code_of(script):
-    """The project modules `script` imports, read from its import graph (scripts/lib/imports.py): inputs of the rule
-    that runs it, so a change to shared code reruns exactly the stages that import it."""
-    from lib.imports import project_modules
+    """The project modules `script` imports, read from its import graph, and the data files they declare
+    (scripts/lib/imports.py): inputs of the rule that runs it, so a change to shared code or to a file it reads
+    reruns exactly the stages that import it."""
+    from lib.imports import code_inputs
 
-    return [str(path) for path in project_modules(script, PROJECT_PACKAGES)]
+    return [str(path) for path in code_inputs(script, PROJECT_PACKAGES)]
 
 
 def tiny_training_inputs():

@@ -8,7 +8,8 @@ rule serve_config:
     output:
         serve="results/{variant}/serve_config/serve.json",
     params:
-        serve=lambda wildcards: PIPELINE.serve_json(wildcards.variant),
+        serve=lambda wildcards: variant_config(wildcards)["serve"],
+        speculative=lambda wildcards: variant_config(wildcards)["speculative"],
     resources:
         **RESOURCES["serve_config"],
     log:

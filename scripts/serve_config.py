@@ -1,5 +1,5 @@
-"""Write a variant's serve.json: the settings the rule resolved through serving/settings.py, checked again by the
-same table the image's entrypoint uses, so a file the image would refuse is never written."""
+"""Write a variant's serve.json: the variant's serve and speculative settings resolved through serving/settings.py,
+the table the image's entrypoint uses, so a file the image would refuse is never written."""
 
 from lib.dflash import depth_problems, read_config
 from lib.stage import StageError, write_json
@@ -7,9 +7,8 @@ from serving.settings import SettingsError, serve_json
 
 
 def main(job) -> None:
-    settings = dict(job.params.serve)
     try:
-        checked = serve_json({k: v for k, v in settings.items() if k != "speculative"}, settings["speculative"])
+        checked = serve_json(dict(job.params.serve), dict(job.params.speculative))
     except SettingsError as error:
         raise StageError(f"variant {job.wildcards.variant}: {error}") from None
     draft = getattr(job.input, "draft", None)

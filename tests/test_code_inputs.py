@@ -1,5 +1,6 @@
 """A change to shared code reruns exactly the stages that import it: each rule's inputs include the project modules
-its script imports (scripts/lib/imports.py, rules/common.smk's code_of), read from the import graph."""
+its script imports (scripts/lib/imports.py, rules/common.smk's code_of), read from the import graph, and the data
+files those modules declare they read (DATA_FILES)."""
 
 import json
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
-from lib.imports import project_modules
+from lib.imports import DataFilesError, code_inputs, project_modules
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -74,6 +75,44 @@ def test_subpackages_and_a_second_package_count_their_init_files(tmp_path):
     ]
 
 
+def test_the_data_files_a_module_declares_are_inputs_beside_its_imports(tmp_path):
+    write(
+        tmp_path,
+        {
+            "stage.py": "from pkg import reader\n",
+            "pkg/__init__.py": "",
+            "pkg/reader.py": "from pkg.sub import template\n\nDATA_FILES = ('words.txt', '../shared/table.yaml')\n",
+            "pkg/words.txt": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/template.py": "DATA_FILES = ('page.jinja',)\n\n\ndef f():\n    DATA_FILES = ('local.txt',)\n",
+            "pkg/sub/page.jinja": "",
+            "pkg/unused.py": "DATA_FILES = ('unread.txt',)\n",
+            "pkg/unread.txt": "",
+            "shared/table.yaml": "",
+        },
+    )
+    found = [str(path.relative_to(tmp_path)) for path in code_inputs(tmp_path / "stage.py", {"pkg": tmp_path / "pkg"})]
+    assert found == [
+        "pkg/__init__.py",
+        "pkg/reader.py",
+        "pkg/sub/__init__.py",
+        "pkg/sub/page.jinja",
+        "pkg/sub/template.py",
+        "pkg/words.txt",
+        "shared/table.yaml",
+    ]
+
+
+@pytest.mark.parametrize(
+    "declaration, words",
+    [("DATA_FILES = ('gone.txt',)", "gone.txt, which is no file"), ("DATA_FILES = (NAME,)", "string literals")],
+)
+def test_a_data_file_declaration_that_names_no_file_is_refused_naming_the_module(tmp_path, declaration, words):
+    write(tmp_path, {"stage.py": "import pkg.reader\n", "pkg/__init__.py": "", "pkg/reader.py": declaration + "\n"})
+    with pytest.raises(DataFilesError, match=r"pkg/reader\.py:1: DATA_FILES .*" + re.escape(words)):
+        code_inputs(tmp_path / "stage.py", {"pkg": tmp_path / "pkg"})
+
+
 # Each rule's script and `code` input as Snakemake parsed them (its API, in a fresh interpreter, as test_dag does).
 RULE_CODE = """
 import json, sys
@@ -99,9 +138,11 @@ def test_every_rule_that_runs_a_script_lists_what_its_script_imports():
     packages = {"lib": ROOT / "scripts" / "lib", "serving": ROOT / "serving"}
     for name, rule in running.items():
         script = (ROOT / "rules" / rule["script"]).resolve()
-        expected = [str(path.relative_to(ROOT)) for path in project_modules(script, packages)]
+        expected = [str(path.relative_to(ROOT)) for path in code_inputs(script, packages)]
         assert "scripts/lib/stage.py" in expected, name  # every stage runs through lib.stage.run_stage
         assert rule["code"] == expected, name
+    # the tiny tokenizer's chat template, read beside lib/tiny/tokenizer.py by the stages that make the model
+    assert "scripts/lib/tiny/chat_template.jinja" in running["train_tiny"]["code"]
 
 
 def dry_run_reasons(project: Path) -> dict[str, list[str]]:
@@ -158,6 +199,13 @@ EDITS = [
     ),
     # imported by quantize alone
     ("scripts/lib/quantize_checks.py", {"quantize"}, {"quantize", *FROM_BAKE_ON}),
+    # a data file, read by the tiny tokenizer (its DATA_FILES): download makes the model with it (train_tiny also
+    # lists it, but reruns first for download's new checkpoint, the reason Snakemake gives)
+    (
+        "scripts/lib/tiny/chat_template.jinja",
+        {"download"},
+        {"download", "train_tiny", "quantize", *FROM_BAKE_ON},
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT, TINY, snakemake
 from lib import config as pipeline_config
 from serving import patches
-from serving.settings import vllm_args
+from serving.settings import serve_json, vllm_args
 
 
 def tiny_config() -> dict:
@@ -385,3 +385,25 @@ def test_the_engine_is_named_once_and_every_profile_serves_it(tmp_path):
         with pytest.raises(pipeline_config.ConfigError) as refused:
             pipeline_config.load(config)
         assert all(name in str(refused.value) for name in names), str(refused.value)
+
+
+def test_serve_config_resolves_the_variant_settings_the_rule_passes_once(tmp_path, monkeypatch):
+    """The rule passes the variant's serve and speculative settings; the stage resolves them through serving/settings.py
+    (serve_json) once, into what the pipeline says the variant's serve.json is."""
+    from types import SimpleNamespace
+
+    import serve_config
+
+    calls = []
+    monkeypatch.setattr(serve_config, "serve_json", lambda *args: calls.append(args) or serve_json(*args))
+    pipeline = pipeline_config.load(tiny_config(), ROOT)
+    variant = pipeline.config["variants"]["tiny-awq-mtp2"]
+    job = SimpleNamespace(
+        params=SimpleNamespace(serve=variant["serve"], speculative=variant["speculative"]),
+        input=SimpleNamespace(),
+        output=SimpleNamespace(serve=str(tmp_path / "serve.json")),
+        wildcards=SimpleNamespace(variant="tiny-awq-mtp2"),
+    )
+    serve_config.main(job)
+    assert json.loads((tmp_path / "serve.json").read_text()) == pipeline.serve_json("tiny-awq-mtp2")
+    assert len(calls) == 1

@@ -86,6 +86,21 @@ def test_the_real_profile_pins_its_drafter_and_refuses_one_that_floats_or_a_prun
     assert "is named at two revisions" in load_problems(twice)
 
 
+def tiny_config() -> dict:
+    return yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+
+
+@pytest.mark.parametrize("revision", ["main", DRAFT["revision"]])
+def test_the_tiny_profile_makes_its_drafter_and_refuses_a_revision_it_would_ignore(revision):
+    tiny = pipeline_config.load(tiny_config(), ROOT)
+    assert tiny.drafts == {"tiny--dflash": {"repo": "tiny/dflash", "revision": None}}
+    named = tiny_config()
+    named["variants"]["tiny-awq-dflash3"]["speculative"]["draft"] = {**DRAFT, "revision": revision}
+    problems = load_problems(named)
+    assert f"variants.tiny-awq-dflash3.speculative.draft.revision': {revision!r}" in problems
+    assert "model.source is synthetic" in problems
+
+
 def run_serve_config(tmp_path, k: int, drafter: dict):
     from types import SimpleNamespace
 
@@ -94,9 +109,8 @@ def run_serve_config(tmp_path, k: int, drafter: dict):
     draft = tmp_path / "draft"
     draft.mkdir(exist_ok=True)
     (draft / "config.json").write_text(json.dumps(drafter))
-    serve = dict(serve_json({}, {"method": "dflash", "k": k, "draft": DRAFT}))
     job = SimpleNamespace(
-        params=SimpleNamespace(serve=serve),
+        params=SimpleNamespace(serve={}, speculative={"method": "dflash", "k": k, "draft": DRAFT}),
         input=SimpleNamespace(draft=str(draft)),
         output=SimpleNamespace(serve=str(tmp_path / "serve.json")),
         wildcards=SimpleNamespace(variant="v"),

@@ -112,7 +112,8 @@ def draft_folder(draft: dict) -> str:
 
 
 def draft_problems(config: dict, root: Path) -> list[str]:
-    """A drafter must be pinned (hub) and must draft in the target's ids: refused before any job runs."""
+    """A drafter must be pinned (hub), names no revision it would ignore (synthetic) and must draft in the target's
+    ids: refused before any job runs."""
     from lib.quantize_checks import read_recipe
 
     problems, revisions = [], {}
@@ -132,6 +133,12 @@ def draft_problems(config: dict, root: Path) -> list[str]:
             problems.append(
                 f"{key}.revision': {revision!r} does not pin {draft['repo']}: give the 40-hex commit (the hub page's "
                 "'Files and versions' -> history), as model.revision does"
+            )
+        elif not hub and revision is not None:
+            problems.append(
+                f"{key}.revision': {revision!r}, but model.source is synthetic: the drafter is made locally "
+                f"(model.tiny.drafter) and {draft['repo']} only names its folder, so nothing is fetched at a revision; "
+                "leave revision out"
             )
         recipe = root / variant["recipe"]
         if recipe.is_file() and read_recipe(str(recipe))["prune_vocab"]:

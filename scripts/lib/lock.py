@@ -21,16 +21,14 @@ the old entry or the new one.
 """
 
 import fcntl
-import os
 import re
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from lib.stage import StageError
+from lib.stage import StageError, write_atomically
 
 LOCK_DIR = "config/lock"
 TOOL = "python3 tools/lock.py"
@@ -162,17 +160,8 @@ def entry_text(kind: str, name: str, value: str | None) -> str:
 
 
 def write_entry(path: str | Path, kind: str, name: str, value: str | None) -> None:
-    """The whole entry or none of it: a temporary file in the same folder, renamed over the entry."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as handle:
-        handle.write(entry_text(kind, name, value))
-    os.chmod(handle.name, 0o644)
-    try:
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+    """The whole entry or none of it (lib.stage.write_atomically)."""
+    write_atomically(path, entry_text(kind, name, value))
 
 
 @contextmanager

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
+DATA_FILES = ("../../schemas/config.schema.yaml",)  # inputs of the rules whose script imports this (lib/imports.py)
+SCHEMA_PATH = (Path(__file__).parent / DATA_FILES[0]).resolve()
 
 
 @functools.cache

@@ -6,6 +6,7 @@ unpacks the `snakemake` object into a plain JSON job and, when the rule names a 
 same script with that venv's Python, which reads the job back and calls the stage's `main(job)`.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -114,8 +115,7 @@ def _call(main, job: dict[str, Any], log_path: str | None = None) -> None:
     try:
         main(_namespace(job))
     except StageError as error:
-        print(f"ERROR [{job['rule']}]: {error}", file=sys.stderr)
-        sys.exit(f"ERROR [{job['rule']}]: {error}")
+        sys.exit(f"ERROR [{job['rule']}]: {error}")  # printed to stderr (the log) once, by the exit itself
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -155,19 +155,34 @@ def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tu
 
 def write_json(path: str | Path, data: Any) -> None:
     """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """The whole file or none of it: a temporary file in the same folder (where os.replace is atomic; a unique
+    name, so two writers never share one), on disk before it is renamed over `path`, and the rename on disk after.
+    Without the syncs a power loss could keep the rename but not the bytes: an empty record a rerun would trust."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a unique name in the same folder: os.replace is atomic there, and two writers never share a temp file
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial", delete=False
-    ) as handle:
-        handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial", delete=False)
     try:
+        with handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
         os.replace(handle.name, path)
     except BaseException:
         os.unlink(handle.name)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # a filesystem that cannot sync a folder still renamed
+            raise
+    finally:
+        os.close(folder)
 
 
 def validate_json(data: Any, schema_path: str | Path) -> None:
