@@ -153,8 +153,9 @@ def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tu
     return manifest
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust."""
+def write_json(path: str | Path, data: Any, mode: int = 0o644) -> None:
+    """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust. mode 0o600 keeps
+    the file its owner's from creation on (the temp file is created so)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name in the same folder: os.replace is atomic there, and two writers never share a temp file
@@ -162,7 +163,7 @@ def write_json(path: str | Path, data: Any) -> None:
         "w", dir=path.parent, prefix=f".{path.name}.", suffix=".partial", delete=False
     ) as handle:
         handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
+    os.chmod(handle.name, mode)  # a temp file is 0600; serve.json is read by the image's own user
     try:
         os.replace(handle.name, path)
     except BaseException:
