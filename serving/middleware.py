@@ -9,9 +9,12 @@
    client's max_tokens and prompt + thought + answer never exceed max_model_len. A stream whose continuation
    fails still ends with a finish_reason, then an error event.
 3. Bounds on every request: a body over MAX_REQUEST_BYTES is answered 413 as soon as its Content-Length or its
-   bytes so far pass the limit (the rest is never read); a request still running after REQUEST_TIMEOUT_S is
-   answered 408 and its engine request aborted (vLLM hears a client disconnect), or, on a stream already
-   started, ended with a finish_reason "abort" chunk and an error event.
+   bytes so far pass the limit (the rest is never read); a body not all arrived BODY_TIMEOUT_S after the request
+   began is answered 408 before it reaches the engine (a client that trickles its body, or stops sending it, holds
+   a slot that long at most); a request still running after REQUEST_TIMEOUT_S is answered 408 and its engine
+   request aborted (vLLM hears a client disconnect), or, on a stream already started, ended with a finish_reason
+   "abort" chunk and an error event. Beyond MAX_REQUESTS_IN_FLIGHT requests at once (health checks aside), a
+   request is answered 503 with Retry-After, unread.
 
 Everything else is vLLM's own: /invocations already dispatches chat (messages) and completion
 (prompt) bodies, and /ping is vLLM's health check. vLLM binds the port before the engine starts
@@ -28,6 +31,12 @@ from dataclasses import dataclass
 from serving.settings import SERVE
 
 PATHS = {"/invocations", "/v1/chat/completions"}
+# Health checks and metrics take no slot: an orchestrator must see a busy server as alive.
+UNBOUNDED_PATHS = {"/ping", "/health", "/metrics"}
+RETRY_AFTER_S = 1  # a full server's advice to the client it turns away
+# On an answer given before the body was all read: the HTTP server drops the connection and the rest of the body
+# with it, rather than keep reading it for the next request.
+CLOSE = (b"connection", b"close")
 CLOSE_THINK = "\n</think>\n\n"
 # After a timeout, how long vLLM's handlers get to hear the disconnect and abort their engine request themselves:
 # cancelling a non-streamed handler at once would orphan the tasks vLLM's with_cancellation runs it in, and the
@@ -181,9 +190,9 @@ def error_payload(status: int, error_type: str, message: str) -> dict:
     return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
 
 
-async def send_error(send, status: int, error_type: str, message: str) -> None:
+async def send_error(send, status: int, error_type: str, message: str, headers=()) -> None:
     data = json.dumps(error_payload(status, error_type, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
@@ -330,10 +339,30 @@ class ThinkingMiddleware:
         self.reserve_tokens = _setting("thinking_reserve_tokens", int)
         self.request_timeout_s = _setting("request_timeout_s", float)
         self.max_request_bytes = _setting("max_request_bytes", int)
+        self.body_timeout_s = _setting("body_timeout_s", float)
+        self.max_requests_in_flight = _setting("max_requests_in_flight", int)
+        self.in_flight = 0  # one instance serves every request of the API server's event loop
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in UNBOUNDED_PATHS:
+            return await self._bounded(scope, receive, send)
+        if self.in_flight >= self.max_requests_in_flight:
+            return await send_error(
+                send,
+                503,
+                "ServiceUnavailableError",
+                f"the server is at its max_requests_in_flight ({self.max_requests_in_flight}): retry later",
+                [(b"retry-after", str(RETRY_AFTER_S).encode()), CLOSE],
+            )
+        self.in_flight += 1
+        try:
+            await self._bounded(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _bounded(self, scope, receive, send):
         client, gone = _Client(send), asyncio.Event()
         work = asyncio.ensure_future(self._serve(scope, receive, client, gone))
         try:
@@ -369,21 +398,33 @@ class ThinkingMiddleware:
             listener.cancel()
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
-        """The whole body, or None once it is answered 413 (read no further) or the client went away."""
+        """The whole body, or None once it is answered 413 (read no further) or 408 (not all there in time), or the
+        client went away."""
         limit = self.max_request_bytes
         too_large = f"the request body is over the server's max_request_bytes ({limit} bytes)"
         declared = declared_length(scope.get("headers", []))
         if declared is not None and declared > limit:
-            return await send_error(send, 413, "RequestEntityTooLargeError", too_large)
+            return await send_error(send, 413, "RequestEntityTooLargeError", too_large, [CLOSE])
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await send_error(
+                    send,
+                    408,
+                    "RequestTimeoutError",
+                    f"the request body did not all arrive within the server's body_timeout_s ({self.body_timeout_s:g} "
+                    f"s); {size} bytes came",
+                    [CLOSE],
+                )
             if message["type"] != "http.request":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await send_error(send, 413, "RequestEntityTooLargeError", too_large)
+                return await send_error(send, 413, "RequestEntityTooLargeError", too_large, [CLOSE])
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks)

@@ -68,6 +68,10 @@ SERVE: dict[str, Setting] = {
     # a GPQA request generates up to 12,288 tokens: the default lets it run as slow as ~7 tokens/s
     "request_timeout_s": Setting(1800, MIDDLEWARE, "REQUEST_TIMEOUT_S"),
     "max_request_bytes": Setting(1048576, MIDDLEWARE, "MAX_REQUEST_BYTES"),
+    # a 1 MiB body arrives in this at 17 KB/s; a client slower than that, or one that stalls, is let go
+    "body_timeout_s": Setting(60, MIDDLEWARE, "BODY_TIMEOUT_S"),
+    # 8 times the contract's 8 concurrent requests (lm-eval, the load probe): queued behind max_num_seqs, not refused
+    "max_requests_in_flight": Setting(64, MIDDLEWARE, "MAX_REQUESTS_IN_FLIGHT"),
     "extra_args": Setting([], RAW),
     "patches": Setting({}, PATCH_SWITCHES),  # {} = every patch at its registry default
 }

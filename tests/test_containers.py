@@ -1,7 +1,9 @@
 import http.server
 import io
 import json
+import os
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -148,14 +150,115 @@ def test_a_recorded_id_gone_from_the_store_is_refused(tag_names):
         containers.recorded_image(RECORD, inspect=store.get)
 
 
-def network(internal=True, gateway="127.0.0.1"):  # 127.0.0.1: an address every host holds
-    return {"Name": "n", "Internal": internal, "IPAM": {"Config": [{"Subnet": "172.30.0.0/16", "Gateway": gateway}]}}
+def network(internal=True, gateway="127.0.0.1", icc="false"):  # 127.0.0.1: an address every host holds
+    return {
+        "Name": "n",
+        "Internal": internal,
+        "Options": {} if icc is None else {containers.ICC_OPTION: icc},
+        "IPAM": {"Config": [{"Subnet": "172.30.0.0/16", "Gateway": gateway}]},
+        "Containers": {},
+    }
 
 
-def test_an_offline_network_that_has_a_route_out_is_refused(monkeypatch):
-    monkeypatch.setattr(containers, "_inspect_network", lambda name: network(internal=False))
-    with pytest.raises(StageError, match="not --internal.*docker network rm n"):
+# `docker network inspect/create/rm` over a JSON file of networks, as the daemon answers them
+FAKE_DOCKER = """#!{python}
+import json, os, sys
+path = os.environ["FAKE_DOCKER_STATE"]
+state = json.load(open(path))
+args = sys.argv[1:]
+state["calls"].append(args)
+json.dump(state, open(path, "w"))
+networks, name = state["networks"], args[-1]
+if args[:2] == ["network", "inspect"]:
+    if name not in networks:
+        sys.exit(f"Error response from daemon: network {{name}} not found")
+    print(json.dumps([networks[name]]))
+elif args[:2] == ["network", "create"]:
+    if name in networks:
+        sys.exit(f"Error response from daemon: network with name {{name}} already exists")
+    options = dict(args[i + 1].split("=", 1) for i, arg in enumerate(args) if arg == "-o")
+    networks[name] = {{"Name": name, "Internal": "--internal" in args, "Options": options, "Containers": {{}},
+                      "IPAM": {{"Config": [{{"Subnet": "172.30.0.0/16", "Gateway": "127.0.0.1"}}]}}}}
+elif args[:2] == ["network", "rm"]:
+    if networks.get(name, {{}}).get("Containers"):
+        sys.exit(f"Error response from daemon: error while removing network: network {{name}} has active endpoints")
+    if networks.pop(name, None) is None:
+        sys.exit(f"Error response from daemon: network {{name}} not found")
+else:
+    sys.exit(f"fake docker: unexpected {{args}}")
+json.dump(state, open(path, "w"))
+"""
+
+
+@pytest.fixture
+def fake_docker(tmp_path, monkeypatch):
+    """A `docker` on PATH that knows networks only; `.networks`/`.calls` read its state, `.set(name, net)` sets one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER.format(python=sys.executable))
+    (bin_dir / "docker").chmod(0o755)
+    path = tmp_path / "docker-state.json"
+    path.write_text(json.dumps({"networks": {}, "calls": []}))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DOCKER_STATE", str(path))
+
+    class Daemon:
+        def read(self):
+            return json.loads(path.read_text())
+
+        def set(self, name, net):
+            state = self.read()
+            state["networks"][name] = net
+            path.write_text(json.dumps(state))
+
+        @property
+        def networks(self):
+            return self.read()["networks"]
+
+        @property
+        def changes(self):
+            return [call[:2] for call in self.read()["calls"] if call[1] != "inspect"]
+
+    return Daemon()
+
+
+def test_the_offline_network_is_created_internal_with_containers_kept_apart(fake_docker):
+    assert containers.offline_network("n") == "n"
+    assert fake_docker.changes == [["network", "create"]]
+    made = fake_docker.networks["n"]
+    assert made["Internal"] is True and made["Options"] == {containers.ICC_OPTION: "false"}
+    assert containers.offline_network("n") == "n" and fake_docker.changes == [["network", "create"]]  # kept
+
+
+@pytest.mark.parametrize(
+    "existing, problem",
+    [
+        (network(icc=None), "lets its containers reach each other"),  # Docker's default: enable_icc true
+        (network(icc="true"), "lets its containers reach each other"),
+        (network(internal=False), "is not --internal"),
+    ],
+)
+def test_an_offline_network_made_otherwise_is_recreated(fake_docker, capsys, existing, problem):
+    fake_docker.set("n", existing)
+    assert containers.offline_network("n") == "n"
+    assert fake_docker.changes == [["network", "rm"], ["network", "create"]]
+    made = fake_docker.networks["n"]
+    assert made["Internal"] is True and made["Options"] == {containers.ICC_OPTION: "false"}
+    assert f"Docker network n {problem}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "existing, problem",
+    [
+        (network(icc=None), r"lets its containers reach each other \(com.docker.network.bridge.enable_icc is not"),
+        (network(internal=False), "is not --internal: a container on it has a route out"),
+    ],
+)
+def test_an_offline_network_made_otherwise_with_containers_on_it_is_refused(fake_docker, existing, problem):
+    fake_docker.set("n", {**existing, "Containers": {"c0ffee": {"Name": "gate-server"}}})
+    with pytest.raises(StageError, match=rf"network n exists but {problem}.* container\(s\) gate-server are attached"):
         containers.offline_network("n")
+    assert fake_docker.changes == [] and fake_docker.networks["n"]["Containers"]  # nothing removed under a container
 
 
 def test_an_offline_network_the_host_cannot_reach_is_refused(monkeypatch):
@@ -382,6 +485,7 @@ def test_a_server_has_no_route_out_while_the_stage_reaches_it(tiny_base_image):
     # no name server to wait on (NO_DNS): a lookup fails at once, not after the resolver's 5 s timeout, twice
     assert looked_up.startswith("failed after") and float(looked_up.split()[2]) < 4, looked_up
     assert network["Internal"] is True and box_network == containers.OFFLINE_NETWORK
+    assert containers.network_problems(network) == []  # internal, and its containers cannot reach each other
 
 
 def offline_server_reaching(image: str, out_env: dict):

@@ -1,6 +1,7 @@
-"""serving/middleware.py bounds every request: body size (413), time (408 or a stream ended with finish_reason and an
-error event, the engine request aborted), the thinking budget without max_tokens, a failed continuation, and
-max_model_len. Driven with stand-in ASGI apps that behave as vLLM's routes do; the real server is test_serving's."""
+"""serving/middleware.py bounds every request: body size (413), the body's arrival (408), time (408 or a stream ended
+with finish_reason and an error event, the engine request aborted), requests in flight (503), the thinking budget
+without max_tokens, a failed continuation, and max_model_len. Driven with stand-in ASGI apps that behave as vLLM's
+routes do; the real server is test_serving's."""
 
 import asyncio
 import json
@@ -20,16 +21,22 @@ from serving.middleware import Prompt, ThinkingMiddleware, continuation_room  # 
 from serving.settings import SERVE  # noqa: E402
 
 
-def serve(app, body, *, path="/v1/chat/completions", chunks=None, headers=None, probe=None):
+def serve(app, body, *, path="/v1/chat/completions", chunks=None, headers=None, probe=None, more=False, pace_s=0):
     """Run one request through the middleware in front of `app`. Returns what reached the client (status, body,
-    sent), how many body messages the middleware read, and probe() taken the moment the middleware returned."""
+    sent), how many body messages the middleware read, and probe() taken the moment the middleware returned.
+    more: the last chunk says more_body (a client that stopped sending); pace_s: each chunk after the first comes
+    that long after the one before."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     pieces = chunks or [raw]
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(pieces) - 1} for i, c in enumerate(pieces)]
+    messages = [
+        {"type": "http.request", "body": c, "more_body": more or i < len(pieces) - 1} for i, c in enumerate(pieces)
+    ]
     out = SimpleNamespace(sent=[], read=0, probe=None)
 
     async def receive():
         if out.read < len(messages):
+            if out.read:
+                await asyncio.sleep(pace_s)
             out.read += 1
             return messages[out.read - 1]
         await asyncio.Event().wait()  # the client stays until the response is done
@@ -74,11 +81,13 @@ def stream_result(raw: bytes):
 
 @pytest.fixture
 def bounds(monkeypatch):
-    """Small bounds for a test: bounds(timeout, max_bytes, reserve)."""
+    """Small bounds for a test: bounds(timeout, max_bytes, reserve, body_timeout, in_flight)."""
 
-    def set_bounds(timeout=30.0, max_bytes=4096, reserve=20):
+    def set_bounds(timeout=30.0, max_bytes=4096, reserve=20, body_timeout=30.0, in_flight=64):
         monkeypatch.setenv("REQUEST_TIMEOUT_S", str(timeout))
         monkeypatch.setenv("MAX_REQUEST_BYTES", str(max_bytes))
+        monkeypatch.setenv("BODY_TIMEOUT_S", str(body_timeout))
+        monkeypatch.setenv("MAX_REQUESTS_IN_FLIGHT", str(in_flight))
         monkeypatch.setenv("THINKING_RESERVE_TOKENS", str(reserve))
         monkeypatch.setenv("DEFAULT_THINKING", "0")
 
@@ -106,21 +115,28 @@ class Echo:
 # ---------- settings reach the middleware ----------
 
 
+BOUNDS = {
+    "request_timeout_s": 12.5,
+    "max_request_bytes": 2048,
+    "body_timeout_s": 7.5,
+    "max_requests_in_flight": 3,
+}
+
+
 def test_bounds_are_serve_settings_that_reach_the_middleware_through_its_environment(monkeypatch):
-    env = child_env({}, {"request_timeout_s": 12.5, "max_request_bytes": 2048})
-    assert env["REQUEST_TIMEOUT_S"] == "12.5" and env["MAX_REQUEST_BYTES"] == "2048"
+    env = child_env({}, BOUNDS)
+    assert [env[SERVE[key].flag] for key in BOUNDS] == ["12.5", "2048", "7.5", "3"]
     defaults = child_env({})
-    for key in ("request_timeout_s", "max_request_bytes", "thinking_reserve_tokens"):
+    for key in (*BOUNDS, "thinking_reserve_tokens"):
         assert defaults[SERVE[key].flag] == str(SERVE[key].default), key
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     bounded = ThinkingMiddleware(Echo())
-    assert bounded.request_timeout_s == 12.5 and bounded.max_request_bytes == 2048
-    for key in ("REQUEST_TIMEOUT_S", "MAX_REQUEST_BYTES"):
-        monkeypatch.delenv(key)
+    assert {key: getattr(bounded, key) for key in BOUNDS} == BOUNDS
+    for key in BOUNDS:
+        monkeypatch.delenv(SERVE[key].flag)
     unset = ThinkingMiddleware(Echo())  # outside serving.launch: the table's defaults
-    assert unset.request_timeout_s == SERVE["request_timeout_s"].default
-    assert unset.max_request_bytes == SERVE["max_request_bytes"].default
+    assert {key: getattr(unset, key) for key in BOUNDS} == {key: SERVE[key].default for key in BOUNDS}
 
 
 # ---------- body size: 413, never buffered past the limit ----------
@@ -152,6 +168,127 @@ def test_a_body_at_the_limit_passes_on_every_path(bounds):
         assert out.status == 200 and json.loads(out.body) == {"length": 4096}, path
         assert serve(app, b"x" * 4097, path=path).status == 413, path
     assert app.calls == 3
+
+
+# ---------- the body's arrival: 408, never handed to the engine ----------
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_never_reaches_the_engine(bounds):
+    bounds(body_timeout=0.3)
+    app = Echo()
+    out = serve(app, b"", chunks=[b'{"model": "m", '], more=True)
+    error = json.loads(out.body)["error"]
+    assert out.status == 408 and error["code"] == 408 and app.calls == 0
+    assert "body_timeout_s (0.3 s); 15 bytes came" in error["message"], error
+    assert (b"connection", b"close") in out.sent[0]["headers"]  # the rest of the body is never read
+    # a client that never sends a byte of its body is let go alike
+    out = serve(app, b"", more=True)
+    assert out.status == 408 and "0 bytes came" in json.loads(out.body)["error"]["message"] and app.calls == 0
+
+
+def test_a_body_trickled_in_is_answered_408_though_no_pause_is_long(bounds):
+    """A byte at a time, each soon after the last: the deadline is the whole body's, not each chunk's."""
+    bounds(body_timeout=0.3)
+    app = Echo()
+    out = serve(app, b"", chunks=[b"x"] * 1000, pace_s=0.02)
+    assert out.status == 408 and out.read < 1000 and app.calls == 0
+
+
+def test_a_body_that_arrives_in_time_passes_in_many_chunks(bounds):
+    app = Echo()
+    out = serve(app, b"", chunks=[b"x"] * 50, pace_s=0.001)
+    assert out.status == 200 and json.loads(out.body) == {"length": 50} and app.calls == 1
+
+
+# ---------- requests in flight: 503 past the bound, health checks aside ----------
+
+
+class Held:
+    """A route that answers only once released, and counts the requests it holds."""
+
+    def __init__(self):
+        self.release, self.held = asyncio.Event(), 0
+
+    async def __call__(self, scope, receive, send):
+        await receive()
+        self.held += 1
+        await self.release.wait()
+        await FakeVllm.reply(send, {"path": scope["path"]})
+
+
+async def request(middleware, path="/v1/completions", chunks=(b"{}",), more=False) -> SimpleNamespace:
+    """One request through a shared middleware instance: its status and headers once answered."""
+    messages = [
+        {"type": "http.request", "body": c, "more_body": more or i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
+    out = SimpleNamespace(status=None, headers={})
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out.status, out.headers = message["status"], dict(message.get("headers", []))
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    await asyncio.wait_for(middleware(scope, receive, send), 20)
+    return out
+
+
+def test_past_max_requests_in_flight_a_request_is_answered_503_with_retry_after(bounds):
+    bounds(in_flight=2)
+
+    async def run():
+        app = Held()
+        middleware = ThinkingMiddleware(app)
+        held = [asyncio.ensure_future(request(middleware)) for _ in range(2)]
+        while app.held < 2:
+            await asyncio.sleep(0.01)
+        turned_away = await request(middleware)
+        app.release.set()  # /ping answers at once from here on
+        ping = await request(middleware, path="/ping")  # a health check takes no slot
+        first = [(await h).status for h in held]
+        after = await request(middleware)  # the slots are free again
+        return turned_away, ping, first, after
+
+    turned_away, ping, first, after = asyncio.run(run())
+    assert turned_away.status == 503 and turned_away.headers[b"retry-after"] == b"1"
+    assert turned_away.headers[b"connection"] == b"close"  # its body is never read
+    assert ping.status == 200 and first == [200, 200] and after.status == 200
+
+
+def test_a_health_check_answers_while_every_slot_is_held(bounds):
+    bounds(in_flight=1)
+
+    async def run():
+        app = Held()
+        middleware = ThinkingMiddleware(app)
+        held = asyncio.ensure_future(request(middleware))
+        while app.held < 1:
+            await asyncio.sleep(0.01)
+        ping = asyncio.ensure_future(request(middleware, path="/ping"))
+        while app.held < 2:  # /ping reached the app although the one slot is taken
+            await asyncio.sleep(0.01)
+        app.release.set()
+        return (await held).status, (await ping).status
+
+    assert asyncio.run(run()) == (200, 200)
+
+
+def test_a_slow_body_holds_its_slot_only_until_its_408(bounds):
+    bounds(in_flight=1, body_timeout=0.3)
+
+    async def run():
+        app = Echo()
+        middleware = ThinkingMiddleware(app)
+        stalled = asyncio.ensure_future(request(middleware, chunks=(b'{"pro',), more=True))
+        await asyncio.sleep(0)  # it has taken the slot and waits for the rest of its body
+        turned_away = await request(middleware)
+        return turned_away.status, (await stalled).status, (await request(middleware)).status, app.calls
+
+    assert asyncio.run(run()) == (503, 408, 200, 1)
 
 
 def test_json_nested_past_pythons_recursion_limit_is_left_to_vllm_not_a_500(bounds):

@@ -825,7 +825,12 @@ TINY_PATCHES = TINY["variants"][TINY["variant"]]["serve"]["patches"]
 VARIANTS = {
     "w4a16-mtp1-eager": (
         "tiny_quantized",
-        {"enable_prefix_caching": False, "patches": TINY_PATCHES, "speculative": {"method": "mtp", "k": 1}},
+        {
+            "enable_prefix_caching": False,
+            "patches": TINY_PATCHES,
+            "speculative": {"method": "mtp", "k": 1},
+            "body_timeout_s": 5,  # a stalled body's 408 comes soon (every other test sends its body at once)
+        },
     ),
 }
 
@@ -1139,6 +1144,24 @@ def oversized_request(port: int, limit: int) -> bytes:
             + b"x" * 65536
         )
         return sock.recv(4096).split(b"\r\n", 1)[0]
+
+
+@pytest.mark.e2e
+def test_a_stalled_body_is_answered_408_and_its_connection_closed(server):
+    """Through vLLM's own HTTP server: the middleware's 408 goes out and the connection is dropped, so the rest of
+    the body is never read, and the server serves on."""
+    port, *_ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )
+        answer = b""
+        while chunk := sock.recv(4096):  # ends when the server closes the connection
+            answer += chunk
+    assert answer.split(b"\r\n", 1)[0].split()[1] == b"408", answer
+    assert b"body_timeout_s" in answer, answer
+    still_serves(port)
 
 
 @pytest.mark.e2e

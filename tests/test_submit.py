@@ -47,7 +47,9 @@ class StandIn:
     cut: {(part, attempt)} whose PUT is read halfway, then the connection is reset (once: a later upload's part
     goes through). expire: {part: n} the first n
     URLs issued for that part are already expired (403 "Request has expired"). no_etag: parts whose PUT answers 200
-    without an ETag. echo_key: register and submit answers repeat the x-api-key header (a careless API)."""
+    without an ETag. echo_key: register and submit answers repeat the x-api-key header (a careless API).
+    busy: {step or "put": [status, ...]} answered before that API call (or PUT) is served, one per request (a
+    gateway's 502/503/504)."""
 
     def __init__(
         self,
@@ -59,9 +61,12 @@ class StandIn:
         expire=None,
         no_etag=(),
         echo_key: bool = False,
+        busy=None,
     ):
         self.payload, self.single_max, self.part_size, self.same_upload = payload, single_max, part_size, same_upload
         self.cut, self.expire, self.no_etag, self.echo_key = set(cut), dict(expire or {}), set(no_etag), echo_key
+        self.busy = {step: list(statuses) for step, statuses in (busy or {}).items()}
+        self.busy_answered: list[tuple[str, int]] = []  # (step or "put", status) of every transient answer
         self.requests = 0  # every request, authorised or not
         self.calls: list[tuple[str, dict]] = []  # (path, body) of every authorised API call
         self.api_keys: list[str | None] = []  # x-api-key of every API call
@@ -140,6 +145,10 @@ class StandIn:
                 if body.get("team_id") != TEAM:
                     return self.reply(400, {"message": "unknown team_id"})
                 with api.lock:
+                    if api.busy.get(step):
+                        status = api.busy[step].pop(0)
+                        api.busy_answered.append((step, status))
+                        return self.reply(status, {"message": "Service Unavailable"})
                     api.calls.append((path.removeprefix("/prod/"), body))
                     return getattr(self, step)(body)
 
@@ -223,6 +232,13 @@ class StandIn:
                         return self.reply(403, "<Error><Code>SignatureDoesNotMatch</Code></Error>")
                     received = api.received.setdefault((upload_id, part), [])
                     attempt = len(received) + api.refused.get((upload_id, part), 0) + 1
+                with api.lock:
+                    status = api.busy["put"].pop(0) if api.busy.get("put") else None
+                    if status:
+                        api.busy_answered.append(("put", status))
+                if status:
+                    self.rfile.read(length)
+                    return self.reply(status, "<Error><Code>SlowDown</Code></Error>")
                 if expired:
                     self.rfile.read(length)
                     with api.lock:
@@ -525,6 +541,56 @@ def test_a_failed_submit_is_submitted_on_rerun_without_uploading_again(tmp_path,
         run_in_process(api, job(tmp_path), monkeypatch)
     assert api.steps() == ["register", "upload-url", "complete-upload", "submit", "submit"]
     assert [len(sizes) for sizes in api.received.values()] == [1, 1, 1] and len(api.submissions) == 1
+
+
+def test_502_503_504_are_retried_with_backoff_on_every_request_but_submit(tmp_path, monkeypatch, capsys):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    waits = []
+    monkeypatch.setattr("lib.submission.time.sleep", waits.append)
+    busy = {"register": [502], "upload_url": [503, 504], "put": [503], "complete": [503, 502]}
+    with StandIn(payload, single_max=128 * KIB, busy=busy) as api:
+        the_job = job(tmp_path, retries=2)
+        the_job.params.retry_wait_s = 5
+        run_in_process(api, the_job, monkeypatch)
+    assert api.busy_answered == [(s, status) for s, statuses in busy.items() for status in statuses]
+    assert api.steps() == ["register", "upload-url", "complete-upload", "submit"]
+    assert api.received == {("up-1", n): [64 * KIB] for n in (1, 2, 3)} and api.objects
+    assert waits == [5, 5, 10, 5, 5, 10]  # each request's retries wait twice as long as the one before
+    assert "upload-url: answered 504; retry 2 of 2" in capsys.readouterr().out
+
+
+def test_a_request_still_busy_after_its_retries_stops_naming_the_status(tmp_path, monkeypatch):
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    monkeypatch.setattr("lib.submission.time.sleep", lambda s: None)
+    with StandIn(payload, single_max=128 * KIB, busy={"upload_url": [503] * 3}) as api:
+        with pytest.raises(StageError, match=r"POST \$QWEN_SUBMIT_URL/upload-url: answered 503 after 3 attempt\(s\)"):
+            run_in_process(api, job(tmp_path, retries=2), monkeypatch)
+    assert api.busy_answered == [("upload_url", 503)] * 3 and not api.received
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_submit_answering_a_gateway_error_is_never_retried(tmp_path, monkeypatch, status):
+    tarball, payload = archive(tmp_path, 100 * KIB)
+    monkeypatch.setattr("lib.submission.time.sleep", lambda s: None)
+    with StandIn(payload, single_max=128 * KIB, busy={"submit": [status]}) as api:
+        with pytest.raises(StageError, match=rf"/submit answered {status}: .*rerun to submit it without uploading"):
+            run_in_process(api, job(tmp_path, retries=3), monkeypatch)
+    assert api.busy_answered == [("submit", status)] and not api.submissions
+
+
+def test_the_state_file_is_readable_by_its_owner_only(tmp_path, monkeypatch):
+    """It holds presigned PUT URLs, each a credential for two hours."""
+    tarball, payload = archive(tmp_path, 3 * 64 * KIB)
+    with StandIn(payload, single_max=128 * KIB, cut={(2, 1)}) as api:
+        with pytest.raises(StageError, match="rerun to resume"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+        assert state_path(tarball).stat().st_mode & 0o777 == 0o600
+        state_path(tarball).chmod(0o644)  # as an earlier version of the client left it
+        api.cut = {(3, 1)}
+        with pytest.raises(StageError, match="rerun to resume"):
+            run_in_process(api, job(tmp_path), monkeypatch)
+    assert state_path(tarball).stat().st_mode & 0o777 == 0o600
+    assert sorted(json.loads(state_path(tarball).read_text())["etags"]) == ["1", "2"]
 
 
 def test_a_crash_after_submit_never_submits_twice(tmp_path, monkeypatch):

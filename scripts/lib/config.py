@@ -106,6 +106,21 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
     return problems
 
 
+def concurrency_problems(config: dict) -> list[str]:
+    """A variant whose server turns away (503) requests the load probe or the quality gate send at once."""
+    sent = {
+        "load.concurrency": config["load"]["concurrency"],
+        "quality.num_concurrent": config["quality"]["num_concurrent"],
+    }
+    key, most = max(sent.items(), key=lambda item: item[1])
+    return [
+        f"config key 'variants.{name}.serve.max_requests_in_flight': {variant['serve']['max_requests_in_flight']} is "
+        f"below the {most} requests {key} sends at once; the server would answer the rest 503"
+        for name, variant in config["variants"].items()
+        if variant["serve"]["max_requests_in_flight"] < most
+    ]
+
+
 def draft_folder(draft: dict) -> str:
     """weights/drafts/<this>/: a drafter's repository, owner--name."""
     return draft["repo"].replace("/", "--")
@@ -420,6 +435,7 @@ def load(config: dict, root: Path = ROOT) -> Pipeline:
     generated = {name: config["variants"][name] for name in origin}
     problems = variant_problems(generated, config["image"], origin)
     problems += selection_problems(config) + missing_file_problems(config, root) + draft_problems(config, root)
+    problems += concurrency_problems(config)
     if problems:
         raise ConfigError(problems)
     recipes = recipe_table(config["variants"])

@@ -103,7 +103,8 @@ def free_port() -> int:
 # (the gate's and the lossless reference's) cannot reach each other either. The host's own services stay reachable at
 # the gateway address: Docker filters forwarded traffic only.
 OFFLINE_NETWORK = "pipeline-offline"
-OFFLINE_NETWORK_OPTIONS = ["--internal", "-o", "com.docker.network.bridge.enable_icc=false"]
+ICC_OPTION = "com.docker.network.bridge.enable_icc"
+OFFLINE_NETWORK_OPTIONS = ["--internal", "-o", f"{ICC_OPTION}=false"]
 SERVER_PORT = 8080  # the image's entrypoint listens here (serving/launch.py's PORT default)
 # Docker's embedded DNS leaves a query for an outside name on an internal network unanswered, so every such lookup
 # waited out the resolver's 10 s (torch's c10d looks up its store's client at every vLLM start). A resolv.conf naming
@@ -126,12 +127,36 @@ def host_holds(address: str) -> bool:
         return False
 
 
+def network_problems(found: dict) -> list[str]:
+    """What keeps an existing network from being the offline one (OFFLINE_NETWORK_OPTIONS); [] when nothing does."""
+    problems = []
+    if not found.get("Internal"):
+        problems.append("is not --internal: a container on it has a route out")
+    # Docker parses the option as a Go bool; `docker network inspect` shows it as it was given
+    if (found.get("Options") or {}).get(ICC_OPTION) not in ("false", "False", "FALSE", "f", "F", "0"):
+        problems.append(f"lets its containers reach each other ({ICC_OPTION} is not false)")
+    return problems
+
+
 def offline_network(name: str = OFFLINE_NETWORK) -> str:
     """The name of the internal network every pipeline container runs on, created once (OFFLINE_NETWORK says why).
-    Refused when a network of that name has a route out, or when the host holds no address on its bridge (it could
+    A network of that name made otherwise (with a route out, or containers that reach each other) is recreated, or
+    refused while containers are attached to it. Refused too when the host holds no address on its bridge (it could
     not reach the server: Docker 25.0.0-25.0.3 gave internal bridges none, rootless Docker keeps its bridge in
     another namespace)."""
     found = _inspect_network(name)
+    removal = None
+    if found is not None and (problems := network_problems(found)):
+        attached = sorted(c.get("Name") or key for key, c in (found.get("Containers") or {}).items())
+        if attached:
+            raise StageError(
+                f"Docker network {name} exists but {' and '.join(problems)}, and cannot be recreated while "
+                f"container(s) {', '.join(attached)} are attached to it: stop them and remove it "
+                f"(`docker network rm {name}`); the next stage that starts a container creates it as it must be"
+            )
+        print(f"Docker network {name} {' and '.join(problems)}: recreating it", flush=True)
+        removal = subprocess.run(["docker", "network", "rm", name], capture_output=True, text=True)
+        found = _inspect_network(name)  # gone, or already recreated by a stage started beside this one
     if found is None:
         create = subprocess.run(
             ["docker", "network", "create", *OFFLINE_NETWORK_OPTIONS, name], capture_output=True, text=True
@@ -139,10 +164,11 @@ def offline_network(name: str = OFFLINE_NETWORK) -> str:
         found = _inspect_network(name)  # a stage started beside this one may have created it first
         if found is None:
             raise StageError(f"docker network create --internal {name} failed: {create.stderr.strip()[-500:]}")
-    if not found.get("Internal"):
+    if problems := network_problems(found):
+        removed = f" (`docker network rm {name}`: {removal.stderr.strip()[-300:] or 'done'})" if removal else ""
         raise StageError(
-            f"Docker network {name} exists but is not --internal: a container on it has a route out. Remove it "
-            f"(`docker network rm {name}`); the next stage that starts a container creates it internal"
+            f"Docker network {name} exists but {' and '.join(problems)}{removed}. Remove it "
+            f"(`docker network rm {name}`); the next stage that starts a container creates it as it must be"
         )
     gateways = [c["Gateway"] for c in (found.get("IPAM") or {}).get("Config") or [] if c.get("Gateway")]
     if not any(host_holds(gateway) for gateway in gateways):

@@ -153,12 +153,13 @@ def write_manifest(directory: str | Path, manifest_path: str | Path, exclude: tu
     return manifest
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust."""
-    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def write_json(path: str | Path, data: Any, mode: int = 0o644) -> None:
+    """Write atomically, so an interrupted stage never leaves a truncated JSON a rerun would trust. mode 0o600 keeps
+    the file its owner's from creation on (the temp file is created so)."""
+    write_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode)
 
 
-def write_atomically(path: str | Path, text: str) -> None:
+def write_atomically(path: str | Path, text: str, mode: int = 0o644) -> None:
     """The whole file or none of it: a temporary file in the same folder (where os.replace is atomic; a unique
     name, so two writers never share one), on disk before it is renamed over `path`, and the rename on disk after.
     Without the syncs a power loss could keep the rename but not the bytes: an empty record a rerun would trust."""
@@ -170,7 +171,7 @@ def write_atomically(path: str | Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(handle.name, 0o644)  # a temp file is 0600; serve.json is read by the image's own user
+        os.chmod(handle.name, mode)  # a temp file is 0600; serve.json is read by the image's own user
         os.replace(handle.name, path)
     except BaseException:
         os.unlink(handle.name)

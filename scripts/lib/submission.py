@@ -29,6 +29,9 @@ every part's URL and when they were issued) and each finished part's ETag, keyed
     sent again to the new one (said in the log; the old multipart upload is left for the store to expire, as the
     contract has no abort call). When the API answers the same upload_id, s3_key and layout, only the URLs are
     replaced and the finished parts are kept.
+A dropped connection or a 502/503/504 (a gateway's "busy" or "away") is retried with doubling waits, a bounded number
+of times, for every request but submit: a submit whose answer was lost may still have counted. The state file holds
+presigned URLs, each a credential for two hours, so it is readable by its owner only.
 An upload that the API refuses to complete (a wrong or missing ETag: 4xx) removes the state file, so the next run
 starts over. After submit answers, its submission_id goes into the state file before the record is written, so a
 rerun after a crash there never submits a second time (one submission per team per day); the caller removes the
@@ -60,14 +63,17 @@ MAX_ARCHIVE_BYTES = 20 * 10**9  # "≤ 20 GB", read as decimal GB: the stricter 
 URL_LIFETIME_S = 2 * 3600  # presigned upload URLs expire after 2 hours
 URL_MARGIN_S = 300  # a kept URL this close to its end is not worth a part's bytes: ask for fresh ones
 
+# A gateway's answers for an API or a store busy or briefly away: the request did not take, so it is sent again.
+TRANSIENT = (502, 503, 504)
+
 STATE_VERSION = 2
 BLOCK = 1 << 20  # bytes read and sent at a time: a part is streamed, never held in memory
 
 
 @dataclass(frozen=True)
 class Settings:
-    retries: int  # further attempts of one request after a dropped connection; also fresh URLs without progress
-    retry_wait_s: float
+    retries: int  # further attempts of one request after a dropped connection or a 502/503/504; also fresh URLs
+    retry_wait_s: float  # before the first retry of a request; doubled for each further one
     timeout_s: float  # socket timeout of each request
 
 
@@ -306,11 +312,16 @@ class Uploader:
         self.state_file = state_path(archive.path)
         self.registered = False
 
+    def backoff(self, attempt: int) -> float:
+        """Seconds before retry `attempt` (from 1) of one request: doubled each time, as a busy API asks."""
+        return self.settings.retry_wait_s * 2 ** (attempt - 1)
+
     # the API
 
     def call(self, step: str, body: dict, retry: bool = True) -> Any:
-        """The JSON answer of one API call; an error status raises ApiError. A dropped connection is retried unless
-        retry is False (submit: a second submit of a request that did arrive would be a second submission)."""
+        """The JSON answer of one API call; an error status raises ApiError. A dropped connection or a gateway's
+        502/503/504 is retried with backoff unless retry is False (submit: a second submit of a request that did
+        arrive would be a second submission, and a gateway may answer 504 for a request the API went on to take)."""
         what = f"POST ${ENV['url']}{ENDPOINTS[step]}"
         data = json.dumps(body).encode()
         headers = {
@@ -320,22 +331,21 @@ class Uploader:
             "Content-Length": str(len(data)),
         }
         url = self.credentials.url + ENDPOINTS[step]
-        for attempt in range(self.settings.retries + 1 if retry else 1):
+        attempts = self.settings.retries + 1 if retry else 1
+        for attempt in range(1, attempts + 1):
             try:
                 status, _, text = _send("POST", url, data, headers, self.settings.timeout_s)
-                break
+                if status not in TRANSIENT or not retry:
+                    break
+                reason = f"answered {status}"
             except (OSError, http.client.HTTPException) as error:
-                reason = self.credentials.mask(_reason(error))
+                reason = f"connection failed ({self.credentials.mask(_reason(error))})"
                 if not retry:
-                    raise StageError(
-                        f"{what}: connection failed ({reason}); the API may or may not have received it"
-                    ) from None
-                if attempt == self.settings.retries:
-                    raise StageError(
-                        f"{what}: connection failed ({reason}) after {attempt + 1} attempt(s); rerun to try again"
-                    ) from None
-                self.log(f"{what}: connection failed ({reason}); retry {attempt + 1} of {self.settings.retries}")
-                time.sleep(self.settings.retry_wait_s)
+                    raise StageError(f"{what}: {reason}; the API may or may not have received it") from None
+            if attempt == attempts:
+                raise StageError(f"{what}: {reason} after {attempt} attempt(s); rerun to try again")
+            self.log(f"{what}: {reason}; retry {attempt} of {self.settings.retries}")
+            time.sleep(self.backoff(attempt))
         shown = self.credentials.mask(text[:300]).strip()
         if not 200 <= status < 300:
             hint = (
@@ -412,12 +422,14 @@ class Uploader:
     # the state file
 
     def save(self, state: dict) -> None:
-        write_json(self.state_file, _scrub(state, self.credentials.mask))
+        # the presigned URLs in it are credentials for two hours: created readable by this user only
+        write_json(self.state_file, _scrub(state, self.credentials.mask), mode=0o600)
 
     def load(self) -> dict | None:
         """The state of an earlier unfinished run on this very archive; None (and a note why) otherwise."""
         if not self.state_file.exists():
             return None
+        self.state_file.chmod(0o600)  # an earlier client left it readable by all
         try:
             state = json.loads(self.state_file.read_text())
             valid = (
@@ -512,7 +524,7 @@ class Uploader:
                         "them again"
                     )
                 self.log(f"{what}: {reason}; retry {failures} of {self.settings.retries}")
-                time.sleep(self.settings.retry_wait_s)
+                time.sleep(self.backoff(failures))
                 continue
             if _expired(status, text):
                 refreshes += 1
