@@ -20,6 +20,8 @@ config = PIPELINE.config  # defaults filled, sweeps expanded
 RECIPES, COMPARED, FIXED = PIPELINE.recipes, PIPELINE.compared, PIPELINE.fixed
 # select.mode fastest: the variants ranked and checked for image.tar.gz (rules/select.smk)
 CANDIDATES = PIPELINE.candidates
+# The same-host bf16 variant the ranking's speedups are against, when the run measures one (else baseline_ms).
+BF16_REFERENCE = PIPELINE.bf16_reference
 MODEL_DIR = f"weights/{config['model']['name']}"
 LOCAL_BASE = config["image"]["base"] == "local"
 # What bake_compile_cache and build_image start from: the tiny profile's local build, or the registry base pulled at

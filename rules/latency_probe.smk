@@ -11,6 +11,8 @@ rule latency_probe:
         run=PIPELINE.run_settings(),
         model_name=lambda wildcards: variant_config(wildcards)["serve"]["served_model_name"],
         probe=config["probe"],
+        # what the record's ratios are against: the contract's categories (lib.baseline.probe_baseline)
+        contract=PIPELINE.contract_categories,
         require_cache_hit=config["image"]["require_cache_hit"],
     resources:
         gpu=GPU,

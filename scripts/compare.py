@@ -1,18 +1,23 @@
 """Gather every compared variant's latency, quality and quantize records into results/summary.{json,csv,md}
 and draw the comparison: speedup vs each quality score (Pareto front marked), latency per category, K sweeps.
 
-Two speedups per category: against the config's baseline_ms (the competition's A10G numbers) and against a BF16
-variant measured on this host by the same probe (the reference), when one is compared. Both come for every prompt set
-the probe timed (lib.probe.PROMPT_SETS: the competition's repeated sentence, varied text, fresh prompts), side by
-side: the competition's set is what select ranks by, the fresh set what a new user sees.
+Two speedups per category: against the config's baseline_ms (the competition's A10G numbers: the summary's
+`baseline` says so, where the probe ran, and any category sized unlike the contract's) and against a BF16 variant
+measured on this host by the same probe (the reference), when one is compared. Both come for every prompt set the
+probe timed (lib.probe.PROMPT_SETS: the competition's repeated sentence, varied text, fresh prompts), side by side:
+the competition's set is what select ranks by, the fresh set what a new user sees. What the plots and the Pareto fronts
+call speed (`speed_axis`, `speed_baseline`) is against a compared same-host bf16 variant without speculation when
+there is one, as select's ranking is (lib.baseline).
 """
 
 import csv
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 
+from lib.baseline import SAME_HOST_BF16, is_bf16, mean_ratio, same_host
 from lib.decode_bytes import A10G_GBPS, bound_ms, draft_passes, step_total
 from lib.gate import failed_tasks
 from lib.probe import COMPETITION_SET, PROMPT_SETS, prompt_sets
@@ -202,43 +207,71 @@ def build_summary(
                 "gate_failures": failed_tasks(quality["tasks"]),
             }
         )
-    label, speed = speed_axis(rows)
+    bf16 = next(
+        (v["name"] for v in variants if is_bf16(quantized[v["name"]], v["speculative"]["method"])),
+        None,
+    )
+    label, speed_baseline = speed_axis(rows, bf16, latencies[0]["baseline"])
+    probed = [name for name in PROMPT_SETS if any(row["prompt_sets"][name] for row in rows)]
+    summary = {
+        "categories": categories,
+        "tasks": tasks,
+        "reference": explicit_reference,
+        "baseline": latencies[0]["baseline"],
+        "speed_axis": label,
+        "speed_baseline": speed_baseline,
+        "competition_set": COMPETITION_SET,
+        "prompt_sets": probed,
+        "variants": rows,
+    }
+    speed = [set_speed(summary, row, COMPETITION_SET) for row in rows]
     for row in rows:
         row["pareto"] = {}
     for task in tasks:
         front = pareto_front({r["variant"]: (r["quality"].get(task), s) for r, s in zip(rows, speed, strict=True)})
         for row in rows:
             row["pareto"][task] = row["variant"] in front
-    probed = [name for name in PROMPT_SETS if any(row["prompt_sets"][name] for row in rows)]
-    return {
-        "categories": categories,
-        "tasks": tasks,
-        "reference": explicit_reference,
-        "speed_axis": label,
-        "competition_set": COMPETITION_SET,
-        "prompt_sets": probed,
-        "variants": rows,
-    }
+    return summary
 
 
-def speed_axis(rows: list[dict]) -> tuple[str, list[float]]:
-    """What 'faster' is plotted as: speedup vs the config baselines, else vs the BF16 reference, else 1/latency
-    (on the competition's prompt set)."""
+REFERENCE_AXIS = "mean speedup vs BF16 (same host, each variant's reference)"
+LATENCY_AXIS = "1000 / geomean latency (1/s)"
+
+
+def speed_axis(rows: list[dict], bf16: str | None, baseline: dict) -> tuple[str, dict | None]:
+    """What 'faster' is plotted as (on the competition's prompt set), and the one baseline it divides by: a compared
+    same-host bf16 variant without speculation (`bf16`), else the probes' baseline_ms (`baseline`: the latency
+    records' own, saying what they are), else each variant's BF16 reference (no one baseline), else 1/latency."""
+    if bf16:
+        same = same_host(bf16)
+        return f"mean speedup {same['label']}", same
     if all(r["mean_speedup_vs_baseline"] is not None for r in rows):
-        return "mean speedup vs baseline_ms", [r["mean_speedup_vs_baseline"] for r in rows]
+        return f"mean speedup {baseline['label']}", baseline
     if all(r["mean_speedup_vs_reference"] is not None for r in rows):
-        return "mean speedup vs BF16 (same host)", [r["mean_speedup_vs_reference"] for r in rows]
-    return "1000 / geomean latency (1/s)", [1000 / r["geomean_latency_ms"] for r in rows]
+        return REFERENCE_AXIS, None
+    return LATENCY_AXIS, None
 
 
-def set_speed(row: dict, set_name: str, label: str) -> float | None:
-    """The row's speed on one prompt set, on the axis speed_axis chose (None where that set was not probed)."""
+def set_categories(row: dict, set_name: str) -> dict | None:
+    """A summary row's categories on one prompt set, as a latency record's set holds them (for lib.baseline)."""
+    categories = row["latency"] if set_name == COMPETITION_SET else row[f"{set_name}_latency"]
+    if not categories:
+        return None
+    return {"categories": [{"name": name, "median_ms": c["median_ms"]} for name, c in categories.items()]}
+
+
+def set_speed(summary: dict, row: dict, set_name: str) -> float | None:
+    """The row's speed on one prompt set, on the summary's speed axis (None where that set was not probed)."""
     values = row["prompt_sets"][set_name]
     if values is None:
         return None
-    if label.startswith("mean speedup vs baseline"):
+    speed_baseline = summary["speed_baseline"]
+    if speed_baseline and speed_baseline["kind"] == SAME_HOST_BF16:
+        reference = next(r for r in summary["variants"] if r["variant"] == speed_baseline["variant"])
+        return mean_ratio(set_categories(row, set_name), set_categories(reference, set_name))
+    if speed_baseline:
         return values["mean_speedup_vs_baseline"]
-    if label.startswith("mean speedup vs BF16"):
+    if summary["speed_axis"] == REFERENCE_AXIS:
         return values["mean_speedup_vs_reference"]
     return 1000 / values["geomean_latency_ms"]
 
@@ -321,9 +354,20 @@ SET_NOTES = {
 }
 
 
+def ratio_lines(summary: dict) -> list[str]:
+    """What each ratio of the tables and plots is against, said before them."""
+    speed_baseline = summary["speed_baseline"]
+    return [
+        f"Speedup vs baseline: {summary['baseline']['text']}.",
+        "Speedup vs BF16: against each variant's `reference`, measured on this host by the same probe.",
+        f"Speed (plots, Pareto fronts): {speed_baseline['text'] if speed_baseline else summary['speed_axis']}.",
+    ]
+
+
 def markdown(summary: dict) -> str:
     cats, tasks, sets = summary["categories"], summary["tasks"], summary["prompt_sets"]
     names = " / ".join(sets)
+    baseline_label = summary["baseline"]["label"]
     header = (
         [
             "variant",
@@ -333,7 +377,7 @@ def markdown(summary: dict) -> str:
             "GB/step (floor ms: A10G, probe)",
             "spec",
             "seqs",
-            f"speedup vs baseline ({names})",
+            f"speedup {baseline_label} ({names})",
             f"speedup vs BF16 ({names})",
         ]
         + [f"{c} median ms" for c in cats]
@@ -341,7 +385,8 @@ def markdown(summary: dict) -> str:
         + tasks
         + ["gate"]
     )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [*(line + "  " for line in ratio_lines(summary)), ""]  # two spaces: a line break in Markdown
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
         spec = row["speculative"]
         cells = [
@@ -367,8 +412,10 @@ def markdown(summary: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Speedup vs baseline: mean over categories of the config's baseline_ms / median. Speedup vs BF16: "
-        "against the unquantized variant measured here (`reference` in summary.json). Both per prompt set: "
+        "Speedup vs baseline: mean over categories of the config's baseline_ms / median ("
+        + summary["baseline"]["label"]
+        + "). Speedup vs BF16: against the unquantized variant measured here (`reference` in summary.json). Both "
+        "per prompt set: "
         + "; ".join(f"{name}: {SET_NOTES[name]}" for name in sets)
         + ". Medians: the competition's set. * = on the Pareto front of speed (competition's set) and that "
         "score.",
@@ -380,7 +427,7 @@ def markdown(summary: dict) -> str:
     header = (
         ["variant", "prompt set"]
         + [f"{c} median ms" for c in cats]
-        + ["speedup vs baseline", "speedup vs BF16", "accept len", "prefix-cache hits"]
+        + [f"speedup {baseline_label}", "speedup vs BF16", "accept len", "prefix-cache hits"]
     )
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary["variants"]:
@@ -409,16 +456,29 @@ def pyplot():
     return plt
 
 
+def plot_title(title: str, summary: dict) -> str:
+    """A plot's title and, under it, what its speed is against (wrapped to the figure)."""
+    speed_baseline = summary["speed_baseline"]
+    against = speed_baseline["text"] if speed_baseline else summary["speed_axis"]
+    return title + "\n" + "\n".join(textwrap.wrap(f"speed: {against}", 110))
+
+
+def axis_label(label: str) -> str:
+    return "\n".join(textwrap.wrap(label, 40))
+
+
 def plot_speedup_vs_quality(summary: dict, path) -> None:
     plt = pyplot()
-    label, speed = speed_axis(summary["variants"])
+    label = summary["speed_axis"]
+    speed = [set_speed(summary, row, COMPETITION_SET) for row in summary["variants"]]
     tasks = summary["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4.2), squeeze=False)
+    # constrained: room for the title's lines on what the speed is against
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4.2), squeeze=False, layout="constrained")
     for ax, task in zip(axes[0], tasks, strict=False):
         points = [
             (r["quality"][task], s, r)
             for r, s in zip(summary["variants"], speed, strict=True)
-            if r["quality"][task] is not None
+            if r["quality"][task] is not None and s is not None
         ]
         for score, s, row in points:
             on_front = row["pareto"][task]
@@ -435,11 +495,10 @@ def plot_speedup_vs_quality(summary: dict, path) -> None:
         if len(front) > 1:
             ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:red", lw=1, ls="--", zorder=2)
         ax.set_xlabel(f"{task} score")
-        ax.set_ylabel(label)
+        ax.set_ylabel(axis_label(label), fontsize=8)
         ax.set_title(task)
         ax.grid(alpha=0.3)
-    fig.suptitle("Speed vs quality (red stars: Pareto front; x: failed the gate)")
-    fig.tight_layout()
+    fig.suptitle(plot_title("Speed vs quality (red stars: Pareto front; x: failed the gate)", summary), fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -450,7 +509,9 @@ def plot_latency_per_category(summary: dict, path) -> None:
     plt = pyplot()
     rows, cats, sets = summary["variants"], summary["categories"], summary["prompt_sets"]
     panel_width = max(7.0, 1.6 * len(cats) * max(1, len(rows)) / 2)
-    fig, axes = plt.subplots(len(sets) + 1, 1, figsize=(panel_width, 3.6 * (len(sets) + 1)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(sets) + 1, 1, figsize=(panel_width, 3.6 * (len(sets) + 1)), squeeze=False, layout="constrained"
+    )
     axes = axes[:, 0]
     width = 0.8 / max(1, len(rows))
     top = 0.0
@@ -477,11 +538,11 @@ def plot_latency_per_category(summary: dict, path) -> None:
         ax.set_ylabel("median ms (whisker: p90)")
     axes[0].legend(fontsize=7, ncol=2)
     gap = axes[-1]
-    label, _ = speed_axis(rows)
+    label = summary["speed_axis"]
     set_width = 0.8 / len(sets)
     for j, set_name in enumerate(sets):
         xs = [i + (j - (len(sets) - 1) / 2) * set_width for i in range(len(rows))]
-        values = [set_speed(row, set_name, label) for row in rows]
+        values = [set_speed(summary, row, set_name) for row in rows]
         shown = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]
         gap.bar(
             [x for x, _ in shown],
@@ -492,12 +553,11 @@ def plot_latency_per_category(summary: dict, path) -> None:
             color=f"C{len(rows) + j}",
         )
     gap.set_xticks(range(len(rows)), [row["variant"] for row in rows], rotation=20, ha="right", fontsize=7)
-    gap.set_ylabel(label)
+    gap.set_ylabel(axis_label(label), fontsize=8)
     gap.set_title("speed per prompt set: the gap between the competition's prompts and fresh ones", fontsize=10)
     gap.legend(fontsize=7)
     gap.grid(axis="y", alpha=0.3)
-    fig.suptitle("Latency per category and prompt set")
-    fig.tight_layout()
+    fig.suptitle(plot_title("Latency per category and prompt set", summary), fontsize=10)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

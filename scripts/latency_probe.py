@@ -2,23 +2,41 @@
 record one concurrent batch's greedy ids for the lossless check (lib.probe.concurrent_batch)."""
 
 import json
+import textwrap
 from pathlib import Path
 
+from lib.baseline import CONFIG, CONTRACT_A10G, probe_baseline
 from lib.probe import concurrent_batch, probe, prompt_sets
 from lib.stage import StageError, validate_json, write_json
 from lib.vllm_logs import cache_evidence
 
 SET_LABELS = {"repeated": "repeated sentence (competition)", "varied": "varied text", "fresh": "fresh prompts"}
+# what a ratio on the plot is against, next to each number (the title says it in full)
+RATIO_TAGS = {CONTRACT_A10G: "× A10G baseline", CONFIG: "× config baseline"}
+BASELINE_MARKS = {CONTRACT_A10G: "the contract's A10G baseline_ms", CONFIG: "the config's baseline_ms"}
 
 
-def plot(result: dict, title: str, path) -> None:
+def plot_labels(result: dict, variant: str) -> dict:
+    """The plot's words, from the record's `baseline`: the title says what every ratio is against (and where the probe
+    ran, and any category sized unlike the contract's), each ratio carries a short tag."""
+    baseline = result["baseline"]
+    return {
+        "title": f"{variant}: median latency, MTP acceptance, prefix-cache hits\n"
+        + "\n".join(textwrap.wrap(f"ratios: {baseline['text']}", 100)),
+        "ratio_tag": RATIO_TAGS.get(baseline["kind"], ""),
+        "baseline_mark": BASELINE_MARKS.get(baseline["kind"], "baseline_ms"),
+    }
+
+
+def plot(result: dict, variant: str, path) -> None:
     """Median latency per category for every prompt set probed (whisker: p90), the config baseline, and per bar the
-    speedup, MTP acceptance length and prefix-cache hit rate."""
+    speedup (against what, plot_labels says), MTP acceptance length and prefix-cache hit rate."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a build host
     import matplotlib.pyplot as plt
 
+    labels = plot_labels(result, variant)
     sets = prompt_sets(result)
     names = [c["name"] for c in result["categories"]]
     width = 0.8 / len(sets)
@@ -28,10 +46,10 @@ def plot(result: dict, title: str, path) -> None:
         medians = [c["median_ms"] for c in categories]
         upper = [c["p90_ms"] - c["median_ms"] for c in categories]
         xs = [x + (i - (len(sets) - 1) / 2) * width for x in range(len(names))]
-        speedup = f", {prompt_set['mean_speedup']:.2f}x" if prompt_set.get("mean_speedup") else ""
+        speedup = f", {prompt_set['mean_speedup']:.2f}{labels['ratio_tag']}" if prompt_set.get("mean_speedup") else ""
         ax.bar(xs, medians, width, yerr=[[0] * len(xs), upper], capsize=3, label=SET_LABELS[name] + speedup)
         for x, c in zip(xs, categories, strict=True):
-            note = f"{c['speedup']:.2f}x" if c["speedup"] else ""
+            note = f"{c['speedup']:.2f}×" if c["speedup"] else ""
             if c["mean_acceptance_length"]:
                 note += f"\nacc {c['mean_acceptance_length']:.2f}"
             hit_rate = (c.get("prefix_cache") or {}).get("hit_rate")
@@ -48,10 +66,12 @@ def plot(result: dict, title: str, path) -> None:
             )
     baselines = [c["baseline_ms"] for c in result["categories"]]
     if all(baselines):
-        ax.scatter(range(len(names)), baselines, marker="_", s=600, color="black", zorder=3, label="baseline_ms")
+        ax.scatter(
+            range(len(names)), baselines, marker="_", s=600, color="black", zorder=3, label=labels["baseline_mark"]
+        )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("median latency, ms (whisker: p90)")
-    ax.set_title(f"{title}: speedup vs baseline_ms, MTP acceptance, prefix-cache hits")
+    ax.set_title(labels["title"], fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -101,6 +121,7 @@ def main(job) -> None:
         device_bandwidth=bandwidth,
         warmup=job.params.probe["warmup"],
         ignore_eos=job.params.probe["ignore_eos"],
+        baseline=probe_baseline(job.params.probe["categories"], job.params.contract, bandwidth["device"]),
     )
     validate_json(result, job.input.schema)
     write_json(job.output.latency, result)

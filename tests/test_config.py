@@ -202,6 +202,21 @@ def test_each_profile_validates_on_its_own():
     assert tiny_variants and not tiny_variants & set(pipeline_config.load(real).config["variants"])
 
 
+def test_the_ranking_divides_by_a_measured_bf16_variant_without_speculation():
+    """The same-host bf16 reference (rules/select.smk's BF16_REFERENCE): a measured variant whose recipe quantizes
+    nothing and that does not speculate; bf16-mtp2 (it speculates) and unmeasured variants are not one."""
+    real = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert pipeline_config.load(real).bf16_reference is None  # the candidates and compared hold none
+    with_bits = dict(real, compare={"variants": ["bits", "awq-w4a16-g32-none"]})
+    assert "bf16-mtp2" in pipeline_config.load(with_bits).measured
+    assert pipeline_config.load(with_bits).bf16_reference is None
+    with_bf16 = dict(real, compare={"variants": ["awq-w4a16-g32-none", "bf16"]})
+    assert pipeline_config.load(with_bf16).bf16_reference == "bf16"
+    # the real profile's probe sizes and baselines are the contract's, the tiny profile's long category is not
+    assert pipeline_config.load(real).config["probe"]["categories"] == pipeline_config.contract_categories()
+    assert pipeline_config.load(tiny_config()).config["probe"]["categories"] != pipeline_config.contract_categories()
+
+
 def test_the_tiny_profile_does_not_inherit_the_real_catalog(tmp_path):
     config = tiny_config()
     config["variant"] = "awq-w4a16-g32-mtp2"  # the real profile's default variant

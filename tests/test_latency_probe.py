@@ -7,10 +7,13 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import yaml
 
 import latency_probe
 from conftest import ROOT
 from lib import probe
+from lib.baseline import probe_baseline
+from lib.config import contract_categories
 from lib.stage import StageError, validate_json
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -106,12 +109,60 @@ def test_plot_draws_every_prompt_set(tmp_path):
         for name in ("short", "long")
     ]
     prompt_set = {"categories": categories, "mean_speedup": 2.5}
-    result = {"categories": categories, "mean_speedup": 2.5, "varied": prompt_set, "fresh": prompt_set}
+    result = {
+        "categories": categories,
+        "mean_speedup": 2.5,
+        "varied": prompt_set,
+        "fresh": prompt_set,
+        "baseline": probe_baseline(CATEGORIES, contract_categories(), "cpu"),
+    }
     assert list(probe.prompt_sets(result)) == ["repeated", "varied", "fresh"]
     latency_probe.plot(result, "tiny-awq-mtp1", tmp_path / "latency.png")
     assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
     latency_probe.plot(dict(result, varied=None, fresh=None), "tiny-awq-mtp1", tmp_path / "one.png")
     assert (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def tiny_probe_categories() -> list[dict]:
+    return yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())["probe"]["categories"]
+
+
+def test_the_record_says_its_ratios_are_against_the_contracts_a10g_baseline_and_how_the_sizes_differ():
+    """The tiny profile probes a tiny model on a CPU against the contract's A10G baseline_ms, with a 4,096-token long
+    category: its record says what its speedups are against, where it ran, and the size that is not the contract's."""
+    tiny = probe_baseline(tiny_probe_categories(), contract_categories(), "cpu")
+    assert tiny["kind"] == "contract_a10g"
+    assert tiny["label"] == "× the contract's A10G baseline (meaningful on an A10G only)"
+    assert tiny["sizes_differ"] == [
+        {
+            "name": "long",
+            "prompt_tokens": 4096,
+            "output_tokens": 256,
+            "contract_prompt_tokens": 8192,
+            "contract_output_tokens": 256,
+        }
+    ]
+    assert "probed on cpu" in tiny["text"]
+    assert "the long category sends 4,096 prompt tokens, not the contract's 8,192" in tiny["text"]
+    # the real profile's categories are the contract's: nothing differs
+    real = probe_baseline(contract_categories(), contract_categories(), "NVIDIA A10G")
+    assert (real["kind"], real["sizes_differ"]) == ("contract_a10g", [])
+    assert real["text"] == "× the contract's A10G baseline (meaningful on an A10G only); probed on NVIDIA A10G"
+    # baseline_ms of the config's own are not called the contract's; no baseline_ms: no ratio
+    own = [dict(c, baseline_ms=c["baseline_ms"] / 2) for c in contract_categories()]
+    assert probe_baseline(own, contract_categories(), "cpu")["kind"] == "config"
+    none = [dict(c, baseline_ms=None) for c in contract_categories()]
+    assert probe_baseline(none, contract_categories(), "cpu")["kind"] == "none"
+
+
+def test_the_plot_title_and_ratios_name_the_baseline():
+    record = {"baseline": probe_baseline(tiny_probe_categories(), contract_categories(), "cpu")}
+    labels = latency_probe.plot_labels(record, "tiny-awq-mtp2")
+    title = " ".join(labels["title"].split())  # wrapped over lines
+    assert title.startswith("tiny-awq-mtp2: ")
+    assert "ratios: × the contract's A10G baseline (meaningful on an A10G only); probed on cpu" in title
+    assert "not the contract's 8,192" in title
+    assert labels["ratio_tag"] == "× A10G baseline" and labels["baseline_mark"] == "the contract's A10G baseline_ms"
 
 
 # ---- the whole probe against a fake vLLM: a word tokenizer, a prefix cache of 16-token blocks, token ids ----
@@ -309,6 +360,10 @@ def test_probe_records_acceptance_and_first_run_token_ids_per_set(fake_vllm, tmp
     with pytest.raises(StageError, match="device_bandwidth"):  # what the summary's probe floor is read against
         validate_json(record, ROOT / "schemas" / "latency.schema.yaml")
     record["device_bandwidth"] = {"device": "cpu", "gbps": 12.5, "buffer_bytes": 1 << 28, "repeats": 5}
+    with pytest.raises(StageError, match="baseline"):  # what its speedups are against
+        validate_json(record, ROOT / "schemas" / "latency.schema.yaml")
+    record["baseline"] = probe_baseline(CATEGORIES, contract_categories(), "cpu")
+    assert record["baseline"]["kind"] == "config"  # this test's own baseline_ms
     validate_json(record, ROOT / "schemas" / "latency.schema.yaml")
     latency_probe.plot(record, "v", tmp_path / "latency.png")
 

@@ -44,6 +44,12 @@ def test_every_stage_left_its_schema_valid_record(tiny_run):
     compile_cache = latency["compile_cache"]
     assert compile_cache["hit"] and compile_cache["evidence"] and not compile_cache["load_failures"]
     assert latency["device_bandwidth"]["device"] == "cpu" and latency["device_bandwidth"]["gbps"] > 0  # tiny: no GPU
+    # its speedups are against the contract's A10G baseline_ms, and the record says so, with the long category's size
+    baseline = latency["baseline"]
+    assert baseline["kind"] == "contract_a10g" and baseline["device"] == "cpu"
+    assert [(d["name"], d["prompt_tokens"], d["contract_prompt_tokens"]) for d in baseline["sizes_differ"]] == [
+        ("long", 4096, 8192)
+    ]
     assert latency["prompt_sets"] == TINY["probe"]["sets"] == ["repeated", "fresh"] and latency["varied"] is None
     all_sets = latency["categories"] + latency["fresh"]["categories"]
     assert [c["name"] for c in latency["fresh"]["categories"]] == ["short", "medium", "long"]

@@ -197,6 +197,7 @@ sys.path.insert(0, config["scripts"])
 from lib import selection
 
 CANDIDATES = config["candidates"]
+BF16_REFERENCE = config.get("bf16_reference")
 RESOURCES = {name: {"mem_mb": 100, "runtime": 1} for name in ("rank_candidates", "select")}
 
 
@@ -222,15 +223,21 @@ include: config["select_rules"]
 """
 
 
-def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]]):
-    """A workdir with the stand-in workflow, test_sweeps' candidates' latency records and each one's (lossless
-    passed, gate passed) records; returns a function running snakemake there."""
+def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]], latencies=None, bf16=None):
+    """A workdir with the stand-in workflow, the candidates' latency records (test_sweeps' by default) and each one's
+    (lossless passed, gate passed) records, and `bf16` (name, latency record): the run's same-host bf16 variant;
+    returns a function running snakemake there."""
     from test_sweeps import LATENCIES, lossless_record, quality
 
+    latencies = latencies or LATENCIES
     (tmp_path / "Snakefile").write_text(WALK_SNAKEFILE)
     (tmp_path / "schemas").symlink_to(ROOT / "schemas")
     (tmp_path / "records").mkdir()
-    for variant, record in LATENCIES.items():
+    if bf16:
+        path = tmp_path / "results" / bf16[0] / "latency_probe" / "latency.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(bf16[1]))
+    for variant, record in latencies.items():
         path = tmp_path / "results" / variant / "latency_probe" / "latency.json"
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(record))
@@ -242,8 +249,9 @@ def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]]):
     settings = {
         "scripts": str(ROOT / "scripts"),
         "select_rules": str(ROOT / "rules" / "select.smk"),
-        "candidates": sorted(LATENCIES),
+        "candidates": sorted(latencies),
         "select": {"by": "mean_speedup"},
+        "bf16_reference": bf16[0] if bf16 else None,
     }
     (tmp_path / "config.json").write_text(json.dumps(settings))
     return lambda *args, check=True: snakemake(*args, "--configfile", "config.json", cwd=tmp_path, check=check)
@@ -275,6 +283,23 @@ def test_snakemake_walks_the_candidates_one_check_at_a_time_and_stops_at_the_win
     ]
     assert json.loads((tmp_path / "results" / "ranking.json").read_text())["candidates"][0]["variant"] == "a"
     assert "Nothing to be done" in run("-n", "results/selection.json").stdout
+
+
+def test_the_ranking_rule_reads_the_same_host_bf16_record_as_an_input(tmp_path):
+    """rank_candidates divides by the run's bf16 variant's medians: its latency record is an input of the rule, and the
+    ranking follows this host's speeds, not the contract's A10G numbers."""
+    from test_sweeps import BF16_MEDIANS, X_MEDIANS, Y_MEDIANS, latency, with_medians
+
+    candidates = {"x": with_medians(latency(1.0, None), X_MEDIANS), "y": with_medians(latency(1.0, None), Y_MEDIANS)}
+    bf16 = ("bf16-none", with_medians(latency(1.0, None), BF16_MEDIANS))
+    run = walk_workflow(tmp_path, {"x": (True, True), "y": (True, True)}, candidates, bf16)
+    run("--cores", "1", "results/ranking.json")
+    ranking = json.loads((tmp_path / "results" / "ranking.json").read_text())
+    assert [row["variant"] for row in ranking["candidates"]] == ["y", "x"]
+    assert ranking["baseline"]["kind"] == "same_host_bf16" and ranking["baseline"]["variant"] == "bf16-none"
+    (tmp_path / "results" / "bf16-none" / "latency_probe" / "latency.json").unlink()
+    missing = run("-n", "-F", "results/ranking.json", check=False)  # without the bf16 record, no ranking
+    assert missing.returncode != 0 and "results/bf16-none/latency_probe/latency.json" in missing.stderr + missing.stdout
 
 
 def test_snakemake_fails_select_when_every_candidate_fails(tmp_path):

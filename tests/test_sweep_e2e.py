@@ -49,9 +49,15 @@ def test_every_candidate_is_probed_and_ranked_by_the_competition_set(tiny_sweep)
     speeds = [row["mean_speedup_vs_baseline"] for row in ranking["candidates"]]
     assert speeds == sorted(speeds, reverse=True) and all(s > 0 for s in speeds)
     assert all(row["fresh_rank"] is not None for row in ranking["candidates"])  # config/tiny.yaml probes fresh prompts
+    # the sweep measures no bf16 variant without speculation: the speedups are the probes', against the contract's
+    # A10G baseline_ms, and the ranking says so
+    assert (
+        ranking["baseline"]["kind"] == "contract_a10g" and "meaningful on an A10G only" in ranking["baseline"]["text"]
+    )
     for row in ranking["candidates"]:
         latency = load(RESULTS / row["variant"] / "latency_probe" / "latency.json")
         assert latency["mean_speedup"] == pytest.approx(row["mean_speedup_vs_baseline"])
+        assert latency["baseline"]["kind"] == "contract_a10g"
         assert (RESULTS / row["variant"] / "latency_probe" / "latency.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -10,6 +10,8 @@ import select_variant
 import tarball
 from conftest import ROOT
 from lib import selection, sweeps
+from lib.baseline import probe_baseline
+from lib.config import contract_categories
 from lib.stage import StageError, validate_json
 
 BASE = {
@@ -173,7 +175,27 @@ def latency(scale: float, acceptance: float | None, fresh: float = 1.3, sets=("v
         warmup=1,
         ignore_eos=True,
         device_bandwidth={"device": "made up", "gbps": 150.0, "buffer_bytes": 1 << 28, "repeats": 5},
+        baseline=probe_baseline(
+            [{"name": name, "prompt_tokens": 64, "output_tokens": 8, "baseline_ms": base} for name, base in CATEGORIES],
+            contract_categories(),
+            "made up",
+        ),
     )
+
+
+def with_medians(record: dict, medians: dict[str, float]) -> dict:
+    """`record` with its competition and fresh sets' medians per category set to `medians` (fresh 1.3x slower), each
+    speedup against baseline_ms as the probe computes it."""
+
+    def timed(prompt_set, factor):
+        categories = [
+            dict(c, median_ms=medians[c["name"]] * factor, speedup=c["baseline_ms"] / (medians[c["name"]] * factor))
+            for c in prompt_set["categories"]
+        ]
+        mean = sum(c["speedup"] for c in categories) / len(categories)
+        return dict(prompt_set, categories=categories, mean_speedup=mean)
+
+    return dict(timed(record, 1.0), fresh=timed(record["fresh"], 1.3))
 
 
 def quality(score: float, threshold: float = 0.1) -> dict:
@@ -297,7 +319,7 @@ def test_summary_puts_every_prompt_sets_speedups_side_by_side():
     assert awq["fresh_vs_competition"] == pytest.approx(1 / 1.5)
     assert awq["prompt_sets"]["fresh"]["prefix_cache_hit_rate"] is None  # prefix caching off
     text = compare.markdown(summary)
-    assert "speedup vs baseline (repeated / varied / fresh)" in text
+    assert "speedup × the contract's A10G baseline (meaningful on an A10G only) (repeated / varied / fresh)" in text
     assert (
         "| awq-k2 | awq-w4a16-g32-broad | 4 | 0.0 | 5.8 (9.67, 38.7) | mtp K=2 | 8 "
         "| 2.50 / 2.08 / 1.67 | 2.50 / 2.50 / 2.17 |" in text
@@ -339,6 +361,53 @@ def test_explicit_reference_wins():
     assert summary["variants"][0]["mean_speedup_vs_reference"] == pytest.approx(0.5)
 
 
+def test_summary_says_what_its_ratios_are_against():
+    """The probes' baseline_ms are the contract's A10G numbers: the summary, its table and its plots' titles say so
+    (and where the probes ran, and the sizes unlike the contract's) wherever they show a ratio against them."""
+    summary = fabricated_summary()
+    baseline = summary["baseline"]
+    assert baseline["kind"] == "contract_a10g" and "probed on made up" in baseline["text"]
+    assert "the long category sends 64 prompt tokens, not the contract's 8,192" in baseline["text"]
+    # no compared bf16 variant without speculation (bf16-k1 speculates): the speed axis is the contract's baseline
+    assert summary["speed_baseline"] == baseline
+    assert summary["speed_axis"] == "mean speedup × the contract's A10G baseline (meaningful on an A10G only)"
+    text = compare.markdown(summary)
+    assert text.startswith(f"Speedup vs baseline: {baseline['text']}.")
+    assert f"Speed (plots, Pareto fronts): {baseline['text']}." in text
+    title = " ".join(compare.plot_title("Speed vs quality", summary).split())
+    assert title.startswith("Speed vs quality speed: × the contract's A10G baseline (meaningful on an A10G only)")
+
+
+# bf16 on this host is slow on long prompts: against it, y is the faster; against the contract's A10G numbers, x is
+BF16_MEDIANS = {"short": 1000.0, "medium": 20000.0, "long": 40000.0}
+X_MEDIANS = {"short": 500.0, "medium": 10000.0, "long": 20000.0}  # 2.0x bf16 here; 2.01x the A10G baselines
+Y_MEDIANS = {"short": 1000.0, "medium": 5000.0, "long": 10000.0}  # 3.0x bf16 here; 1.44x the A10G baselines
+
+
+def test_summary_speed_is_against_a_compared_same_host_bf16_variant():
+    bf16 = dict(variant("bf16-none", "bf16", 0), speculative={"method": "none", "k": 0})
+    x = dict(variant("x", "awq-w4a16-g32-broad", 0), speculative={"method": "none", "k": 0})
+    summary = compare.build_summary(
+        [bf16, x, variant("y", "awq-w4a16-g32-broad", 1)],
+        [with_medians(latency(1.0, None), m) for m in (BF16_MEDIANS, X_MEDIANS, Y_MEDIANS)],
+        [quality(0.9), quality(0.5), quality(0.5)],
+        QUANTIZE,
+        None,
+    )
+    validate_json(summary, ROOT / "schemas" / "summary.schema.yaml")
+    rows = {r["variant"]: r for r in summary["variants"]}
+    assert rows["x"]["mean_speedup_vs_baseline"] > rows["y"]["mean_speedup_vs_baseline"]  # the A10G order
+    assert summary["speed_baseline"]["kind"] == "same_host_bf16" and summary["speed_baseline"]["variant"] == "bf16-none"
+    assert summary["speed_axis"] == "mean speedup × same-host bf16 (bf16-none)"
+    speeds = {name: compare.set_speed(summary, row, "repeated") for name, row in rows.items()}
+    assert speeds == {"bf16-none": pytest.approx(1.0), "x": pytest.approx(2.0), "y": pytest.approx(3.0)}
+    assert compare.set_speed(summary, rows["y"], "fresh") == pytest.approx(3.0)  # against bf16's own fresh medians
+    # the Pareto fronts are on this speed: y (faster here, same score) leaves x off
+    assert [name for name, row in rows.items() if row["pareto"]["mc"]] == ["bf16-none", "y"]
+    assert "Speed (plots, Pareto fronts): × same-host bf16 (bf16-none): " in compare.markdown(summary)
+    assert "speed: × same-host bf16 (bf16-none)" in " ".join(compare.plot_title("t", summary).split())
+
+
 def test_pareto_front():
     assert compare.pareto_front({"a": (0.9, 1.0), "b": (0.8, 2.0), "c": (0.7, 1.5), "d": (None, 9.0)}) == {"a", "b"}
 
@@ -346,7 +415,8 @@ def test_pareto_front():
 def test_markdown_csv_and_plots(tmp_path):
     summary = fabricated_summary()
     text = compare.markdown(summary)
-    assert text.count("\n| ") == 4 + 1 + 4 * 3  # a row per variant; the per-set table: header, variants x sets
+    # the main table: header and a row per variant; the per-set table: header, variants x sets
+    assert text.count("\n| ") == 1 + 4 + 1 + 4 * 3
     assert "FAIL: mc 0.05 < 0.1" in text and "mtp K=2" in text
     rows = compare.csv_rows(summary)
     assert rows[1]["short_speedup_vs_reference"] == pytest.approx(2.0) and "mc_pareto" in rows[0]
@@ -425,6 +495,35 @@ def test_rank_refuses_mean_speedup_without_baselines_and_says_what_to_set():
     ]
 
 
+def test_rank_divides_by_the_same_host_bf16_variant_when_the_run_has_one():
+    """Against the contract's A10G baseline_ms x is the faster; against bf16 measured on this host, y: with the bf16
+    variant's record the ranking (and so the order select checks in) is this host's, and says so."""
+    candidates = {"x": with_medians(latency(1.0, None), X_MEDIANS), "y": with_medians(latency(1.0, None), Y_MEDIANS)}
+    contract = selection.rank(candidates, "mean_speedup")
+    assert selection.order(contract) == ["x", "y"] and contract["baseline"]["kind"] == "contract_a10g"
+    bf16 = ("bf16-none", with_medians(latency(1.0, None), BF16_MEDIANS))
+    ranking = selection.rank(candidates, "mean_speedup", bf16)
+    validate_json(ranking, ROOT / "schemas" / "ranking.schema.yaml")
+    assert selection.order(ranking) == ["y", "x"]
+    assert ranking["baseline"] == {
+        "kind": "same_host_bf16",
+        "variant": "bf16-none",
+        "label": "× same-host bf16 (bf16-none)",
+        "text": ranking["baseline"]["text"],
+    }
+    rows = {row["variant"]: row for row in ranking["candidates"]}
+    assert rows["y"]["mean_speedup_vs_baseline"] == pytest.approx(3.0)
+    assert rows["x"]["fresh_mean_speedup_vs_baseline"] == pytest.approx(2.0)  # bf16's fresh medians, 1.3x too
+    chosen = selection.choose(ranking, {"y": lossless_record("y", True)}, {"y": quality(0.9)})
+    validate_json(chosen, ROOT / "schemas" / "selection.schema.yaml")
+    assert chosen["baseline"] == ranking["baseline"]
+    assert "(mean speedup 3.000 × same-host bf16 (bf16-none) on the competition's repeated prompts" in chosen["reason"]
+    # a bf16 probe without one of a candidate's categories gives no ratio: the ranking says so
+    short_only = dict(bf16[1], categories=bf16[1]["categories"][:1])
+    with pytest.raises(StageError, match="bf16-none: its probe lacks a category x's has"):
+        selection.rank(candidates, "mean_speedup", ("bf16-none", short_only))
+
+
 def test_a_candidate_without_fresh_prompts_has_no_fresh_rank():
     ranking = selection.rank({"a": latency(0.2, 2.0, sets=()), "b": latency(0.3, 2.0)}, "mean_speedup")
     validate_json(ranking, ROOT / "schemas" / "ranking.schema.yaml")
@@ -495,13 +594,14 @@ def test_selection_gives_every_candidates_rank_speeds_and_outcome():
     reason = chosen["reason"]
     assert reason.startswith(
         "fastest by mean_speedup of the 4 candidates to pass the lossless check and the quality gate (mean speedup "
-        "2.000 on the competition's repeated prompts, 1.429 on fresh prompts; rank 3)"
+        "2.000 × the contract's A10G baseline (meaningful on an A10G only) on the competition's repeated prompts, "
+        "1.429 on fresh prompts; rank 3)"
     ), reason
     assert (
         f"faster but failed: a (failed the lossless check: not lossless against own image, speculation off: "
         f"{FIRST_DIFFERENCE}); b (failed the quality gate: mc 0.05 < 0.1)"
     ) in reason
-    assert "slower, never gated: d (mean speedup 1.250 on the competition's repeated prompts, 3.125" in reason
+    assert "slower, never gated: d (mean speedup 1.250 × the contract's A10G baseline" in reason
     # honest: the ranking is the competition's, and on fresh prompts another candidate is the fastest
     assert reason.endswith("on fresh prompts d would be the fastest (not gated)"), reason
 

@@ -286,6 +286,12 @@ def tiny_training_inputs(train: dict) -> dict:
     return {"generator": str(generator), "test_splits": sorted(str(p) for p in generator.parent.glob("*.test.jsonl"))}
 
 
+def contract_categories() -> list[dict]:
+    """The contract's probe categories (sizes and A10G bf16 baseline_ms): the schema's default probe.categories,
+    which a probe's record compares its own against (lib.baseline.probe_baseline)."""
+    return copy.deepcopy(schema()["properties"]["probe"]["properties"]["categories"]["default"])
+
+
 @dataclass
 class Pipeline:
     """The checked configuration (defaults filled, sweeps expanded) and what the rules derive from it."""
@@ -400,6 +406,27 @@ class Pipeline:
             "weights_revision": model["revision"] if model["source"] == "hub" else "synthetic",
             "build_date": self.config["image"]["label_build_date"],
         }
+
+    @property
+    def contract_categories(self) -> list[dict]:
+        return contract_categories()
+
+    @property
+    def bf16_reference(self) -> str | None:
+        """The same-host bf16 reference the ranking divides by: the first measured variant whose recipe quantizes
+        nothing and that does not speculate (lib.baseline.is_bf16); None when the run measures none."""
+        from lib.baseline import is_bf16
+        from lib.quantize_checks import read_recipe
+
+        variants = self.config["variants"]
+        return next(
+            (
+                name
+                for name in self.measured
+                if is_bf16(read_recipe(variants[name]["recipe"])["quantize"], variants[name]["speculative"]["method"])
+            ),
+            None,
+        )
 
     def run_settings(self) -> dict:
         """How a built image is started, for every stage that runs it."""

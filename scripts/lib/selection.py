@@ -2,7 +2,9 @@
 by checking them fastest first and stopping at the first that passes.
 
 Every candidate is probed (cheap); `rank` orders them by speed on the competition's prompt set (`select.by`), with
-the fresh-prompt speed beside it. `walk` then visits them in that order: a candidate's lossless check first (a
+the fresh-prompt speed beside it; a mean speedup is against a same-host bf16 variant's medians when the run measures
+one, else against the probe's baseline_ms (the contract's A10G numbers), and the ranking's `baseline` says which
+(lib.baseline). `walk` then visits them in that order: a candidate's lossless check first (a
 comparison of ids the probe already recorded, against one short reference run), its quality gate (hours on the real
 model) only when that passed, and it stops at the first candidate that passes both. So the gate's cost is paid for
 the winner and for faster candidates that failed; slower ones are never checked. rules/select.smk walks with
@@ -16,6 +18,7 @@ import math
 import statistics
 from typing import Callable
 
+from lib.baseline import mean_ratio, same_host
 from lib.gate import failed_tasks
 from lib.probe import COMPETITION_SET, prompt_sets
 from lib.stage import StageError
@@ -24,13 +27,16 @@ BY = ("mean_speedup", "geomean_latency_ms")
 FRESH = "fresh"
 
 
-def set_speed(prompt_set: dict | None) -> dict:
-    """A prompt set's two speed figures (None where the set was not probed, or a category has no baseline_ms)."""
+def set_speed(prompt_set: dict | None, reference_set: dict | None = None, same_host_bf16: bool = False) -> dict:
+    """A prompt set's two speed figures (None where the set was not probed, or a category has no baseline_ms). With
+    same_host_bf16 the mean speedup is against `reference_set`, the bf16 variant's same set (None where none)."""
     if not prompt_set:
         return {"mean_speedup_vs_baseline": None, "geomean_latency_ms": None}
     medians = [category["median_ms"] for category in prompt_set["categories"]]
     return {
-        "mean_speedup_vs_baseline": prompt_set["mean_speedup"],
+        "mean_speedup_vs_baseline": (
+            mean_ratio(prompt_set, reference_set) if same_host_bf16 else prompt_set["mean_speedup"]
+        ),
         "geomean_latency_ms": math.exp(statistics.mean(math.log(m) for m in medians)),
     }
 
@@ -47,17 +53,29 @@ def fresh_speed(row: dict) -> dict:
     }
 
 
-def rank(latencies: dict[str, dict], by: str) -> dict:
+def rank(latencies: dict[str, dict], by: str, bf16: tuple[str, dict] | None = None) -> dict:
     """The ranking record (results/ranking.json) of the candidates' latency records, fastest first on the
     competition's prompt set; ties keep the candidates' order. `fresh_rank` orders them on fresh prompts (what a new
-    user sees; reported, not ranked by), null for a candidate whose probe had no fresh set."""
+    user sees; reported, not ranked by), null for a candidate whose probe had no fresh set. `bf16`: (name, latency
+    record) of the run's same-host bf16 variant: mean speedups are against its medians instead of baseline_ms."""
     if by not in BY:
         raise StageError(f"select.by must be one of {', '.join(BY)}, not {by!r}")
+    if bf16:
+        baseline, reference_sets = same_host(bf16[0]), prompt_sets(bf16[1])
+    else:
+        baseline, reference_sets = next(iter(latencies.values()))["baseline"], {}
     rows = []
     for variant, latency in latencies.items():
         sets = prompt_sets(latency)
-        competition, fresh = set_speed(sets[COMPETITION_SET]), set_speed(sets.get(FRESH))
+        competition, fresh = (
+            set_speed(sets.get(name), reference_sets.get(name), bf16 is not None) for name in (COMPETITION_SET, FRESH)
+        )
         if by == "mean_speedup" and competition["mean_speedup_vs_baseline"] is None:
+            if bf16:
+                raise StageError(
+                    f"select.by mean_speedup against the same-host bf16 variant {bf16[0]}: its probe lacks a category "
+                    f"{variant}'s has. Probe both with the same probe.categories, or set select.by: geomean_latency_ms"
+                )
             raise StageError(
                 f"select.by mean_speedup needs every probe category's baseline_ms (config probe.categories); "
                 f"{variant}'s probe has none. Set select.by: geomean_latency_ms"
@@ -76,6 +94,7 @@ def rank(latencies: dict[str, dict], by: str) -> dict:
     return {
         "by": by,
         "competition_set": COMPETITION_SET,
+        "baseline": baseline,
         "candidates": [
             {
                 "variant": row["variant"],
@@ -122,10 +141,11 @@ def failure(lossless: dict, quality: dict | None) -> tuple[str | None, list[str]
     return None, []
 
 
-def speed_text(row: dict, by: str) -> str:
-    """The speed on the competition's prompts, and on fresh prompts beside it (the gap select does not rank)."""
+def speed_text(row: dict, by: str, baseline: dict) -> str:
+    """The speed on the competition's prompts, and on fresh prompts beside it (the gap select does not rank); a mean
+    speedup names what it is against (the ranking's `baseline`)."""
     if by == "mean_speedup":
-        text = f"mean speedup {row['mean_speedup_vs_baseline']:.3f}"
+        text = f"mean speedup {row['mean_speedup_vs_baseline']:.3f} {baseline['label']}"
         fresh = row["fresh_mean_speedup_vs_baseline"]
         other = f"{fresh:.3f}" if fresh is not None else None
     else:
@@ -179,26 +199,27 @@ def choose(ranking: dict, lossless: dict[str, dict], quality: dict[str, dict]) -
     return {
         "mode": "fastest",
         "by": by,
+        "baseline": ranking["baseline"],
         "variant": winner,
-        "reason": reason(candidates, by),
+        "reason": reason(candidates, by, ranking["baseline"]),
         "candidates": candidates,
     }
 
 
-def reason(candidates: list[dict], by: str) -> str:
+def reason(candidates: list[dict], by: str, baseline: dict) -> str:
     """Why the winner: its speed, the faster candidates it was checked after and why they failed, the slower ones
     left unchecked, and (honestly) which candidate would be the fastest on fresh prompts when that is another."""
     won = next(c for c in candidates if c["outcome"] == "won")
     text = (
         f"fastest by {by} of the {len(candidates)} candidates to pass the lossless check and the quality gate "
-        f"({speed_text(won, by)}; rank {won['rank']})"
+        f"({speed_text(won, by, baseline)}; rank {won['rank']})"
     )
     failed = [c for c in candidates if c["outcome"] == "failed"]
     if failed:
         text += "; faster but failed: " + "; ".join(f"{c['variant']} ({outcome_text(c)})" for c in failed)
     slower = [c for c in candidates if c["outcome"] == "not_gated"]
     if slower:
-        text += "; slower, never gated: " + "; ".join(f"{c['variant']} ({speed_text(c, by)})" for c in slower)
+        text += "; slower, never gated: " + "; ".join(f"{c['variant']} ({speed_text(c, by, baseline)})" for c in slower)
     if all(c["fresh_rank"] is not None for c in candidates):
         fresh_first = min(candidates, key=lambda c: c["fresh_rank"])
         if fresh_first["variant"] != won["variant"]:
