@@ -58,6 +58,9 @@ def compact_variant(record: dict, host: str, environment: dict) -> dict:
         "host": host,
         "date": environment["date"],
         "gpu": environment["gpu"],
+        "engine": environment["engine"],
+        "weights": environment["weights"],
+        "config": record.get("config", "config.yaml"),
         "variant": record["variant"],
         "recipe": record["recipe"],
         "speculative": record["speculative"],
@@ -85,7 +88,8 @@ def compact_lossless(record: dict, host: str, environment: dict) -> dict:
                 }
             )
         checks.append({key: check[key] for key in ("variant", "reference_variant", "passed")} | {"rows": rows})
-    return {"kind": "lossless", "host": host, "date": environment["date"], "gpu": environment["gpu"], "checks": checks}
+    context = {key: environment[key] for key in ("date", "gpu", "engine", "weights")}
+    return {"kind": "lossless", "host": host, **context, "checks": checks}
 
 
 def collect(tarball: Path, host: str, out_root: Path) -> list[Path]:
@@ -105,19 +109,24 @@ def collect(tarball: Path, host: str, out_root: Path) -> list[Path]:
         "vllm": environment["versions"]["vllm_bundle"]["vllm"],
         "copy_gbps": bandwidth.get("copy_gbps"),
     }
+    # what the variants were measured with: the vLLM release, and a trained checkpoint (--checkpoint) or random weights
+    context = {
+        "engine": summary["vllm"].split("+", 1)[0],
+        "weights": "trained" if (raw.get("checkpoint") or {}).get("builder", "").startswith("given") else "random",
+    }
     records = {"environment": summary}
     for name, record in raw.items():
         if name.startswith("variant-") and record.get("status") == "ok":
-            records[record["variant"]] = compact_variant(record, host, summary)
+            records[record["variant"]] = compact_variant(record, host, summary | context)
         elif name == "lossless":
-            records["lossless"] = compact_lossless(record, host, summary)
+            records["lossless"] = compact_lossless(record, host, summary | context)
     schema = yaml.safe_load(SCHEMA.read_text())
     out = out_root / gpu_model(summary["gpu"])
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, record in records.items():
         jsonschema.validate(record, schema)
-        path = out / f"{host}-{name}.json"
+        path = out / f"{host}-vllm{context['engine']}-{name}.json"
         path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         written.append(path)
     return written

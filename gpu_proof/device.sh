@@ -35,7 +35,12 @@ case "$1" in
     t0=$(date +%s)
     bundle=${VLLM_BUNDLE:-vllm}
     export SITE_VLLM=/tmp/site-$bundle
-    [ -d "$SITE_VLLM" ] || (cat /root/stash/$bundle.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
+    if ls /root/stash/$bundle.whl.tar.* >/dev/null 2>&1; then  # its wheels as they are (already compressed)
+      [ -d "$SITE_VLLM" ] || (mkdir -p /tmp/whl-$bundle && cat /root/stash/$bundle.whl.tar.* | tar -C /tmp/whl-$bundle -x \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE_VLLM" /tmp/whl-$bundle/wheels/*.whl) &
+    else
+      [ -d "$SITE_VLLM" ] || (cat /root/stash/$bundle.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
+    fi
     [ -d /tmp/site-llmcompressor ] || (cat /root/stash/llmcompressor.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
     wait
     # arctic-inference without its vllm.general_plugins entry point (it would patch vLLM wholesale)

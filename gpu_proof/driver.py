@@ -22,6 +22,7 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     CPU by the pipeline's own rules, with --config config/tiny.yaml): acceptance and the lossless check
                     mean something only on trained weights
   --quantized R=DIR a recipe's quantized model made elsewhere (the pipeline's quantize rule): step quantize-R uses it
+  --drafter DIR     the dflash variants' drafter made elsewhere (the pipeline's download_draft, for --checkpoint)
   --engine X.Y.Z    the vLLM release the bundle must be (default: the config's engine.vllm); another one is measured
                     only when named here, and the environment record says which ran
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
@@ -120,7 +121,7 @@ class Driver:
         given = self.options.get("checkpoint")
         self.model_dir = Path(given) if given else state / "weights" / "Qwen3.5-4B-random"
         self.quantized = {key: Path(value) for key, value in (self.options.get("quantized") or {}).items()}
-        self.drafter_dir = state / "weights" / "drafter-random"
+        self.drafter_dir = Path(self.options.get("drafter") or state / "weights" / "drafter-random")
         self.serve_env = dict(self.options.get("serve_env") or {})
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
 
@@ -141,7 +142,8 @@ class Driver:
         return {f"serve-{i // together + 1}": self.names[i : i + together] for i in range(0, len(self.names), together)}
 
     def run(self) -> None:
-        steps = plan(self.names, self.variants, self.options["together"], self.options["random_drafter"])
+        drafted = self.options["random_drafter"] or bool(self.options.get("drafter"))
+        steps = plan(self.names, self.variants, self.options["together"], drafted)
         for step in steps:
             if (self.done / step).exists():
                 self.log(f"{step}: done before, skipped")
@@ -200,6 +202,11 @@ class Driver:
         self.record("bandwidth", json.loads((self.state / "b.json").read_text()))
 
     def step_drafter(self, _: str) -> None:
+        if self.options.get("drafter"):
+            files = sorted(self.drafter_dir.glob("*.safetensors"))
+            record = {"kind": "drafter", "status": "ok", "given": str(self.drafter_dir)}
+            self.record("drafter", record | {"total_bytes": sum(f.stat().st_size for f in files)})
+            return
         shutil.rmtree(self.drafter_dir, ignore_errors=True)
         args = [str(ROOT / "gpu_proof" / "build_checkpoint.py"), "--drafter", str(self.drafter_dir)]
         self._python([*args, str(self.state / "d.json"), "--target", str(self.model_dir)])
@@ -311,7 +318,7 @@ class Driver:
         if self.options.get("patches") == "off":
             settings["patches"] = {patch: False for patch in settings["patches"]}
             options["patches"] = "off"
-        if settings["speculative"]["method"] == "dflash":
+        if settings["speculative"]["method"] == "dflash" and not self.options.get("drafter"):
             options["drafter"] = "random weights of the real drafter's shapes"
         if self.options["profile"] == name:
             profiler = dict(PROFILER, torch_profiler_dir=str(self.state / "profile" / name))
@@ -361,6 +368,7 @@ class Driver:
             "kind": "variant",
             "status": "running",
             "variant": name,
+            "config": self.options.get("config", "config.yaml"),
             "recipe": variant["recipe"],
             "speculative": variant["speculative"],
             "serve": settings,
@@ -532,11 +540,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantized", action="append", default=[], metavar="RECIPE=DIR")
     parser.add_argument("--patches", choices=("catalog", "off"), default="catalog")
     parser.add_argument("--engine", default=None, metavar="X.Y.Z")
+    parser.add_argument("--drafter", default=None, metavar="DIR")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
     pipeline = catalog(Path(args.config))
-    steps = plan(names, pipeline.config["variants"], args.together, args.random_drafter)
+    steps = plan(names, pipeline.config["variants"], args.together, args.random_drafter or bool(args.drafter))
     if args.profile and args.profile not in names:
         raise PlanError(f"--profile {args.profile}: not among --variants {names}")
     quantized = dict(item.split("=", 1) for item in args.quantized)
@@ -549,7 +558,12 @@ def main(argv: list[str] | None = None) -> None:
     options = {key: getattr(args, key) for key in ("together", "random_drafter", "profile", "warmup", "runs")}
     options["serve_env"] = dict(item.split("=", 1) for item in args.serve_env)
     options["quantized"] = quantized
-    options.update(checkpoint=args.checkpoint, patches=args.patches, engine=expected_engine(pipeline, args.engine))
+    options.update(
+        checkpoint=args.checkpoint,
+        drafter=args.drafter,
+        patches=args.patches,
+        engine=expected_engine(pipeline, args.engine),
+    )
     Driver(Path(args.state), names, pipeline, options).run()
 
 

@@ -37,7 +37,9 @@ def without_nulls(section: dict) -> dict:
 
 def test_the_records_validate_and_are_the_catalogs_variants(pipeline):
     """What the tables cite is a catalog variant as users run it (its recipe and speculative settings), measured on
-    a named host whose environment is recorded, in the folder of its GPU model."""
+    a named host whose environment is recorded, in the folder of its GPU model; trained-weight records are variants
+    of the tiny profile's catalog, random-weight ones of config.yaml's."""
+    catalogs = {"config.yaml": pipeline, "config/tiny.yaml": driver.catalog(ROOT / "config" / "tiny.yaml")}
     records = committed()
     assert records, "no GPU records"
     hosts = {(r["gpu"], r["host"]) for r in records.values() if r["kind"] == "environment"}
@@ -46,12 +48,16 @@ def test_the_records_validate_and_are_the_catalogs_variants(pipeline):
         assert path.parent.name == collect.gpu_model(record["gpu"]), path
         assert path.name.startswith(f"{record['host']}-"), path
         assert (record["gpu"], record["host"]) in hosts, f"{path}: no environment record of its host"
+        if record["kind"] == "environment":
+            continue
+        config = record.get("config") or ("config/tiny.yaml" if record["weights"] == "trained" else "config.yaml")
+        assert (config == "config/tiny.yaml") == (record["weights"] == "trained"), path
         names = [record["variant"]] if record["kind"] == "variant" else []
         names += [n for c in record.get("checks", []) for n in (c["variant"], c["reference_variant"])]
         for name in names:
-            assert name in pipeline.config["variants"], f"{path}: {name} is not in config.yaml's catalog"
+            assert name in catalogs[config].config["variants"], f"{path}: {name} is not in {config}'s catalog"
         if record["kind"] == "variant":
-            catalog = pipeline.config["variants"][record["variant"]]
+            catalog = catalogs[config].config["variants"][record["variant"]]
             assert record["recipe"] == catalog["recipe"], path
             assert without_nulls(record["speculative"]) == without_nulls(catalog["speculative"]), path
 
@@ -133,9 +139,10 @@ def test_the_driver_serves_catalog_variants_together_and_checks_them_lossless(tm
     ]
     written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records")
     assert sorted(p.name for p in written) == sorted(
-        [f"host1-{n}.json" for n in names] + ["host1-environment.json", "host1-lossless.json"]
+        [f"host1-vllm0.26.0-{n}.json" for n in [*names, "environment", "lossless"]]
     )
-    compact = json.loads((tmp_path / "records" / "h200" / "host1-awq-w4a16-g32-mtp2.json").read_text())
+    compact = json.loads((tmp_path / "records" / "h200" / "host1-vllm0.26.0-awq-w4a16-g32-mtp2.json").read_text())
+    assert (compact["engine"], compact["weights"], compact["config"]) == ("0.26.0", "random", "config.yaml")
     assert "first_run_token_ids" not in json.dumps(compact) and set(compact["sets"]) == {"repeated", "varied", "fresh"}
 
 

@@ -85,3 +85,47 @@ def test_speedups_are_over_bf16_of_the_same_host_only():
     assert render_results.reference_of(records, shared_b) is records[3]
     assert render_results.speedup(fast_b, None, "repeated") is None
     assert render_results.speedup(fast_a, records[0], "fresh") is None  # a set bf16 did not run
+
+
+def test_cost_and_correctness_are_separate_tables_and_random_weights_decide_no_lossless_verdict():
+    """Random-weight lossless checks are not evidence (their flat logits part at near ties), so only the trained
+    checkpoint's checks are tabled; trained variants go to the acceptance table, not the cost one, and a speedup is
+    over bf16 of the same host and engine."""
+    base = {"gpu": "NVIDIA H200", "date": "2026-11-29", "cold_start": {"cache": "empty", "seconds": 1.0}}
+
+    def row(name, engine, weights, medians, acceptance=None):
+        record = variant("h", name, {s: medians for s in ("repeated", "varied", "fresh")}) | base
+        for probed in record["sets"].values():
+            for category in probed["categories"]:
+                category.update(itl_median_ms=1.5, ttft_median_ms=9.0, mean_acceptance_length=acceptance)
+        return record | {"engine": engine, "weights": weights, "bytes_per_step": None}
+
+    def check(name, weights, passed):
+        rows = [{"passed": passed, "near_tie_nats": None, "first_difference": None if passed else 7}]
+        checks = [{"variant": name, "reference_variant": "plain", "passed": passed, "rows": rows}]
+        return {"kind": "lossless", "host": "h", "engine": "0.32.0", "weights": weights, "checks": checks} | base
+
+    records = [
+        row("bf16", "0.26.0", "random", [400, 800, 1200]),
+        row("bf16", "0.32.0", "random", [200, 400, 600]),
+        row("awq", "0.32.0", "random", [100, 200, 300]),
+        row("tiny-awq-mtp2", "0.32.0", "trained", [50, 60, 70], acceptance=2.9),
+        check("random-suffix", "random", False),
+        check("tiny-awq-mtp2", "trained", True),
+        check("tiny-awq-ngram4", "trained", False),
+        {"kind": "environment", "host": "h", "cpu": None, "vllm": "0.32.0", "copy_gbps": None} | base,
+    ]
+    text = render_results.results_md(records)
+    cost = text[text.index("Cost (") : text.index("Acceptance and step cost")]
+    acceptance = text[text.index("Acceptance and step cost") : text.index("Lossless check")]
+    lossless = text[text.index("Lossless check") :]
+    assert "`awq` | 0.32.0 | h, 2026-11-29 | 2.00 / 2.00 / 2.00 |" in cost  # over 0.32's bf16, not 0.26's (4x)
+    assert (
+        "tiny-awq-mtp2" not in cost
+        and "| `tiny-awq-mtp2` | 0.32.0 | h, 2026-11-29 | 2.90 / 2.90 / 2.90 |" in acceptance
+    )
+    assert "random-suffix" not in text
+    assert "| `tiny-awq-mtp2` | `plain` | 0.32.0 | h, 2026-11-29 | passed | 1 of 1 |" in lossless
+    assert "| `tiny-awq-ngram4` | `plain` | 0.32.0 | h, 2026-11-29 | FAILED | 0 of 1 | 0 | 7 |" in lossless
+    readme = render_results.readme_table(records)
+    assert "| H200 | 0.32.0 | `awq` | 2.00× |" in readme and "tiny" not in readme

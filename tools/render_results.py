@@ -92,13 +92,15 @@ def own_options(record: dict) -> dict:
 
 
 def reference_of(records: list[dict], record: dict) -> dict | None:
-    """bf16 served on the same host with the same run options and nothing else changed."""
+    """bf16 served on the same host by the same engine with the same run options and nothing else changed."""
     return next(
         (
             r
             for r in records
             if r["kind"] == "variant"
             and r["host"] == record["host"]
+            and r.get("engine") == record.get("engine")
+            and r.get("weights", "random") == record.get("weights", "random")
             and r["variant"] == REFERENCE
             and not own_options(r)
             and run_options(r) == run_options(record)
@@ -107,17 +109,26 @@ def reference_of(records: list[dict], record: dict) -> dict | None:
     )
 
 
+def measured(records: list[dict], kind: str, gpu: str, weights: str) -> list[dict]:
+    return [r for r in records if r["kind"] == kind and r["gpu"] == gpu and r["weights"] == weights]
+
+
 def variant_rows(records: list[dict], gpu: str) -> list[str]:
+    variants = measured(records, "variant", gpu, "random")
+    if not variants:
+        return []
     rows = [
-        "| variant | host, date | × bf16 same host: repeated / varied / fresh | ITL ms | TTFT long ms: repeated / "
-        "fresh | tokens a step | GB a step | start s |",
-        "|---|---|---|---|---|---|---|---|",
+        "",
+        "Cost (full-size random-weight checkpoint):",
+        "",
+        "| variant | vLLM | host, date | × bf16 same host: repeated / varied / fresh | ITL ms | TTFT long ms: repeated "
+        "/ fresh | tokens a step | GB a step | start s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    variants = [r for r in records if r["kind"] == "variant" and r["gpu"] == gpu]
-    for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["variant"], len(r["options"]))):
+    for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
         reference = reference_of(records, record)
         rows.append(
-            f"| {label(record)} | {record['host']}, {record['date']} "
+            f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} "
             f"| {triple(speedup(record, reference, s) for s in SETS)} "
             f"| {triple(per_set(record, 'itl_median_ms').values())} "
             f"| {triple((long_ttft(record, 'repeated'), long_ttft(record, 'fresh')), 0)} "
@@ -128,21 +139,50 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
     return rows
 
 
+def trained_rows(records: list[dict], gpu: str) -> list[str]:
+    """Acceptance and plain-step cost of the trained tiny checkpoint on the GPU's kernels."""
+    variants = measured(records, "variant", gpu, "trained")
+    if not variants:
+        return []
+    rows = [
+        "",
+        "Acceptance and step cost (the tiny profile's trained checkpoint):",
+        "",
+        "| variant | vLLM | host, date | tokens a step: repeated / varied / fresh | ITL ms | TTFT short ms | start s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
+        short = next(c for c in record["sets"]["repeated"]["categories"] if c["name"] == "short")
+        rows.append(
+            f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} "
+            f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
+            f"| {triple(per_set(record, 'itl_median_ms').values())} | {fmt(short['ttft_median_ms'], 1)} "
+            f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
+        )
+    return rows
+
+
 def lossless_rows(records: list[dict], gpu: str) -> list[str]:
-    checks = [(r, c) for r in records if r["kind"] == "lossless" and r["gpu"] == gpu for c in r["checks"]]
+    """Only trained weights decide losslessness: random logits part at near ties two correct kernels break apart."""
+    checks = [(r, c) for r in measured(records, "lossless", gpu, "trained") for c in r["checks"]]
     if not checks:
         return []
-    rows = ["", "Lossless check (greedy ids with speculation against the same recipe without it):", ""]
+    rows = [
+        "",
+        "Lossless check (trained tiny checkpoint; greedy ids with speculation against the same recipe without):",
+    ]
     rows += [
-        "| variant | against | host, date | rows passed | near ties | first differences |",
-        "|---|---|---|---|---|---|",
+        "",
+        "| variant | against | vLLM | host, date | verdict | rows passed | near ties | first differences |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for record, check in checks:
         equal = sum(1 for row in check["rows"] if row["passed"])
         ties = sum(1 for row in check["rows"] if row["near_tie_nats"] is not None)
         firsts = sorted({row["first_difference"] for row in check["rows"] if row["first_difference"] is not None})
         rows.append(
-            f"| `{check['variant']}` | `{check['reference_variant']}` | {record['host']}, {record['date']} "
+            f"| `{check['variant']}` | `{check['reference_variant']}` | {record['engine']} "
+            f"| {record['host']}, {record['date']} | {'passed' if check['passed'] else 'FAILED'} "
             f"| {equal} of {len(check['rows'])} | {ties} | {', '.join(map(str, firsts)) or '—'} |"
         )
     return rows
@@ -153,17 +193,26 @@ def results_md(records: list[dict]) -> str:
         f"<!-- Generated by `{COMMAND}` from results/gpu-proof/*/*.json: edit the records, not this file. -->",
         "# Results",
         "",
-        "Speed of catalog variants measured by the GPU proof ([gpu-proof.md](gpu-proof.md)) on lent GPU hosts with a",
-        "full-size **random-weight** checkpoint: what a step costs, never quality, and no acceptance that real text",
-        "would give (random weights accept almost nothing on fresh text and copy-style drafts only on repeated",
-        "output). `× bf16` is the mean over the three categories of bf16's median latency over the variant's, bf16",
-        "served on the same host in the same lease. `repeated` is the competition's prompt (one sentence repeated),",
-        "`varied` real paragraphs, `fresh` a new prompt every run (nothing cached). ITL is the mean over categories",
-        "of each category's median inter-token latency; tokens a step is the mean acceptance length with",
-        "speculation. `options` say what the run changed from the catalog variant.",
+        "Catalog variants measured by the GPU proof ([gpu-proof.md](gpu-proof.md)) on lent GPU hosts, in two kinds of",
+        "table. **Cost**: a full-size **random-weight** checkpoint of the real shapes: what a step costs, never",
+        "quality, and no acceptance that real text would give (random weights accept almost nothing on fresh text and",
+        "copy-style drafts only on repeated output), and no lossless verdict (their flat logits part at near ties).",
+        "**Acceptance and the lossless check**: the tiny profile's **trained** checkpoint (made on a CPU by the",
+        "pipeline) on the GPU's kernels, through the tiny catalog's variants. `× bf16` is the mean over the three",
+        "categories of bf16's median latency over the variant's, bf16 served on the same host by the same vLLM.",
+        "`repeated` is the competition's prompt (one sentence repeated), `varied` real paragraphs, `fresh` a new",
+        "prompt every run (nothing cached). ITL is the mean over categories of each category's median inter-token",
+        "latency; tokens a step is the mean acceptance length with speculation. `options` say what the run changed",
+        "from the catalog variant.",
     ]
     for gpu in gpus(records):
-        lines += ["", f"## {gpu}", "", *variant_rows(records, gpu), *lossless_rows(records, gpu)]
+        lines += [
+            "",
+            f"## {gpu}",
+            *variant_rows(records, gpu),
+            *trained_rows(records, gpu),
+            *lossless_rows(records, gpu),
+        ]
         environments = [r for r in records if r["kind"] == "environment" and r["gpu"] == gpu]
         hosts = ", ".join(
             f"{r['host']} ({r['date']}, vLLM {r['vllm']}, copy {fmt(r['copy_gbps'], 0)} GB/s)" for r in environments
@@ -175,28 +224,30 @@ def results_md(records: list[dict]) -> str:
 def readme_table(records: list[dict]) -> str:
     """Per GPU model, each variant's latest same-host comparison with bf16."""
     rows = [
-        "| GPU | variant | × bf16, competition prompt | × bf16, fresh prompts | GB a step |",
-        "|---|---|---|---|---|",
+        "| GPU | vLLM | variant | × bf16, competition prompt | × bf16, fresh prompts | GB a step |",
+        "|---|---|---|---|---|---|",
     ]
     for gpu in gpus(records):
-        latest: dict[str, dict] = {}
+        latest: dict[tuple[str, str], dict] = {}
         for record in records:
             if (
                 record["kind"] != "variant"
                 or record["gpu"] != gpu
+                or record["weights"] != "random"
                 or set(own_options(record)) - set(INHERENT_OPTIONS)
                 or record["variant"] == REFERENCE
             ):
                 continue
-            if reference_of(records, record) and record["date"] >= latest.get(record["variant"], {"date": ""})["date"]:
-                latest[record["variant"]] = record
-        for name, record in sorted(
-            latest.items(), key=lambda item: -speedup(item[1], reference_of(records, item[1]), "repeated")
+            key = (record["engine"], record["variant"])
+            if reference_of(records, record) and record["date"] >= latest.get(key, {"date": ""})["date"]:
+                latest[key] = record
+        for (engine, name), record in sorted(
+            latest.items(), key=lambda item: (item[0][0], -speedup(item[1], reference_of(records, item[1]), "repeated"))
         ):
             reference = reference_of(records, record)
             drafted = " (random drafter)" if "drafter" in record["options"] else ""
             rows.append(
-                f"| {gpu.removeprefix('NVIDIA ')} | `{name}`{drafted} "
+                f"| {gpu.removeprefix('NVIDIA ')} | {engine} | `{name}`{drafted} "
                 f"| {fmt(speedup(record, reference, 'repeated'), 2, '×')} "
                 f"| {fmt(speedup(record, reference, 'fresh'), 2, '×')} "
                 f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} |"
