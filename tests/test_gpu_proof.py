@@ -309,3 +309,18 @@ def test_the_checkpoint_and_drafter_builders_run_on_the_current_tiny_model_api(t
     assert config["dflash_config"]["mask_token_id"] < 4160 and config["target_hidden_size"] == 64
     fc, attention, mlp, norms = 64 * 2 * 64, 64 * 64 * 2 + 32 * 64 * 2, 3 * 64 * 96, 2 * 32 + 4 * 64
     assert drafter["total_params"] == fc + attention + mlp + norms
+
+
+def test_the_floor_measures_the_engine_with_the_servers_settings_less_the_front_ends_flags():
+    """gpu_proof/floor.py builds vLLM's engine from the image's own command line, without the API server's flags."""
+    import floor
+    from serving.settings import vllm_args
+
+    tiny = driver.catalog(ROOT / "config" / "tiny.yaml")
+    args = vllm_args(tiny.serve_json("tiny-awq-none"), "/m", host="127.0.0.1", port=0, cuda=True)
+    flags = floor.engine_flags(args)
+    assert "--max-num-seqs" in flags and "/m" in flags
+    assert not {f.split("=", 1)[0] for f in flags} & floor.FRONT_END_FLAGS
+    assert len(args) - len(flags) == sum(
+        2 if "=" not in a else 1 for a in args if a.split("=")[0] in floor.FRONT_END_FLAGS
+    )

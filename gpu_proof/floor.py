@@ -1,0 +1,109 @@
+"""The engine's own floor a decode step: a serve.json's model in vLLM's engine without the API server, HTTP,
+streaming or the project's middleware, one greedy request at a time, each step timed.
+
+    python3 gpu_proof/floor.py SERVE_JSON MODEL_DIR OUT_JSON [--tokens 256] [--repeats 3]
+
+The serve.json is turned into vLLM's flags exactly as the image does (serving.settings.vllm_args); the flags only
+the API server reads are dropped, the rest build vLLM's EngineArgs, so the engine is configured as the server's.
+Beside the probe's inter-token latency of the same variant on the same host, the difference is what the front end
+(API server, streaming, middleware) adds a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# flags of the API server, not of the engine
+FRONT_END_FLAGS = {"--host", "--port", "--middleware", "--served-model-name", "--default-chat-template-kwargs"}
+
+
+def engine_flags(args: list[str]) -> list[str]:
+    """vllm_args' command line less the API server's own flags (each with its value)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in FRONT_END_FLAGS:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("serve_json")
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from serving.settings import vllm_args
+
+    settings = json.loads(Path(args.serve_json).read_text())
+    flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=True))
+
+    import vllm
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older layouts
+        from vllm.utils import FlexibleArgumentParser
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    namespace = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags)
+    started = time.monotonic()
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(namespace))
+    start_s = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 164))}  # 64 tokens
+    runs = []
+    for repeat in range(args.repeats + 1):  # the first is a warm-up
+        engine.add_request(f"floor-{repeat}", prompt, params)
+        steps, produced = [], 0
+        while engine.has_unfinished_requests():
+            began = time.perf_counter()
+            outputs = engine.step()
+            steps.append(time.perf_counter() - began)
+            for output in outputs:
+                produced = len(output.outputs[0].token_ids)
+        if repeat:
+            decode = steps[1:]  # the first step is the prefill (and first token)
+            runs.append(
+                {
+                    "first_step_ms": round(steps[0] * 1e3, 3),
+                    "step_median_ms": round(statistics.median(decode) * 1e3, 4),
+                    "step_mean_ms": round(statistics.mean(decode) * 1e3, 4),
+                    "steps": len(steps),
+                    "tokens": produced,
+                }
+            )
+    record = {
+        "kind": "floor",
+        "status": "ok",
+        "vllm": vllm.__version__,
+        "flags": flags,
+        "start_s": round(start_s, 1),
+        "tokens": args.tokens,
+        "runs": runs,
+        "step_median_ms": statistics.median(r["step_median_ms"] for r in runs),
+    }
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
