@@ -25,9 +25,16 @@ Options beyond the catalog, each recorded in the variant's record under `options
   --drafter DIR     the dflash variants' drafter made elsewhere (the pipeline's download_draft, for --checkpoint)
   --engine X.Y.Z    the vLLM release the bundle must be (default: the config's engine.vllm); another one is measured
                     only when named here, and the environment record says which ran
+  --share-state DIR another driver's state on this host (the same lease): its bandwidth, and unless given here its
+                    checkpoint, quantized models and drafter, are waited for and used, not made again, so a second
+                    engine is measured on the same weights
+  --gpu-share F     the GPU memory share each server asks for (default 0.88 / --together): drivers run side by side
+                    must split the GPU between them
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
+Drivers on one host (another engine, another model) may start servers side by side; what is timed (the bandwidth,
+each probe, the floor) runs under one host-wide lock (PROBE_LOCK), so no two timings overlap.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ SHARED_GPU_MEMORY = 0.88  # of the GPU, split between the servers started togeth
 # ...each with a KV cache of this size: vLLM sizes it by profiling the memory its own start used, which servers
 # starting beside it would inflate (vLLM's --kv-cache-memory-bytes skips that profiling)
 SHARED_KV_CACHE_BYTES = 8 * 2**30
+PROBE_LOCK = Path(os.environ.get("PROBE_LOCK", "/tmp/gpu-proof-probe.lock"))
+SHARED_WAIT_S = 3600  # how long a step waits for the shared state's driver to finish it
 PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
 
 
@@ -118,10 +127,12 @@ class Driver:
         self.results, self.done = state / "results", state / "done"
         for folder in (self.results / "logs", self.done, state / "serve", state / "cache", state / "quant"):
             folder.mkdir(parents=True, exist_ok=True)
-        given = self.options.get("checkpoint")
-        self.model_dir = Path(given) if given else state / "weights" / "Qwen3.5-4B-random"
+        given, shared = self.options.get("checkpoint"), self.options.get("share_state")
+        made_in = Path(shared) if shared else state  # where the checkpoint, quantized models and drafter are made
+        self.made_in = made_in
+        self.model_dir = Path(given) if given else made_in / "weights" / "Qwen3.5-4B-random"
         self.quantized = {key: Path(value) for key, value in (self.options.get("quantized") or {}).items()}
-        self.drafter_dir = Path(self.options.get("drafter") or state / "weights" / "drafter-random")
+        self.drafter_dir = Path(self.options.get("drafter") or made_in / "weights" / "drafter-random")
         self.serve_env = dict(self.options.get("serve_env") or {})
         self.serve_cmd = [sys.executable, "-m", "serving"]  # the image's entrypoint (tests swap in fake_server.py)
 
@@ -152,7 +163,10 @@ class Driver:
             started = time.monotonic()
             try:
                 kind, _, arg = step.partition("-")
-                getattr(self, f"step_{kind}")(arg)
+                if self.shares(kind, arg):
+                    self.take_shared(step)
+                else:
+                    getattr(self, f"step_{kind}")(arg)
                 (self.done / step).write_text(f"{time.monotonic() - started:.1f}\n")
                 self.log(f"{step}: ok in {time.monotonic() - started:.0f} s")
             except Exception as error:  # noqa: BLE001  recorded; later steps go on where they can
@@ -161,6 +175,39 @@ class Driver:
                 failure = {"step": step, "error": str(error)[-4000:], "seconds": time.monotonic() - started}
                 self.record(f"failed-{step}", {"kind": "failure", "status": "failed", **failure})
         self.log("all steps finished")
+
+    # ---- a state shared with another driver on this host ----
+    def shares(self, kind: str, arg: str) -> bool:
+        """Whether this step is taken from --share-state instead of run here."""
+        if not self.options.get("share_state"):
+            return False
+        given = {
+            "checkpoint": bool(self.options.get("checkpoint")),
+            "quantize": arg in self.quantized,
+            "drafter": bool(self.options.get("drafter")),
+            "bandwidth": False,
+        }
+        return kind in given and not given[kind]
+
+    def take_shared(self, step: str) -> None:
+        """Wait for the other driver's step, then use what it made (its record is copied; its folders are read)."""
+        shared = Path(self.options["share_state"])
+        deadline = time.monotonic() + SHARED_WAIT_S
+        while not (shared / "done" / step).exists():
+            if (shared / "results" / f"failed-{step}.json").exists() or time.monotonic() > deadline:
+                raise RuntimeError(f"{shared}: step {step} failed or did not finish")
+            time.sleep(5)
+        record = shared / "results" / f"{step}.json"  # each of these steps records under its own name
+        if record.exists():
+            self.record(step, json.loads(record.read_text()) | {"shared_from": str(shared)})
+
+    def probe_lock(self):
+        """The host-wide lock every timing runs under (fcntl: released when the process dies)."""
+        import fcntl
+
+        handle = open(PROBE_LOCK, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        return handle
 
     # ---- steps ----
     def step_environment(self, _: str) -> None:
@@ -198,7 +245,8 @@ class Driver:
         self.record("checkpoint", json.loads((self.state / "c.json").read_text()))
 
     def step_bandwidth(self, _: str) -> None:
-        self._python([str(ROOT / "gpu_proof" / "bandwidth.py"), str(self.state / "b.json")])
+        with self.probe_lock():
+            self._python([str(ROOT / "gpu_proof" / "bandwidth.py"), str(self.state / "b.json")])
         self.record("bandwidth", json.loads((self.state / "b.json").read_text()))
 
     def step_drafter(self, _: str) -> None:
@@ -275,7 +323,8 @@ class Driver:
                 self.record(f"variant-{name}", record)
             for name, (_, base, _, record, _) in running.items():
                 try:
-                    self.probe_variant(name, base, record)
+                    with self.probe_lock():
+                        self.probe_variant(name, base, record)
                 except Exception as error:  # noqa: BLE001
                     failed.append(self.fail(name, record, error))
         finally:
@@ -301,7 +350,7 @@ class Driver:
         recipe = self.variants[name]["recipe"]
         if not quantizes(recipe):
             return self.model_dir
-        model = self.quantized.get(Path(recipe).stem) or self.state / "quant" / Path(recipe).stem / "model"
+        model = self.quantized.get(Path(recipe).stem) or self.made_in / "quant" / Path(recipe).stem / "model"
         if not (model / "config.json").is_file():
             raise RuntimeError(f"{model} is missing: quantize-{Path(recipe).stem} did not finish")
         return model
@@ -310,8 +359,9 @@ class Driver:
         """serve.json exactly as rule serve_config writes it, and what this run changed (`options`)."""
         settings = self.pipeline.serve_json(name)
         options = {}
-        if together > 1:
-            share = round(min(settings["gpu_memory_utilization"] or 0.9, SHARED_GPU_MEMORY / together), 3)
+        if together > 1 or self.options.get("gpu_share"):
+            share = self.options.get("gpu_share") or SHARED_GPU_MEMORY / together
+            share = round(min(settings["gpu_memory_utilization"] or 0.9, share), 3)
             options["gpu_memory_utilization"] = settings["gpu_memory_utilization"] = share
             options["kv_cache_memory_bytes"] = SHARED_KV_CACHE_BYTES
             settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(SHARED_KV_CACHE_BYTES)]
@@ -541,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--patches", choices=("catalog", "off"), default="catalog")
     parser.add_argument("--engine", default=None, metavar="X.Y.Z")
     parser.add_argument("--drafter", default=None, metavar="DIR")
+    parser.add_argument("--share-state", default=None, metavar="DIR")
+    parser.add_argument("--gpu-share", type=float, default=None, metavar="F")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]

@@ -324,3 +324,37 @@ def test_the_floor_measures_the_engine_with_the_servers_settings_less_the_front_
     assert len(args) - len(flags) == sum(
         2 if "=" not in a else 1 for a in args if a.split("=")[0] in floor.FRONT_END_FLAGS
     )
+
+
+def test_a_second_driver_on_the_host_takes_the_first_ones_weights_and_times_only_under_the_host_lock(
+    tmp_path, pipeline, monkeypatch
+):
+    """--share-state: another engine measured on the same weights in the same lease: the checkpoint, bandwidth and
+    quantized model are the first driver's (waited for, never rebuilt); every probe holds the host-wide lock."""
+    first = fake_driver(tmp_path / "first", pipeline, ["awq-w4a16-g32-none"])
+    second = driver.Driver(
+        tmp_path / "second",
+        ["awq-w4a16-g32-none"],
+        pipeline,
+        {"warmup": 1, "runs": 1, "share_state": str(tmp_path / "first"), "gpu_share": 0.2},
+    )
+    second.serve_cmd = first.serve_cmd
+    second.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
+    (second.done / "environment").write_text("0\n")
+    held = []
+    real_lock = driver.Driver.probe_lock
+    monkeypatch.setattr(driver, "PROBE_LOCK", tmp_path / "probe.lock")
+
+    def recording_lock(self):
+        held.append(self.state.name)
+        return real_lock(self)
+
+    monkeypatch.setattr(driver.Driver, "probe_lock", recording_lock)
+    second.run()
+    results = tmp_path / "second" / "results"
+    record = json.loads((results / "variant-awq-w4a16-g32-none.json").read_text())
+    assert record["status"] == "ok", record.get("error")
+    assert record["serve"]["gpu_memory_utilization"] == 0.2 and record["options"]["gpu_memory_utilization"] == 0.2
+    assert json.loads((results / "bandwidth.json").read_text())["shared_from"] == str(tmp_path / "first")
+    assert not (tmp_path / "second" / "weights").exists() and not any((tmp_path / "second" / "quant").iterdir())
+    assert held == ["second"]  # the probe (bandwidth was taken, not measured)
