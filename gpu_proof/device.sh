@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU proof's commands on the lent host (one device `run` call each, back to back: the host goes back when idle).
 #   bash gpu_proof/device.sh chunk NAME K       copy a staged bundle chunk (.device-stage/NAME/cK, carried) to /root/stash
-#   bash gpu_proof/device.sh start DRIVER_ARGS  unpack the bundles, start gpu_proof/driver.py detached (--variants ...);
+#   bash gpu_proof/device.sh unpack             unpack every carried bundle, check each vLLM imports (once a lease)
+#   bash gpu_proof/device.sh start DRIVER_ARGS  start gpu_proof/driver.py detached (--variants ...) in STATE, on the
+#                                               bundle VLLM_BUNDLE names (unpacked first where it is not);
 #                                               it runs the tree of .device-stage/tree/c0/tree.tar when that is carried
 #                                               (`git archive -o .device-stage/tree/c0/tree.tar HEAD`: a commit, not
 #                                               whatever the working tree holds), else this working tree
+#   STATES="A B" bash gpu_proof/device.sh waitall SECONDS   follow drivers started side by side (each its STATE)
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
 #                                               budget brings nothing back)
@@ -29,39 +32,70 @@ case "$1" in
     rm -f "$STATE/driver.done"
     setsid nohup bash "$STATE/repo/gpu_proof/device.sh" run "${@:2}" >> "$STATE/driver.log" 2>&1 < /dev/null &
     sleep 2; cat "$STATE/driver.log" ;;
-  run)  # (detached) unpack, then drive
+  unpack)  # every bundle in /root/stash, once: vLLM bundles (NAME.whl.tar.* or NAME.tar.xz.*), llmcompressor, models
+    t0=$(date +%s)
+    for first in /root/stash/*.whl.tar.00; do  # wheels as they are (already compressed), one tree per bundle
+      [ -f "$first" ] || continue
+      name=$(basename "$first" .whl.tar.00)
+      [ -d "/tmp/whl-$name" ] || { mkdir -p "/tmp/whl-$name" && cat /root/stash/$name.whl.tar.* | tar -C "/tmp/whl-$name" -x; }
+    done
+    for tree in /tmp/whl-*; do  # a bundle's NEEDS.txt names its wheels in any bundle's tree (shared ones travel once)
+      [ -d "$tree" ] || continue
+      name=${tree#/tmp/whl-}; site=/tmp/site-$name
+      [ -d "$site" ] && continue
+      if [ -f "$tree/wheels/NEEDS.txt" ]; then
+        wheels=$(grep '[.]whl$' "$tree/wheels/NEEDS.txt" | while read -r w; do ls /tmp/whl-*/wheels/"$w" | head -1; done)
+      else wheels=$(ls "$tree"/wheels/*.whl); fi
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels &
+    done
+    for first in /root/stash/*.tar.xz.00; do
+      name=$(basename "$first" .tar.xz.00)
+      [ -d "/tmp/site-$name" ] || (cat /root/stash/$name.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
+    done
+    wait
+    mkdir -p /tmp/site-extra  # jsonschema & co. for the driver's config check and quantize's report check
+    for site in /tmp/site-vllm*; do
+      for m in jsonschema jsonschema_specifications referencing rpds attrs; do
+        [ -d "/tmp/site-extra/$m" ] || cp -r "$site/$m" /tmp/site-extra/ 2>/dev/null || true
+      done
+      cp -rn "$site"/{jsonschema,referencing,rpds_py,jsonschema_specifications,attrs}-*.dist-info /tmp/site-extra/ 2>/dev/null
+    done
+    [ -f /root/stash/models.tar ] && [ ! -d /tmp/models ] && mkdir -p /tmp/models && tar -C /tmp/models -xf /root/stash/models.tar
+    for site in /tmp/site-vllm*; do  # each engine must import before any step is spent on it
+      PYTHONPATH=$site python3 -c 'import torch, vllm; print(vllm.__file__.split("/")[2], "vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -3
+    done
+    echo "[unpack] $(( $(date +%s) - t0 )) s" ;;
+  run)  # (detached) drive, on the bundle VLLM_BUNDLE names (unpacked first where it is not)
     echo $$ > "$STATE/driver.pid"
     cd "$STATE/repo"
-    t0=$(date +%s)
-    bundle=${VLLM_BUNDLE:-vllm}
-    export SITE_VLLM=/tmp/site-$bundle
-    if ls /root/stash/$bundle.whl.tar.* >/dev/null 2>&1; then  # its wheels as they are (already compressed)
-      [ -d "$SITE_VLLM" ] || (mkdir -p /tmp/whl-$bundle && cat /root/stash/$bundle.whl.tar.* | tar -C /tmp/whl-$bundle -x \
-        && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE_VLLM" /tmp/whl-$bundle/wheels/*.whl) &
-    else
-      [ -d "$SITE_VLLM" ] || (cat /root/stash/$bundle.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
-    fi
-    [ -d /tmp/site-llmcompressor ] || (cat /root/stash/llmcompressor.tar.xz.* | xz -d -T4 | tar -C /tmp -x) &
-    wait
+    export SITE_VLLM=/tmp/site-${VLLM_BUNDLE:-vllm}
+    [ -d "$SITE_VLLM" ] || bash gpu_proof/device.sh unpack
     # arctic-inference without its vllm.general_plugins entry point (it would patch vLLM wholesale)
     for wheel in /root/stash/arctic_inference-*.whl; do
       [ -f "$wheel" ] && [ ! -d "$SITE_VLLM/arctic_inference" ] || continue
       python3 -m zipfile -e "$wheel" "$SITE_VLLM/" && rm -f "$SITE_VLLM"/arctic_inference-*.dist-info/entry_points.txt
     done
-    mkdir -p /tmp/site-extra  # jsonschema & co. for the driver's config check and quantize's report check
-    for m in jsonschema jsonschema_specifications referencing rpds attrs; do
-      [ -d "/tmp/site-extra/$m" ] || cp -r "$SITE_VLLM/$m" /tmp/site-extra/ 2>/dev/null || true
-    done
-    cp -r "$SITE_VLLM"/{jsonschema,referencing,rpds_py,jsonschema_specifications,attrs}-*.dist-info /tmp/site-extra/ 2>/dev/null
-    models=/root/stash/models.tar
-    [ -f "$models" ] && [ ! -d /tmp/models ] && mkdir -p /tmp/models && tar -C /tmp/models -xf "$models"
-    # the engine must import before any step is spent on it
-    PYTHONPATH=$SITE_VLLM python3 -c 'import torch, vllm; print("engine:", "vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))' \
+    PYTHONPATH=$SITE_VLLM python3 -c 'import vllm' \
       || { echo "driver exit: the engine does not import"; touch "$STATE/driver.done"; exit 1; }
-    echo "[unpack] $(( $(date +%s) - t0 )) s"
     env PYTHONPATH=/tmp/site-extra PYTHONUNBUFFERED=1 python3 -u gpu_proof/driver.py --state "$STATE" "${@:2}"
     echo "driver exit $?"
     touch "$STATE/driver.done" ;;
+  waitall)  # follow several drivers (STATES: their folders); each one's results and log come back as <folder>.*
+    limit=${2:-560}; t0=$(date +%s)
+    while :; do
+      left=0
+      for state in $STATES; do
+        name=$(basename "$state")
+        [ -d "$state/results" ] && tar czf "$OUT/$name.tar.gz.tmp" -C "$state" results && mv "$OUT/$name.tar.gz.tmp" "$OUT/$name.tar.gz"
+        [ -f "$state/driver.log" ] && tail -c 1000000 "$state/driver.log" > "$OUT/$name.log"
+        [ -f "$state/driver.done" ] || left=$((left + 1))
+      done
+      [ "$left" = 0 ] && { echo "all drivers finished"; break; }
+      [ $(( $(date +%s) - t0 )) -ge "$limit" ] && { echo "$left still running after $limit s"; break; }
+      sleep 10
+    done
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    for state in $STATES; do echo "== $state"; grep -E '^\[|FAILED|ready after|driver exit' "$state/driver.log" | tail -25; done ;;
   wait)
     limit=${2:-560}; t0=$(date +%s)
     while :; do

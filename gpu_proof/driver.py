@@ -30,6 +30,7 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     engine is measured on the same weights
   --gpu-share F     the GPU memory share each server asks for (default 0.88 / --together): drivers run side by side
                     must split the GPU between them
+  --kv-cache-gib G  each shared server's KV cache (default 8; a tiny model needs far less)
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
@@ -363,8 +364,9 @@ class Driver:
             share = self.options.get("gpu_share") or SHARED_GPU_MEMORY / together
             share = round(min(settings["gpu_memory_utilization"] or 0.9, share), 3)
             options["gpu_memory_utilization"] = settings["gpu_memory_utilization"] = share
-            options["kv_cache_memory_bytes"] = SHARED_KV_CACHE_BYTES
-            settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(SHARED_KV_CACHE_BYTES)]
+            kv_bytes = int(self.options.get("kv_cache_gib") or SHARED_KV_CACHE_BYTES / 2**30) * 2**30
+            options["kv_cache_memory_bytes"] = kv_bytes
+            settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(kv_bytes)]
         if self.options.get("patches") == "off":
             settings["patches"] = {patch: False for patch in settings["patches"]}
             options["patches"] = "off"
@@ -593,6 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafter", default=None, metavar="DIR")
     parser.add_argument("--share-state", default=None, metavar="DIR")
     parser.add_argument("--gpu-share", type=float, default=None, metavar="F")
+    parser.add_argument("--kv-cache-gib", type=int, default=None, metavar="G")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]

@@ -1,10 +1,12 @@
 """The engine's own floor a decode step: a serve.json's model in vLLM's engine without the API server, HTTP,
 streaming or the project's middleware, one greedy request at a time, each step timed.
 
-    python3 gpu_proof/floor.py SERVE_JSON MODEL_DIR OUT_JSON [--tokens 256] [--repeats 3]
+    CACHE_DIR=DIR python3 gpu_proof/floor.py SERVE_JSON MODEL_DIR OUT_JSON [--tokens 256] [--repeats 3]
 
 The serve.json is turned into vLLM's flags exactly as the image does (serving.settings.vllm_args); the flags only
-the API server reads are dropped, the rest build vLLM's EngineArgs, so the engine is configured as the server's.
+the API server reads are dropped, the rest build vLLM's EngineArgs, so the engine is configured as the server's,
+with its environment (serving.launch.child_env: the enabled patches, the caches under CACHE_DIR, which a server of
+the same variant filled, so the engine starts from them).
 Beside the probe's inter-token latency of the same variant on the same host, the difference is what the front end
 (API server, streaming, middleware) adds a token.
 """
@@ -49,10 +51,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
+    import os
+
+    from serving.launch import DIST_DIR, child_env
     from serving.settings import vllm_args
 
     settings = json.loads(Path(args.serve_json).read_text())
     flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=True))
+    os.environ.update(child_env(dict(os.environ), settings))  # the engine core process inherits it
+    sys.path.insert(0, str(DIST_DIR))  # the patches' plugin entry points, for this process too
 
     import vllm
     from vllm import SamplingParams
