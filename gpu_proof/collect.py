@@ -92,7 +92,7 @@ def compact_lossless(record: dict, host: str, environment: dict) -> dict:
     return {"kind": "lossless", "host": host, **context, "checks": checks}
 
 
-def collect(tarball: Path, host: str, out_root: Path) -> list[Path]:
+def collect(tarball: Path, host: str, out_root: Path, note: str | None = None) -> list[Path]:
     with tarfile.open(tarball) as archive:
         raw = {
             Path(member.name).stem: json.load(archive.extractfile(member))
@@ -120,6 +120,22 @@ def collect(tarball: Path, host: str, out_root: Path) -> list[Path]:
             records[record["variant"]] = compact_variant(record, host, summary | context)
         elif name == "lossless":
             records["lossless"] = compact_lossless(record, host, summary | context)
+        elif name.startswith("floor-") and record.get("status") == "ok":
+            variant = name.removeprefix("floor-")
+            records[name] = {
+                "kind": "floor",
+                "host": host,
+                **{key: (summary | context)[key] for key in ("date", "gpu", "engine", "weights")},
+                "config": (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml"),
+                "variant": variant,
+                "step_median_ms": record["step_median_ms"],
+                "tokens": record["tokens"],
+                "runs": len(record["runs"]),
+            }
+    if note:  # what the run's conditions were, for every variant of it (the tables show it)
+        for record in records.values():
+            if record["kind"] == "variant":
+                record["note"] = note
     schema = yaml.safe_load(SCHEMA.read_text())
     out = out_root / gpu_model(summary["gpu"])
     out.mkdir(parents=True, exist_ok=True)
@@ -137,8 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("tarball", type=Path)
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-proof")
+    parser.add_argument("--note", default=None, help="a sentence on the run's conditions, kept in its variant records")
     args = parser.parse_args(argv)
-    for path in collect(args.tarball, args.host, args.out):
+    for path in collect(args.tarball, args.host, args.out, args.note):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 

@@ -31,6 +31,8 @@ Options beyond the catalog, each recorded in the variant's record under `options
   --gpu-share F     the GPU memory share each server asks for (default 0.88 / --together): drivers run side by side
                     must split the GPU between them
   --kv-cache-gib G  each shared server's KV cache (default 8; a tiny model needs far less)
+  --serve-set K=V   a serve setting every server of the run takes (V is JSON), e.g. gdn_prefill_backend="triton" for
+                    the tiny catalog on a GPU whose bundle lacks FlashInfer's CUTLASS DSL GDN prefill
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
@@ -367,6 +369,8 @@ class Driver:
             kv_bytes = int(self.options.get("kv_cache_gib") or SHARED_KV_CACHE_BYTES / 2**30) * 2**30
             options["kv_cache_memory_bytes"] = kv_bytes
             settings["extra_args"] = [*settings["extra_args"], "--kv-cache-memory-bytes", str(kv_bytes)]
+        for key, value in (self.options.get("serve_set") or {}).items():
+            settings[key] = options.setdefault("serve_set", {})[key] = value
         if self.options.get("patches") == "off":
             settings["patches"] = {patch: False for patch in settings["patches"]}
             options["patches"] = "off"
@@ -596,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--share-state", default=None, metavar="DIR")
     parser.add_argument("--gpu-share", type=float, default=None, metavar="F")
     parser.add_argument("--kv-cache-gib", type=int, default=None, metavar="G")
+    parser.add_argument("--serve-set", action="append", default=[], metavar="KEY=JSON")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
@@ -613,6 +618,9 @@ def main(argv: list[str] | None = None) -> None:
     options = {key: getattr(args, key) for key in ("together", "random_drafter", "profile", "warmup", "runs")}
     options["serve_env"] = dict(item.split("=", 1) for item in args.serve_env)
     options["quantized"] = quantized
+    options["serve_set"] = {key: json.loads(value) for key, value in (i.split("=", 1) for i in args.serve_set)}
+    options["config"] = str(Path(args.config).resolve().relative_to(ROOT))
+    options.update(share_state=args.share_state, gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
     options.update(
         checkpoint=args.checkpoint,
         drafter=args.drafter,

@@ -185,7 +185,7 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     )
     shutil.copytree(given, quantized)
     names = ["tiny-awq-none", "tiny-awq-mtp2"]
-    options = {"warmup": 1, "runs": 1, "checkpoint": str(given), "patches": "off"}
+    options = {"warmup": 1, "runs": 1, "checkpoint": str(given), "patches": "off", "config": "config/tiny.yaml"}
     d = driver.Driver(tmp_path / "state", names, tiny, options | {"quantized": {"awq-w4a16-g32-broad": str(quantized)}})
     d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
     d.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
@@ -206,6 +206,32 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
         assert record["serve"]["max_model_len"] == tiny.config["variants"][name]["serve"]["max_model_len"]
     lossless = json.loads((results / "lossless.json").read_text())
     assert [(c["variant"], c["reference_variant"]) for c in lossless["checks"]] == [("tiny-awq-mtp2", "tiny-awq-none")]
+    # what collect.py keeps of it: trained records of the tiny catalog, on the engine the environment names, with the
+    # engine's own step (gpu_proof/floor.py) and a note on the run's conditions
+    floor = {"kind": "floor", "status": "ok", "vllm": "0.26.0", "tokens": 256, "step_median_ms": 2.1, "runs": [{}]}
+    d.record("floor-tiny-awq-none", floor)
+    d.record(
+        "environment",
+        {
+            "kind": "environment",
+            "status": "ok",
+            "gpu": {"name": "NVIDIA H200"},
+            "cpu": None,
+            "date": "2026-11-29",
+            "versions": {"vllm_bundle": {"vllm": "0.26.0+cu130"}},
+        },
+    )
+    written = collect.collect(tmp_path / "state" / "results.tar.gz", "host9", tmp_path / "records", note="a caveat")
+    kept = {p.name: json.loads(p.read_text()) for p in written}
+    assert kept["host9-vllm0.26.0-floor-tiny-awq-none.json"]["step_median_ms"] == 2.1
+    mtp = kept["host9-vllm0.26.0-tiny-awq-mtp2.json"]
+    assert (mtp["weights"], mtp["config"], mtp["engine"], mtp["note"]) == (
+        "trained",
+        "config/tiny.yaml",
+        "0.26.0",
+        "a caveat",
+    )
+    assert kept["host9-vllm0.26.0-lossless.json"]["weights"] == "trained"
     with pytest.raises(driver.PlanError, match="no-such-recipe"):
         driver.main(
             [

@@ -26,8 +26,9 @@ REFERENCE = "bf16"  # config.yaml's unquantized variant without speculation
 # options a run gives every server of a group (gpu_proof/driver.py --together): a variant is compared with the bf16 of
 # its host that ran with the same KV cache; gpu_memory_utilization only passes vLLM's start-up check when a fixed KV
 # cache size is given (vLLM then sizes nothing by it), so it sets no difference
-RUN_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
-COMPARED_RUN_OPTIONS = ("kv_cache_memory_bytes",)
+# (patches: "off" is how an engine the patches were not tested on runs: its bf16 ran so too)
+RUN_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "patches")
+COMPARED_RUN_OPTIONS = ("kv_cache_memory_bytes", "patches")
 # what a GPU run cannot do otherwise: the README's table shows such a row, named with it
 INHERENT_OPTIONS = ("drafter",)
 
@@ -125,10 +126,14 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
         "/ fresh | tokens a step | GB a step | start s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
         reference = reference_of(records, record)
+        if record.get("note") and record["note"] not in notes:
+            notes.append(record["note"])
+        mark = f" [{notes.index(record['note']) + 1}]" if record.get("note") else ""
         rows.append(
-            f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} "
+            f"| {label(record)}{mark} | {record['engine']} | {record['host']}, {record['date']} "
             f"| {triple(speedup(record, reference, s) for s in SETS)} "
             f"| {triple(per_set(record, 'itl_median_ms').values())} "
             f"| {triple((long_ttft(record, 'repeated'), long_ttft(record, 'fresh')), 0)} "
@@ -136,6 +141,7 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} "
             f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
         )
+    rows += ["", *(f"[{n}] {note}." for n, note in enumerate(notes, 1))] if notes else []
     return rows
 
 
@@ -148,15 +154,19 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
         "",
         "Acceptance and step cost (the tiny profile's trained checkpoint):",
         "",
-        "| variant | vLLM | host, date | tokens a step: repeated / varied / fresh | ITL ms | TTFT short ms | start s |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | vLLM | host, date | tokens a step: repeated / varied / fresh | ITL ms | engine step ms "
+        "| TTFT short ms | start s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    floors = {(r["host"], r["engine"], r["variant"]): r for r in measured(records, "floor", gpu, "trained")}
     for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
         short = next(c for c in record["sets"]["repeated"]["categories"] if c["name"] == "short")
         rows.append(
             f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} "
             f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
-            f"| {triple(per_set(record, 'itl_median_ms').values())} | {fmt(short['ttft_median_ms'], 1)} "
+            f"| {triple(per_set(record, 'itl_median_ms').values())} "
+            f"| {fmt((floors.get((record['host'], record['engine'], record['variant'])) or {}).get('step_median_ms'))} "
+            f"| {fmt(short['ttft_median_ms'], 1)} "
             f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
         )
     return rows
@@ -198,8 +208,10 @@ def results_md(records: list[dict]) -> str:
         "quality, and no acceptance that real text would give (random weights accept almost nothing on fresh text and",
         "copy-style drafts only on repeated output), and no lossless verdict (their flat logits part at near ties).",
         "**Acceptance and the lossless check**: the tiny profile's **trained** checkpoint (made on a CPU by the",
-        "pipeline) on the GPU's kernels, through the tiny catalog's variants. `× bf16` is the mean over the three",
-        "categories of bf16's median latency over the variant's, bf16 served on the same host by the same vLLM.",
+        "pipeline) on the GPU's kernels, through the tiny catalog's variants; `engine step ms` is vLLM's engine alone",
+        "(gpu_proof/floor.py: no API server, HTTP, streaming or middleware), beside the server's ITL.",
+        "`× bf16` is the mean over the three categories of bf16's median latency over the variant's, bf16 served on",
+        "the same host by the same vLLM.",
         "`repeated` is the competition's prompt (one sentence repeated), `varied` real paragraphs, `fresh` a new",
         "prompt every run (nothing cached). ITL is the mean over categories of each category's median inter-token",
         "latency; tokens a step is the mean acceptance length with speculation. `options` say what the run changed",
@@ -239,7 +251,10 @@ def readme_table(records: list[dict]) -> str:
             ):
                 continue
             key = (record["engine"], record["variant"])
-            if reference_of(records, record) and record["date"] >= latest.get(key, {"date": ""})["date"]:
+            # the latest clean run: one whose record carries a caveat (a note) only where no other exists
+            rank = (not record.get("note"), record["date"])
+            held = latest.get(key)
+            if reference_of(records, record) and (held is None or rank >= (not held.get("note"), held["date"])):
                 latest[key] = record
         for (engine, name), record in sorted(
             latest.items(), key=lambda item: (item[0][0], -speedup(item[1], reference_of(records, item[1]), "repeated"))
