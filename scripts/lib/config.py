@@ -203,7 +203,8 @@ def engine_problems(config: dict, root: Path) -> list[str]:
         repository, tag, _ = lock.parse_image(base)
     except lock.LockError:
         return []  # base_problems names it
-    if repository.endswith(VLLM_BASE) and tag != f"v{release}":
+    # a base without a tag is `latest`: refused by base_problems, or floating on purpose (image.allow_unpinned_base)
+    if repository.endswith(VLLM_BASE) and tag is not None and tag != f"v{release}":
         return [f"config key 'image.base': {base} is not vLLM v{release}, the release config key 'engine.vllm' names"]
     return []
 
