@@ -16,6 +16,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from suite_timing import pytest_runtest_protocol, pytest_terminal_summary  # noqa: E402, F401  (hooks, by name)
 
+# The start of every stand-in `docker` the tests put on PATH (a format string: {python} is the interpreter): each call
+# is appended to the JSON state file FAKE_DOCKER_STATE names, before the stand-in answers it.
+FAKE_DOCKER_HEAD = """#!{python}
+import json, os, re, sys
+state_path = os.environ["FAKE_DOCKER_STATE"]
+state = json.load(open(state_path))
+args = sys.argv[1:]
+state["calls"].append(args)
+json.dump(state, open(state_path, "w"))"""
+
 # --configfile takes several files: targets go before it.
 # Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
 LAST = ("test_sweep_e2e.py",)

@@ -14,6 +14,7 @@ import pytest
 
 import base_image
 import build_image
+from conftest import FAKE_DOCKER_HEAD
 from lib import containers
 from lib.stage import StageError
 
@@ -161,13 +162,9 @@ def network(internal=True, gateway="127.0.0.1", icc="false"):  # 127.0.0.1: an a
 
 
 # `docker network inspect/create/rm` over a JSON file of networks, as the daemon answers them
-FAKE_DOCKER = """#!{python}
-import json, os, sys
-path = os.environ["FAKE_DOCKER_STATE"]
-state = json.load(open(path))
-args = sys.argv[1:]
-state["calls"].append(args)
-json.dump(state, open(path, "w"))
+FAKE_DOCKER = (
+    FAKE_DOCKER_HEAD
+    + """
 networks, name = state["networks"], args[-1]
 if args[:2] == ["network", "inspect"]:
     if name not in networks:
@@ -186,8 +183,9 @@ elif args[:2] == ["network", "rm"]:
         sys.exit(f"Error response from daemon: network {{name}} not found")
 else:
     sys.exit(f"fake docker: unexpected {{args}}")
-json.dump(state, open(path, "w"))
+json.dump(state, open(state_path, "w"))
 """
+)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from types import SimpleNamespace as NS
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import FAKE_DOCKER_HEAD, ROOT
 from hub_standin import StandinHub
 from lib import config as pipeline_config, lock
 from lib.stage import StageError
@@ -172,13 +172,9 @@ def test_a_bare_base_name_is_refused_unless_the_base_may_float():
 
 # --- the base image: pull_base with a fake docker -------------------------------------------------------------------
 
-FAKE_DOCKER = """#!{python}
-import json, os, re, sys
-state_path = os.environ["FAKE_DOCKER_STATE"]
-state = json.load(open(state_path))
-args = sys.argv[1:]
-state["calls"].append(args)
-json.dump(state, open(state_path, "w"))
+FAKE_DOCKER = (
+    FAKE_DOCKER_HEAD
+    + """
 if args[0] == "info":
     print("20.10.24")
 elif args[0] == "pull":
@@ -198,6 +194,7 @@ elif args[:2] == ["image", "inspect"]:
 else:
     sys.exit(f"fake docker: unexpected {{args}}")
 """
+)
 
 
 @pytest.fixture
