@@ -67,6 +67,7 @@ def compact_variant(record: dict, host: str, environment: dict) -> dict:
         "serve": record["serve"],
         "options": record.get("options") or {},
         "cold_start": record["cold_start"],
+        **({"warm_start": record["warm_start"]} if record.get("warm_start") else {}),
         "bytes_per_step": record["decode"]["weights_bytes_per_step"] if record.get("decode") else None,
         "warmup": record["probe"]["warmup"],
         "runs": record["probe"]["runs"],
@@ -87,7 +88,8 @@ def compact_lossless(record: dict, host: str, environment: dict) -> dict:
                     "near_tie_nats": (row["near_tie"] or {}).get("margin"),
                 }
             )
-        checks.append({key: check[key] for key in ("variant", "reference_variant", "passed")} | {"rows": rows})
+        kept = {key: check[key] for key in ("variant", "reference_variant", "passed", "canary") if key in check}
+        checks.append(kept | {"rows": rows})
     context = {key: environment[key] for key in ("date", "gpu", "engine", "weights")}
     return {"kind": "lossless", "host": host, **context, "checks": checks}
 

@@ -35,6 +35,10 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     the tiny catalog on a GPU whose bundle lacks FlashInfer's CUTLASS DSL GDN prefill
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
+  --restart         after the probe, each server is stopped and started again on the cache its first start filled
+                    (what rule bake_compile_cache ships in the image), and that start is timed beside the first
+  --reference-for V=R  the lossless step checks V against R's reference instead of its own recipe's (a canary: a
+                    variant known to answer differently must fail the check, or the check has no teeth)
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
 Drivers on one host (another engine, another model) may start servers side by side; what is timed (the bandwidth,
 each probe, the floor) runs under one host-wide lock (PROBE_LOCK), so no two timings overlap.
@@ -293,13 +297,17 @@ class Driver:
         for name, record in records.items():
             if not record or record["speculative"]["method"] == "none" or not record.get("probe"):
                 continue
-            reference = references.get(record["recipe"])
+            canary = (self.options.get("reference_for") or {}).get(name)
+            reference = (records.get(canary) or {}) if canary else references.get(record["recipe"])
+            reference = reference if reference and reference.get("reference") else None
             if reference is None:
                 checks.append({"variant": name, "reference_variant": None, "passed": False, "rows": []})
                 checks[-1]["failures"] = [f"no variant of recipe {record['recipe']} without speculation in this run"]
                 continue
             rows = compare(record["probe"], reference["reference"])
             check = {"variant": name, "reference_variant": reference["variant"], "rows": rows}
+            if canary:
+                check["canary"] = "checked against another variant's reference: it must fail"
             checks.append({**check, "passed": not failures(rows), "failures": failures(rows)})
         self.record("lossless", {"kind": "lossless", "status": "ok", "checks": checks})
 
@@ -330,6 +338,13 @@ class Driver:
                         self.probe_variant(name, base, record)
                 except Exception as error:  # noqa: BLE001
                     failed.append(self.fail(name, record, error))
+            if self.options.get("restart"):
+                for name in [n for n in running if n not in failed]:
+                    self.stop(running[name][0])
+                    try:
+                        running[name] = self.restart(name, running[name], len(names))
+                    except Exception as error:  # noqa: BLE001
+                        failed.append(self.fail(name, running[name][3], error))
         finally:
             for proc, *_ in running.values():
                 self.stop(proc)
@@ -382,8 +397,9 @@ class Driver:
             options["profile"] = "one short request under vLLM's torch profiler, after the probe"
         return settings, options
 
-    def start(self, name: str, together: int):
-        """A server of `name` on a cache of its own, seeded with an earlier group's kernel caches."""
+    def start(self, name: str, together: int, keep_cache: bool = False, log_suffix: str = ""):
+        """A server of `name` on a cache of its own, seeded with an earlier group's kernel caches (or, keep_cache,
+        on the cache an earlier start of it left)."""
         from serving.launch import CACHE_DIRS
 
         model = self.model_for(name)
@@ -391,9 +407,10 @@ class Driver:
         serve_json = self.state / "serve" / f"{name}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         cache = self.state / "cache" / name
-        shutil.rmtree(cache, ignore_errors=True)
-        cache.mkdir(parents=True)
-        seeded = (self.state / "cache" / "kernels.tar").exists()
+        if not keep_cache:
+            shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        seeded = (self.state / "cache" / "kernels.tar").exists() and not keep_cache
         if seeded:
             with tarfile.open(self.state / "cache" / "kernels.tar") as archive:
                 archive.extractall(cache, filter="fully_trusted")
@@ -413,7 +430,7 @@ class Driver:
         )
         for key in CACHE_DIRS:
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
-        log_path = self.results / "logs" / f"{name}.log"
+        log_path = self.results / "logs" / f"{name}{log_suffix}.log"
         with open(log_path, "w") as handle:
             self.log(f"{name}: starting `python3 -m serving` on port {port}")
             proc = subprocess.Popen(
@@ -439,6 +456,23 @@ class Driver:
         self.record(f"variant-{name}", record)
         return proc, f"http://127.0.0.1:{port}", log_path, record, time.monotonic()
 
+    def restart(self, name: str, first, together: int):
+        """`name` started again on the cache its first start filled (the bake's cache), timed to its first answer."""
+        _, _, log_path, record, _ = first
+        first_log = log_path.read_text(errors="replace")
+        proc, base, log_path, _, started = self.start(name, together, keep_cache=True, log_suffix="-restart")
+        wait_for_ping(base, 1200, alive=lambda: proc.poll() is None, logs=lambda: tail(log_path))
+        record["warm_start"] = {
+            "cache": "the first start's (what bake_compile_cache ships)",
+            "together": together,
+            "seconds": round(time.monotonic() - started, 1),
+            "compile_log": compile_lines(log_path.read_text(errors="replace")),
+        }
+        record["cold_start"]["compile_log"] = compile_lines(first_log)
+        self.log(f"{name}: restarted on its own cache, ready after {record['warm_start']['seconds']:.0f} s")
+        self.record(f"variant-{name}", record)
+        return proc, base, log_path, record, started
+
     def probe_settings(self) -> dict:
         config = self.pipeline.config
         return {**config["probe"], "warmup": self.options["warmup"], "runs": self.options["runs"]}
@@ -454,8 +488,10 @@ class Driver:
         record["decode"] = self.decode_analysis(record)
         self.record(f"variant-{name}", record)
         speculative = [n for n in self.names if self.variants[n]["speculative"]["method"] != "none"]
-        if record["speculative"]["method"] == "none" and any(
-            self.variants[n]["recipe"] == record["recipe"] for n in speculative
+        canary_references = set((self.options.get("reference_for") or {}).values())
+        if name in canary_references or (
+            record["speculative"]["method"] == "none"
+            and any(self.variants[n]["recipe"] == record["recipe"] for n in speculative)
         ):  # the lossless reference: first runs with their top logprobs, on this same server
             record["reference"] = probe(base, model_name, dict(settings, first_run_only=True), varied, self.log)
         if self.options["profile"] == name:
@@ -549,6 +585,15 @@ def describe_checkpoint(path: Path) -> dict:
     }
 
 
+COMPILE_LOG_MARKS = ("torch.compile took", "Directly load", "Compiling a graph", "compile range", "Cache the graph")
+
+
+def compile_lines(log: str, keep: int = 6) -> list[str]:
+    """The lines of a server's log that say whether vLLM compiled or loaded its graphs (the last `keep`)."""
+    found = [line.strip()[-240:] for line in log.splitlines() if any(mark in line for mark in COMPILE_LOG_MARKS)]
+    return found[-keep:]
+
+
 def tail(log_path: Path, lines: int = 30) -> str:
     text = Path(log_path).read_text(errors="replace").splitlines() if Path(log_path).exists() else []
     return "\n".join(text[-lines:])
@@ -601,6 +646,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-share", type=float, default=None, metavar="F")
     parser.add_argument("--kv-cache-gib", type=int, default=None, metavar="G")
     parser.add_argument("--serve-set", action="append", default=[], metavar="KEY=JSON")
+    parser.add_argument("--restart", action="store_true")
+    parser.add_argument("--reference-for", action="append", default=[], metavar="VARIANT=REFERENCE")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
@@ -612,6 +659,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(quantized) - set(pipeline.recipes))
     if unknown:
         raise PlanError(f"--quantized {unknown}: not a recipe of the catalog; known: {sorted(pipeline.recipes)}")
+    reference_for = dict(item.split("=", 1) for item in args.reference_for)
+    strays = sorted({*reference_for, *reference_for.values()} - set(names))
+    if strays:
+        raise PlanError(f"--reference-for {strays}: not among --variants {names}")
     if args.plan:
         print("\n".join(steps))
         return
@@ -621,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     options["serve_set"] = {key: json.loads(value) for key, value in (i.split("=", 1) for i in args.serve_set)}
     options["config"] = str(Path(args.config).resolve().relative_to(ROOT))
     options.update(share_state=args.share_state, gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
+    options.update(restart=args.restart, reference_for=reference_for)
     options.update(
         checkpoint=args.checkpoint,
         drafter=args.drafter,

@@ -2,22 +2,24 @@
 
 Reads PORT and CACHE_DIR like serving/launch.py; answers /ping after FAKE_DELAY_S seconds (0.05 when the
 cache already holds vllm/compiled, as a baked cache would), /tokenize (a token per word), /detokenize,
-streamed /v1/completions (max_tokens chunks of one token id each, the same ids for the same prompt, top
-logprobs when asked, FAKE_TOKEN_DELAY_S apart), /v1/chat/completions, /metrics (MTP counters), and /start_profile
-and /stop_profile when serve.json's extra_args configure vLLM's profiler (then /stop_profile writes a small gzipped
-trace there: two decode steps of three kernels each, the way the engine core writes its own).
+streamed /v1/completions (max_tokens chunks of one token id each, the same ids for the same prompt and MODEL_DIR,
+top logprobs when asked, FAKE_TOKEN_DELAY_S apart), /v1/chat/completions, /metrics (MTP counters), and
+/start_profile and /stop_profile when serve.json's extra_args configure vLLM's profiler (then /stop_profile writes a
+small gzipped trace there: two decode steps of three kernels each, the way the engine core writes its own).
 """
 
 import gzip
 import json
 import os
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 CACHE = Path(os.environ["CACHE_DIR"])
 WARM = (CACHE / "vllm" / "compiled").exists()
 READY_AT = time.monotonic() + (0.05 if WARM else float(os.environ.get("FAKE_DELAY_S", "0.3")))
+WEIGHTS = zlib.crc32(os.environ.get("MODEL_DIR", "").encode()) % 50  # other weights, other greedy ids
 TOKEN_DELAY_S = float(os.environ.get("FAKE_TOKEN_DELAY_S", "0"))
 COUNTS = {"drafts": 0, "accepted": 0}
 SERVE = json.loads(Path(os.environ["SERVE_CONFIG"]).read_text()) if os.environ.get("SERVE_CONFIG") else {}
@@ -87,7 +89,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            seed = sum(len(w) for w in body["prompt"].split())  # greedy: the same prompt, the same ids
+            seed = sum(len(w) for w in body["prompt"].split()) + WEIGHTS  # greedy: the same prompt, the same ids
             for position in range(body["max_tokens"]):
                 token = (seed + position) % 50
                 choice = {"text": " x", "token_ids": [token]}
@@ -105,6 +107,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main() -> None:
+    # what vLLM logs when it compiles, or loads what an earlier start compiled
+    print("Directly load AOT compilation from path" if WARM else "torch.compile took 1.00 s in total", flush=True)
     (CACHE / "vllm").mkdir(parents=True, exist_ok=True)
     (CACHE / "vllm" / "compiled").write_text("graph")
     (CACHE / "triton").mkdir(exist_ok=True)

@@ -161,6 +161,37 @@ def test_a_relaunch_skips_what_is_done_and_a_failed_start_leaves_the_others_prob
     assert (results / f"variant-{names[0]}.json").stat().st_mtime_ns == probed_at
 
 
+def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other_weights_fails(tmp_path, pipeline):
+    """--restart: each server started again on the cache its first start filled (the bake's cache) is timed beside
+    the first start, with vLLM's compile lines of both; --reference-for: a variant checked against another recipe's
+    reference (other weights, other greedy ids) fails the lossless check, and the record says it was a canary."""
+    names = ["bf16", "awq-w4a16-g32-none", "awq-w4a16-g32-mtp2"]
+    options = {"restart": True, "reference_for": {"awq-w4a16-g32-mtp2": "bf16"}, "serve_env": {"FAKE_DELAY_S": "2.5"}}
+    d = fake_driver(tmp_path, pipeline, names, together=3, **options)
+    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    d.run()
+    results = tmp_path / "results"
+    records = {n: json.loads((results / f"variant-{n}.json").read_text()) for n in names}
+    for record in records.values():
+        assert record["status"] == "ok", record.get("error")
+        assert record["cold_start"]["compile_log"] == ["torch.compile took 1.00 s in total"]
+        assert record["warm_start"]["compile_log"] == ["Directly load AOT compilation from path"]
+        assert record["warm_start"]["seconds"] < record["cold_start"]["seconds"]  # the fake's warm start is instant
+    assert "reference" in records["bf16"]  # a canary's reference runs on its server though nothing speculates on bf16
+    lossless = json.loads((results / "lossless.json").read_text())
+    (check,) = lossless["checks"]
+    assert (check["variant"], check["reference_variant"], check["passed"]) == ("awq-w4a16-g32-mtp2", "bf16", False)
+    assert "canary" in check
+    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records")
+    kept = {p.name: json.loads(p.read_text()) for p in written}
+    assert "canary" in kept["host1-vllm0.26.0-lossless.json"]["checks"][0]
+    assert kept["host1-vllm0.26.0-bf16.json"]["warm_start"]["compile_log"]
+    for record in kept.values():
+        jsonschema.validate(record, SCHEMA)
+    with pytest.raises(driver.PlanError, match="awq-w4a16-g32-none"):
+        driver.main(["--variants", "bf16", "--reference-for", "bf16=awq-w4a16-g32-none", "--plan"])
+
+
 def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_patch_off(tmp_path):
     """The trained-weights proof: the tiny profile's catalog, its checkpoint and quantized model made on a CPU by the
     pipeline (--checkpoint, --quantized), every patch off (--patches off: a new engine before the patches are
