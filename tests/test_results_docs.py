@@ -113,8 +113,12 @@ def test_cost_and_correctness_are_separate_tables_and_random_weights_decide_no_l
         check("random-suffix", "random", False),
         check("tiny-awq-mtp2", "trained", True),
         check("tiny-awq-ngram4", "trained", False),
+        check("tiny-canary", "trained", False),
         {"kind": "environment", "host": "h", "cpu": None, "vllm": "0.32.0", "copy_gbps": None} | base,
     ]
+    records[-2]["checks"][0]["canary"] = "checked against another variant's reference: it must fail"
+    records[2]["warm_start"] = {"cache": "the first start's", "seconds": 21.4, "compile_log": []}
+    records[2]["cold_start"] = {"cache": "empty", "seconds": 95.0}
     text = render_results.results_md(records)
     cost = text[text.index("Cost (") : text.index("Acceptance and step cost")]
     acceptance = text[text.index("Acceptance and step cost") : text.index("Lossless check")]
@@ -127,5 +131,7 @@ def test_cost_and_correctness_are_separate_tables_and_random_weights_decide_no_l
     assert "random-suffix" not in text
     assert "| `tiny-awq-mtp2` | `plain` | 0.32.0 | h, 2026-11-29 | passed | 1 of 1 |" in lossless
     assert "| `tiny-awq-ngram4` | `plain` | 0.32.0 | h, 2026-11-29 | FAILED | 0 of 1 | 0 | 7 |" in lossless
+    assert "| `tiny-canary` | `plain` | 0.32.0 | h, 2026-11-29 | FAILED, as a canary must | 0 of 1 |" in lossless
+    assert "| 95 (empty), then 21 (its own cache) |" in cost  # a restart on the bake's cache beside the first start
     readme = render_results.readme_table(records)
     assert "| H200 | 0.32.0 | `awq` | 2.00× |" in readme and "tiny" not in readme

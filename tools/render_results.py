@@ -110,6 +110,13 @@ def reference_of(records: list[dict], record: dict) -> dict | None:
     )
 
 
+def start_cell(record: dict) -> str:
+    """The first start's seconds and cache; with --restart, the second start's on the cache the first one filled."""
+    cold = f"{fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')})"
+    warm = record.get("warm_start")
+    return f"{cold}, then {fmt(warm['seconds'], 0)} (its own cache)" if warm else cold
+
+
 def measured(records: list[dict], kind: str, gpu: str, weights: str) -> list[dict]:
     return [r for r in records if r["kind"] == kind and r["gpu"] == gpu and r["weights"] == weights]
 
@@ -139,7 +146,7 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {triple((long_ttft(record, 'repeated'), long_ttft(record, 'fresh')), 0)} "
             f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
             f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} "
-            f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
+            f"| {start_cell(record)} |"
         )
     rows += ["", *(f"[{n}] {note}." for n, note in enumerate(notes, 1))] if notes else []
     return rows
@@ -167,9 +174,16 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {triple(per_set(record, 'itl_median_ms').values())} "
             f"| {fmt((floors.get((record['host'], record['engine'], record['variant'])) or {}).get('step_median_ms'))} "
             f"| {fmt(short['ttft_median_ms'], 1)} "
-            f"| {fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')}) |"
+            f"| {start_cell(record)} |"
         )
     return rows
+
+
+def verdict(check: dict) -> str:
+    """passed or FAILED; a canary (checked against another variant's reference on purpose) says what it shows."""
+    if "canary" in check:
+        return "FAILED, as a canary must" if not check["passed"] else "passed: a canary that should fail (no teeth)"
+    return "passed" if check["passed"] else "FAILED"
 
 
 def lossless_rows(records: list[dict], gpu: str) -> list[str]:
@@ -192,7 +206,7 @@ def lossless_rows(records: list[dict], gpu: str) -> list[str]:
         firsts = sorted({row["first_difference"] for row in check["rows"] if row["first_difference"] is not None})
         rows.append(
             f"| `{check['variant']}` | `{check['reference_variant']}` | {record['engine']} "
-            f"| {record['host']}, {record['date']} | {'passed' if check['passed'] else 'FAILED'} "
+            f"| {record['host']}, {record['date']} | {verdict(check)} "
             f"| {equal} of {len(check['rows'])} | {ties} | {', '.join(map(str, firsts)) or '—'} |"
         )
     return rows
