@@ -2,6 +2,8 @@
 # The GPU proof's commands on the lent host (one device `run` call each, back to back: the host goes back when idle).
 #   bash gpu_proof/device.sh chunk NAME K       copy a staged bundle chunk (.device-stage/NAME/cK, carried) to /root/stash
 #   bash gpu_proof/device.sh unpack             unpack every carried bundle, check each vLLM imports (once a lease)
+#   bash gpu_proof/device.sh arctic             build arctic-inference's wheel for the host's Python from its source
+#                                               archive and build wheels (.device-stage/arctic/c0/arctic, carried)
 #   bash gpu_proof/device.sh start DRIVER_ARGS  start gpu_proof/driver.py detached (--variants ...) in STATE, on the
 #                                               bundle VLLM_BUNDLE names (unpacked first where it is not);
 #                                               it runs the tree of .device-stage/tree/c0/tree.tar when that is carried
@@ -65,6 +67,17 @@ case "$1" in
       PYTHONPATH=$site python3 -c 'import torch, vllm; print(vllm.__file__.split("/")[2], "vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -3
     done
     echo "[unpack] $(( $(date +%s) - t0 )) s" ;;
+  arctic)  # the way scripts/lib/local_builds.py builds it: no isolation, a stub torch, its vLLM plugin left out
+    src=$PWD/.device-stage/arctic/c0/arctic; b=/tmp/arctic-build; t0=$(date +%s)
+    ls /root/stash/arctic_inference-*.whl 2>/dev/null && exit 0
+    rm -rf "$b" && mkdir -p "$b/stub/torch" /root/stash
+    printf 'class utils:\n    cmake_prefix_path = ""\n' > "$b/stub/torch/__init__.py"
+    python3 -m pip install -q --no-index --no-deps --target "$b/site" "$src"/*.whl || exit 1
+    tar -xzf "$src"/arctic_inference-*.tar.gz -C "$b"
+    (cd "$b"/arctic_inference-*/ && PATH="$b/site/bin:$PATH" PYTHONPATH="$b/site:$b/stub" CMAKE_BUILD_PARALLEL_LEVEL=8 \
+      CMAKE_ARGS="-DPython_EXECUTABLE=$(command -v python3)" \
+      python3 -m pip wheel -q --no-build-isolation --no-deps --no-index -w /root/stash . 2>&1 | tail -20)
+    ls -la /root/stash/arctic_inference-*.whl && echo "[arctic] $(( $(date +%s) - t0 )) s" ;;
   run)  # (detached) drive, on the bundle VLLM_BUNDLE names (unpacked first where it is not)
     echo $$ > "$STATE/driver.pid"
     cd "$STATE/repo"

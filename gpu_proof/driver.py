@@ -35,8 +35,9 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     the tiny catalog on a GPU whose bundle lacks FlashInfer's CUTLASS DSL GDN prefill
   --patches off     every vLLM patch off (serve.patches): a vLLM other than the one the patches were tested against
                     refuses them at start, so a new engine is first measured without them
-  --restart         after the probe, each server is stopped and started again on the cache its first start filled
-                    (what rule bake_compile_cache ships in the image), and that start is timed beside the first
+  --restart V,W     after the probe, these variants' servers are stopped and started again on the cache their first
+                    start filled (what rule bake_compile_cache ships in the image), and that start is timed beside
+                    the first
   --reference-for V=R  the lossless step checks V against R's reference instead of its own recipe's (a canary: a
                     variant known to answer differently must fail the check, or the check has no teeth)
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
@@ -339,7 +340,7 @@ class Driver:
                 except Exception as error:  # noqa: BLE001
                     failed.append(self.fail(name, record, error))
             if self.options.get("restart"):
-                for name in [n for n in running if n not in failed]:
+                for name in [n for n in running if n not in failed and n in self.options["restart"]]:
                     self.stop(running[name][0])
                     try:
                         running[name] = self.restart(name, running[name], len(names))
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-share", type=float, default=None, metavar="F")
     parser.add_argument("--kv-cache-gib", type=int, default=None, metavar="G")
     parser.add_argument("--serve-set", action="append", default=[], metavar="KEY=JSON")
-    parser.add_argument("--restart", action="store_true")
+    parser.add_argument("--restart", default="", metavar="VARIANT,VARIANT")
     parser.add_argument("--reference-for", action="append", default=[], metavar="VARIANT=REFERENCE")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)
@@ -660,9 +661,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise PlanError(f"--quantized {unknown}: not a recipe of the catalog; known: {sorted(pipeline.recipes)}")
     reference_for = dict(item.split("=", 1) for item in args.reference_for)
-    strays = sorted({*reference_for, *reference_for.values()} - set(names))
+    restart = [name for name in args.restart.split(",") if name]
+    strays = sorted({*reference_for, *reference_for.values(), *restart} - set(names))
     if strays:
-        raise PlanError(f"--reference-for {strays}: not among --variants {names}")
+        raise PlanError(f"--reference-for or --restart {strays}: not among --variants {names}")
     if args.plan:
         print("\n".join(steps))
         return
@@ -672,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
     options["serve_set"] = {key: json.loads(value) for key, value in (i.split("=", 1) for i in args.serve_set)}
     options["config"] = str(Path(args.config).resolve().relative_to(ROOT))
     options.update(share_state=args.share_state, gpu_share=args.gpu_share, kv_cache_gib=args.kv_cache_gib)
-    options.update(restart=args.restart, reference_for=reference_for)
+    options.update(restart=restart, reference_for=reference_for)
     options.update(
         checkpoint=args.checkpoint,
         drafter=args.drafter,
