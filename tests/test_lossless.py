@@ -972,7 +972,7 @@ def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
     assert seen["registered_once"]
 
 
-# vLLM 0.26's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept
+# vLLM's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept
 # indices, over a sequence of steps whose input ids change
 SPEC_DECODE_INDICES = r"""
 import dataclasses, json, sys, numpy as np, torch
@@ -1007,8 +1007,8 @@ for seed, (drafts, scheduled) in enumerate(STEPS):
     expected, got = plain(vllm_calc(vllm_runner, *args)), plain(kept_calc(kept_runner, *args))
     report.append({"key": spec_decode_indices.verify_only_key(*args) is not None, "equal": expected == got,
                    "differ": sorted(k for k in expected if expected[k] != got[k])})
-spec_decode_indices.register()
-spec_decode_indices.register()  # twice: still one wrapper
+spec_decode_indices.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
+spec_decode_indices.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(GPUModelRunner._calc_spec_decode_metadata, spec_decode_indices._WRAPPED, None)
 print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_decode_indices._KEPT]),
                   "registered_once": wrapped is vllm_calc}))
@@ -1017,7 +1017,7 @@ print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_
 
 @pytest.mark.e2e
 def test_kept_spec_decode_indices_equal_vllms_step_by_step():
-    """serving.patches.spec_decode_indices against vLLM 0.26's own runner code: the same indices and draft token ids at
+    """serving.patches.spec_decode_indices against vLLM's own (V1) runner code: the same indices and draft token ids at
     every step (input ids change each step), kept for verify-only batches (two shapes here), left to vLLM otherwise."""
     result = subprocess.run([str(SERVE_PY), "-c", SPEC_DECODE_INDICES, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -1027,14 +1027,14 @@ def test_kept_spec_decode_indices_equal_vllms_step_by_step():
     assert all(step["equal"] for step in seen["steps"]) and seen["kept_shapes"] == 2 and seen["registered_once"]
 
 
-# vLLM 0.26's own RejectionSampler.forward against serving.patches.greedy_rejection's, batch by batch: greedy batches in
+# vLLM's own RejectionSampler.forward against serving.patches.greedy_rejection's, batch by batch: greedy batches in
 # which the argmax of the raw logits decides (the plugin's path) and batches that must stay on vLLM's path
 GREEDY_REJECTION = r"""
 import json, sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from vllm.v1.sample import rejection_sampler
-import vllm.utils.cpu_triton_utils as cpu_tl
-rejection_sampler.rejection_greedy_sample_kernel = cpu_tl.rejection_greedy_sample_kernel  # as vLLM's CPU runner does
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()  # the C++ kernels for Triton's, as vLLM's CPU platform does
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -1120,8 +1120,8 @@ decisions = {
     "not greedy": sampling(1, all_greedy=False),
     "token logprobs": sampling(1, logprob_token_ids={0: [1]}),
 }
-greedy_rejection.register()
-greedy_rejection.register()  # twice: still one wrapper
+greedy_rejection.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
+greedy_rejection.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(rejection_sampler.RejectionSampler.forward, greedy_rejection._WRAPPED, None)
 fast = {name: greedy_rejection.argmax_is_raw(sampler, meta) for name, meta in decisions.items()}
 print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is vllm_forward}))
@@ -1130,7 +1130,7 @@ print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is
 
 @pytest.mark.e2e
 def test_greedy_rejection_equals_vllms_rejection_sampler():
-    """serving.patches.greedy_rejection against vLLM 0.26's own RejectionSampler.forward: the same output ids for greedy
+    """serving.patches.greedy_rejection against vLLM's own RejectionSampler.forward: the same output ids for greedy
     batches with none, some and all drafts accepted, uneven drafts, exact ties and idle built-in processors; a batch
     that asks for logprobs, and every setting that can move an argmax, stays on vLLM's path."""
     result = subprocess.run([str(SERVE_PY), "-c", GREEDY_REJECTION, str(ROOT)], capture_output=True, text=True)
