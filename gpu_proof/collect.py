@@ -75,7 +75,12 @@ def compact_variant(record: dict, host: str, environment: dict) -> dict:
     }
 
 
-def compact_lossless(record: dict, host: str, environment: dict) -> dict:
+# what a run may change that bears on a lossless verdict (not a shared GPU's memory split)
+CHECKED = ("serve_set", "patches", "drafter")
+
+
+def compact_lossless(record: dict, host: str, environment: dict, options: dict | None = None) -> dict:
+    """The checks, each with what its variant's run changed from the catalog (`options`: by variant)."""
     keep = ("set", "category", "tokens", "passed", "problem")
     checks = []
     for check in record["checks"]:
@@ -89,12 +94,15 @@ def compact_lossless(record: dict, host: str, environment: dict) -> dict:
                 }
             )
         kept = {key: check[key] for key in ("variant", "reference_variant", "passed", "canary") if key in check}
-        checks.append(kept | {"rows": rows})
+        changed = {key: value for key, value in (options or {}).get(check["variant"], {}).items() if key in CHECKED}
+        checks.append(kept | ({"options": changed} if changed else {}) | {"rows": rows})
     context = {key: environment[key] for key in ("date", "gpu", "engine", "weights")}
     return {"kind": "lossless", "host": host, **context, "checks": checks}
 
 
-def collect(tarball: Path, host: str, out_root: Path, note: str | None = None) -> list[Path]:
+def collect(tarball: Path, host: str, out_root: Path, note: str | None = None, run: str | None = None) -> list[Path]:
+    """The lease's records; `run` names one of several drivers on the host (its file names carry it, so two drivers'
+    records of one variant, e.g. with and without a setting, both stay)."""
     with tarfile.open(tarball) as archive:
         raw = {
             Path(member.name).stem: json.load(archive.extractfile(member))
@@ -121,7 +129,8 @@ def collect(tarball: Path, host: str, out_root: Path, note: str | None = None) -
         if name.startswith("variant-") and record.get("status") == "ok":
             records[record["variant"]] = compact_variant(record, host, summary | context)
         elif name == "lossless":
-            records["lossless"] = compact_lossless(record, host, summary | context)
+            options = {r["variant"]: r.get("options") or {} for n, r in raw.items() if n.startswith("variant-")}
+            records["lossless"] = compact_lossless(record, host, summary | context, options)
         elif name.startswith("floor-") and record.get("status") == "ok":
             variant = name.removeprefix("floor-")
             records[name] = {
@@ -144,7 +153,7 @@ def collect(tarball: Path, host: str, out_root: Path, note: str | None = None) -
     written = []
     for name, record in records.items():
         jsonschema.validate(record, schema)
-        path = out / f"{host}-vllm{context['engine']}-{name}.json"
+        path = out / f"{host}-vllm{context['engine']}-{f'{run}-' if run else ''}{name}.json"
         path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         written.append(path)
     return written
@@ -156,8 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-proof")
     parser.add_argument("--note", default=None, help="a sentence on the run's conditions, kept in its variant records")
+    parser.add_argument("--run", default=None, help="a name for this driver, where several ran on the host")
     args = parser.parse_args(argv)
-    for path in collect(args.tarball, args.host, args.out, args.note):
+    for path in collect(args.tarball, args.host, args.out, args.note, args.run):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 

@@ -170,6 +170,7 @@ def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other
         "restart": ["bf16", "awq-w4a16-g32-none"],
         "reference_for": {"awq-w4a16-g32-mtp2": "bf16"},
         "serve_env": {"FAKE_DELAY_S": "2.5"},
+        "serve_set": {"enable_prefix_caching": True},
     }
     d = fake_driver(tmp_path, pipeline, names, together=3, **options)
     d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
@@ -187,10 +188,12 @@ def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other
     (check,) = lossless["checks"]
     assert (check["variant"], check["reference_variant"], check["passed"]) == ("awq-w4a16-g32-mtp2", "bf16", False)
     assert "canary" in check
-    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records")
+    # one of several drivers on the host (--run): its files carry its name; a check carries what its run changed
+    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records", run="cached")
     kept = {p.name: json.loads(p.read_text()) for p in written}
-    assert "canary" in kept["host1-vllm0.26.0-lossless.json"]["checks"][0]
-    assert kept["host1-vllm0.26.0-bf16.json"]["warm_start"]["compile_log"]
+    (check,) = kept["host1-vllm0.26.0-cached-lossless.json"]["checks"]
+    assert "canary" in check and check["options"] == {"serve_set": {"enable_prefix_caching": True}}
+    assert kept["host1-vllm0.26.0-cached-bf16.json"]["warm_start"]["compile_log"]
     for record in kept.values():
         jsonschema.validate(record, SCHEMA)
     with pytest.raises(driver.PlanError, match="awq-w4a16-g32-none"):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # serving.patches: the registry's defaults, to name what a run changed
 RECORDS = ROOT / "results" / "gpu-proof"
 RESULTS_MD = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
@@ -74,8 +75,30 @@ def triple(values, digits: int = 2, suffix: str = "") -> str:
     return " / ".join(fmt(v, digits, suffix) for v in values)
 
 
+def patch_changes(patches: dict) -> str:
+    """A run's serve.patches as what it changed from the registry's defaults ("draft_padding off"), among those that
+    apply on a GPU (a CPU patch switched there changes nothing)."""
+    from serving.patches import PATCHES
+
+    changed = [
+        f"{name} {'on' if on else 'off'}"
+        for name, on in patches.items()
+        if name in PATCHES and PATCHES[name].platform != "cpu" and on != PATCHES[name].default
+    ]
+    return ", ".join(changed) or "the defaults"
+
+
+def option_text(key: str, value) -> str:
+    if key == "serve_set":
+        return ", ".join(
+            f"patches: {patch_changes(v)}" if k == "patches" and isinstance(v, dict) else f"{k}: {json.dumps(v)}"
+            for k, v in sorted(value.items())
+        )
+    return f"{key}: {json.dumps(value)}"
+
+
 def label(record: dict) -> str:
-    changed = ", ".join(f"{key}: {json.dumps(value)}" for key, value in sorted(record["options"].items()))
+    changed = ", ".join(option_text(key, value) for key, value in sorted(record["options"].items()))
     return f"`{record['variant']}`" + (f" ({changed})" if changed else "")
 
 
@@ -205,7 +228,8 @@ def lossless_rows(records: list[dict], gpu: str) -> list[str]:
         ties = sum(1 for row in check["rows"] if row["near_tie_nats"] is not None)
         firsts = sorted({row["first_difference"] for row in check["rows"] if row["first_difference"] is not None})
         rows.append(
-            f"| `{check['variant']}` | `{check['reference_variant']}` | {record['engine']} "
+            f"| {label({'variant': check['variant'], 'options': check.get('options') or {}})} "
+            f"| `{check['reference_variant']}` | {record['engine']} "
             f"| {record['host']}, {record['date']} | {verdict(check)} "
             f"| {equal} of {len(check['rows'])} | {ties} | {', '.join(map(str, firsts)) or '—'} |"
         )
