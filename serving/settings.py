@@ -110,14 +110,16 @@ DRAFT_DIR = "/opt/ml/draft"
 # (scripts/lib/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
 # passing with prefix caching on, on the hardware it will serve on.
 PREFIX_CACHING_UNSAFE: dict[str, str] = {
-    "mtp": "measured: MTP with prefix caching kills vLLM's engine on Qwen3.5, and on CPU the mamba prefix-cache "
-    "alignment needs Triton",
+    "mtp": "measured: on vLLM 0.32 on an H200 MTP with prefix caching serves, and its greedy ids on trained weights "
+    "equal those without it, but tokens of prompts that miss the cache got slower (docs/results.md); on CPU the mamba "
+    "prefix-cache alignment needs Triton",
     "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
     "mamba prefix-cache alignment needs Triton)",
     "ngram_gpu": "not measured safe: refused like ngram until the lossless check passes with prefix caching on",
-    "suffix": "measured: on an H100 with prefix caching on, the repeated long prompt's greedy output left the "
-    "reference without a near tie, and short and medium requests got slower; on CPU the mamba prefix-cache alignment "
-    "needs Triton",
+    "suffix": "measured: on vLLM 0.26 on an H100 with prefix caching on, the repeated long prompt's greedy output "
+    "left the reference without a near tie, and short and medium requests got slower; on vLLM 0.32 padded suffix "
+    "passes the lossless check with it on trained weights (H200), its cost unmeasured; on CPU the mamba prefix-cache "
+    "alignment needs Triton",
     "dflash": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 
