@@ -31,7 +31,10 @@ import os
 
 
 def corrupt(output_token_ids):
-    """output_token_ids [batch, K+1] (-1: rejected): flip the first token of every row that accepted a draft."""
+    """output_token_ids [batch, K+1] (-1: rejected): flip the first token of every row that accepted a draft. A step
+    that drafted nothing has one column (vLLM 0.32 sizes it by the step's longest draft): nothing was accepted."""
+    if output_token_ids.shape[1] < 2:
+        return output_token_ids
     accepted = output_token_ids[:, 1] >= 0  # a second token means the first was an accepted draft
     output_token_ids[accepted, 0] ^= 1
     return output_token_ids
@@ -49,6 +52,8 @@ class AfterTie:
         """top: (values, indices) of the two largest logits of every row of the step's logits, taken before the
         sampler ran (it may change logits in place)."""
         if self.armed:
+            if output_token_ids.shape[1] < 2:  # no draft this step: nothing accepted to flip
+                return
             accepted = (output_token_ids[:, 1] >= 0).nonzero()
             if len(accepted):
                 output_token_ids[int(accepted[0]), 0] ^= 1
