@@ -303,7 +303,9 @@ class Driver:
             reference = reference if reference and reference.get("reference") else None
             if reference is None:
                 checks.append({"variant": name, "reference_variant": None, "passed": False, "rows": []})
-                checks[-1]["failures"] = [f"no variant of recipe {record['recipe']} without speculation in this run"]
+                recipe = record["recipe"]
+                missing = f"reference of {canary} (--reference-for)" if canary else f"variant of recipe {recipe}"
+                checks[-1]["failures"] = [f"no {missing} without speculation in this run"]
                 continue
             rows = compare(record["probe"], reference["reference"])
             check = {"variant": name, "reference_variant": reference["variant"], "rows": rows}
@@ -398,9 +400,9 @@ class Driver:
             options["profile"] = "one short request under vLLM's torch profiler, after the probe"
         return settings, options
 
-    def start(self, name: str, together: int, keep_cache: bool = False, log_suffix: str = ""):
-        """A server of `name` on a cache of its own, seeded with an earlier group's kernel caches (or, keep_cache,
-        on the cache an earlier start of it left)."""
+    def start(self, name: str, together: int, restart: bool = False):
+        """A server of `name` on a cache of its own, seeded with an earlier group's kernel caches; a restart starts
+        on the cache its first start left, logs apart, and leaves the probed record on disk as it is."""
         from serving.launch import CACHE_DIRS
 
         model = self.model_for(name)
@@ -408,10 +410,10 @@ class Driver:
         serve_json = self.state / "serve" / f"{name}.json"
         serve_json.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         cache = self.state / "cache" / name
-        if not keep_cache:
+        if not restart:
             shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True, exist_ok=True)
-        seeded = (self.state / "cache" / "kernels.tar").exists() and not keep_cache
+        seeded = (self.state / "cache" / "kernels.tar").exists() and not restart
         if seeded:
             with tarfile.open(self.state / "cache" / "kernels.tar") as archive:
                 archive.extractall(cache, filter="fully_trusted")
@@ -431,7 +433,7 @@ class Driver:
         )
         for key in CACHE_DIRS:
             env.pop(key, None)  # serving/launch.py derives them from CACHE_DIR
-        log_path = self.results / "logs" / f"{name}{log_suffix}.log"
+        log_path = self.results / "logs" / f"{name}{'-restart' if restart else ''}.log"
         with open(log_path, "w") as handle:
             self.log(f"{name}: starting `python3 -m serving` on port {port}")
             proc = subprocess.Popen(
@@ -454,14 +456,15 @@ class Driver:
             if variant["speculative"]["method"] == "dflash"
             else 0,
         }
-        self.record(f"variant-{name}", record)
+        if not restart:
+            self.record(f"variant-{name}", record)
         return proc, f"http://127.0.0.1:{port}", log_path, record, time.monotonic()
 
     def restart(self, name: str, first, together: int):
         """`name` started again on the cache its first start filled (the bake's cache), timed to its first answer."""
         _, _, log_path, record, _ = first
         first_log = log_path.read_text(errors="replace")
-        proc, base, log_path, _, started = self.start(name, together, keep_cache=True, log_suffix="-restart")
+        proc, base, log_path, _, started = self.start(name, together, restart=True)
         wait_for_ping(base, 1200, alive=lambda: proc.poll() is None, logs=lambda: tail(log_path))
         record["warm_start"] = {
             "cache": "the first start's (what bake_compile_cache ships)",
