@@ -8,7 +8,8 @@
 #                                               bundle VLLM_BUNDLE names (unpacked first where it is not);
 #                                               it runs the tree of .device-stage/tree/c0/tree.tar when that is carried
 #                                               (`git archive -o .device-stage/tree/c0/tree.tar HEAD`: a commit, not
-#                                               whatever the working tree holds), else this working tree
+#                                               whatever the working tree holds; TREE names another archive),
+#                                               else this working tree
 #   STATES="A B" bash gpu_proof/device.sh waitall SECONDS   follow drivers started side by side (each its STATE)
 #   bash gpu_proof/device.sh wait SECONDS       follow the driver; bring results.tar.gz and driver.log back in $OUT
 #                                               (ask for a minute less than the device time left: a call cut at the
@@ -29,7 +30,8 @@ case "$1" in
       echo "driver already running (pid $(cat "$STATE/driver.pid"))"; exit 0
     fi
     mkdir -p "$STATE/repo"
-    if [ -f .device-stage/tree/c0/tree.tar ]; then tar -C "$STATE/repo" -xf .device-stage/tree/c0/tree.tar
+    tree=${TREE:-.device-stage/tree/c0/tree.tar}  # TREE: another commit's archive (an older engine's own patches)
+    if [ -f "$tree" ]; then tar -C "$STATE/repo" -xf "$tree"
     else tar --exclude=./.device-stage --exclude=./.git --exclude=./.venvs -cf - . | tar -C "$STATE/repo" -xf -; fi
     rm -f "$STATE/driver.done"
     setsid nohup bash "$STATE/repo/gpu_proof/device.sh" run "${@:2}" >> "$STATE/driver.log" 2>&1 < /dev/null &
