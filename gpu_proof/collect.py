@@ -100,9 +100,17 @@ def compact_lossless(record: dict, host: str, environment: dict, options: dict |
     return {"kind": "lossless", "host": host, **context, "checks": checks}
 
 
-def collect(tarball: Path, host: str, out_root: Path, note: str | None = None, run: str | None = None) -> list[Path]:
+def collect(
+    tarball: Path,
+    host: str,
+    out_root: Path,
+    note: str | None = None,
+    run: str | None = None,
+    host_busy: bool = False,
+) -> list[Path]:
     """The lease's records; `run` names one of several drivers on the host (its file names carry it, so two drivers'
-    records of one variant, e.g. with and without a setting, both stay)."""
+    records of one variant, e.g. with and without a setting, both stay); `host_busy` marks variants probed while
+    other servers started on the host."""
     with tarfile.open(tarball) as archive:
         raw = {
             Path(member.name).stem: json.load(archive.extractfile(member))
@@ -143,10 +151,13 @@ def collect(tarball: Path, host: str, out_root: Path, note: str | None = None, r
                 "tokens": record["tokens"],
                 "runs": len(record["runs"]),
             }
-    if note:  # what the run's conditions were, for every variant of it (the tables show it)
+    if note:  # what the run's conditions were, for its variants and its lossless checks (the tables show it)
         for record in records.values():
-            if record["kind"] == "variant":
+            if record["kind"] in ("variant", "lossless"):
                 record["note"] = note
+    for record in records.values():
+        if host_busy and record["kind"] == "variant":
+            record["host_busy"] = True
     schema = yaml.safe_load(SCHEMA.read_text())
     out = out_root / gpu_model(summary["gpu"])
     out.mkdir(parents=True, exist_ok=True)
@@ -164,10 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("tarball", type=Path)
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-proof")
-    parser.add_argument("--note", default=None, help="a sentence on the run's conditions, kept in its variant records")
+    parser.add_argument(
+        "--note", default=None, help="a sentence on the run's conditions, kept in its variant and lossless records"
+    )
     parser.add_argument("--run", default=None, help="a name for this driver, where several ran on the host")
+    parser.add_argument(
+        "--host-busy", action="store_true", help="its probes ran while other servers started on the host (CPU load)"
+    )
     args = parser.parse_args(argv)
-    for path in collect(args.tarball, args.host, args.out, args.note, args.run):
+    for path in collect(args.tarball, args.host, args.out, args.note, args.run, args.host_busy):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 

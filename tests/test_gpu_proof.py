@@ -260,7 +260,9 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
             "versions": {"vllm_bundle": {"vllm": "0.26.0+cu130"}},
         },
     )
-    written = collect.collect(tmp_path / "state" / "results.tar.gz", "host9", tmp_path / "records", note="a caveat")
+    written = collect.collect(
+        tmp_path / "state" / "results.tar.gz", "host9", tmp_path / "records", note="a caveat", host_busy=True
+    )
     kept = {p.name: json.loads(p.read_text()) for p in written}
     assert kept["host9-vllm0.26.0-floor-tiny-awq-none.json"]["step_median_ms"] == 2.1
     mtp = kept["host9-vllm0.26.0-tiny-awq-mtp2.json"]
@@ -270,7 +272,9 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
         "0.26.0",
         "a caveat",
     )
+    assert mtp["host_busy"] is True and "host_busy" not in kept["host9-vllm0.26.0-lossless.json"]
     assert kept["host9-vllm0.26.0-lossless.json"]["weights"] == "trained"
+    assert kept["host9-vllm0.26.0-lossless.json"]["note"] == "a caveat"  # which checkpoint a canary served, say
     with pytest.raises(driver.PlanError, match="no-such-recipe"):
         driver.main(
             [

@@ -135,3 +135,12 @@ def test_cost_and_correctness_are_separate_tables_and_random_weights_decide_no_l
     assert "| 95 (empty), then 21 (its own cache) |" in cost  # a restart on the bake's cache beside the first start
     readme = render_results.readme_table(records)
     assert "| H200 | 0.32.0 | `awq` | 2.00× |" in readme and "tiny" not in readme
+
+
+def test_the_readme_takes_a_quiet_hosts_run_over_a_later_one_probed_while_servers_started():
+    base = {"gpu": "NVIDIA H200", "date": "2026-11-29", "engine": "0.32.0", "weights": "random", "bytes_per_step": None}
+    quiet = [variant("q", name, {"repeated": [m] * 3}) | base for name, m in (("bf16", 400), ("awq", 200))]
+    later = base | {"date": "2099-01-01", "host_busy": True}
+    busy = [variant("z", name, {"repeated": [m] * 3}) | later for name, m in (("bf16", 400), ("awq", 400))]
+    assert "| `awq` | 2.00× |" in render_results.readme_table(quiet + busy)
+    assert "| `awq` | 1.00× |" in render_results.readme_table(busy)  # a busy host's run where no quiet one exists

@@ -144,6 +144,19 @@ def measured(records: list[dict], kind: str, gpu: str, weights: str) -> list[dic
     return [r for r in records if r["kind"] == kind and r["gpu"] == gpu and r["weights"] == weights]
 
 
+def note_mark(record: dict, notes: list[str]) -> str:
+    """A record's note as a footnote marker, its text kept once in `notes` (listed under the table)."""
+    if not record.get("note"):
+        return ""
+    if record["note"] not in notes:
+        notes.append(record["note"])
+    return f" [{notes.index(record['note']) + 1}]"
+
+
+def footnotes(notes: list[str]) -> list[str]:
+    return ["", *(f"[{n}] {note}." for n, note in enumerate(notes, 1))] if notes else []
+
+
 def variant_rows(records: list[dict], gpu: str) -> list[str]:
     variants = measured(records, "variant", gpu, "random")
     if not variants:
@@ -159,9 +172,7 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
     notes: list[str] = []
     for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
         reference = reference_of(records, record)
-        if record.get("note") and record["note"] not in notes:
-            notes.append(record["note"])
-        mark = f" [{notes.index(record['note']) + 1}]" if record.get("note") else ""
+        mark = note_mark(record, notes)
         rows.append(
             f"| {label(record)}{mark} | {record['engine']} | {record['host']}, {record['date']} "
             f"| {triple(speedup(record, reference, s) for s in SETS)} "
@@ -171,8 +182,7 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} "
             f"| {start_cell(record)} |"
         )
-    rows += ["", *(f"[{n}] {note}." for n, note in enumerate(notes, 1))] if notes else []
-    return rows
+    return rows + footnotes(notes)
 
 
 def trained_rows(records: list[dict], gpu: str) -> list[str]:
@@ -189,17 +199,18 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     floors = {(r["host"], r["engine"], r["variant"]): r for r in measured(records, "floor", gpu, "trained")}
+    notes: list[str] = []
     for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
         short = next(c for c in record["sets"]["repeated"]["categories"] if c["name"] == "short")
         rows.append(
-            f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} "
+            f"| {label(record)}{note_mark(record, notes)} | {record['engine']} | {record['host']}, {record['date']} "
             f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
             f"| {triple(per_set(record, 'itl_median_ms').values())} "
             f"| {fmt((floors.get((record['host'], record['engine'], record['variant'])) or {}).get('step_median_ms'))} "
             f"| {fmt(short['ttft_median_ms'], 1)} "
             f"| {start_cell(record)} |"
         )
-    return rows
+    return rows + footnotes(notes)
 
 
 def verdict(check: dict) -> str:
@@ -223,17 +234,19 @@ def lossless_rows(records: list[dict], gpu: str) -> list[str]:
         "| variant | against | vLLM | host, date | verdict | rows passed | near ties | first differences |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    notes: list[str] = []
     for record, check in checks:
         equal = sum(1 for row in check["rows"] if row["passed"])
         ties = sum(1 for row in check["rows"] if row["near_tie_nats"] is not None)
         firsts = sorted({row["first_difference"] for row in check["rows"] if row["first_difference"] is not None})
+        checked = {"variant": check["variant"], "options": check.get("options") or {}}
         rows.append(
-            f"| {label({'variant': check['variant'], 'options': check.get('options') or {}})} "
+            f"| {label(checked)}{note_mark(record, notes)} "
             f"| `{check['reference_variant']}` | {record['engine']} "
             f"| {record['host']}, {record['date']} | {verdict(check)} "
             f"| {equal} of {len(check['rows'])} | {ties} | {', '.join(map(str, firsts)) or '—'} |"
         )
-    return rows
+    return rows + footnotes(notes)
 
 
 def results_md(records: list[dict]) -> str:
@@ -271,6 +284,12 @@ def results_md(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def clean_rank(record: dict) -> tuple:
+    """The README's pick of a variant's runs: the latest one probed on a quiet host; one that carries a caveat (a
+    note) only where no other exists."""
+    return (not record.get("host_busy"), not record.get("note"), record["date"])
+
+
 def readme_table(records: list[dict]) -> str:
     """Per GPU model, each variant's latest same-host comparison with bf16."""
     rows = [
@@ -289,10 +308,8 @@ def readme_table(records: list[dict]) -> str:
             ):
                 continue
             key = (record["engine"], record["variant"])
-            # the latest clean run: one whose record carries a caveat (a note) only where no other exists
-            rank = (not record.get("note"), record["date"])
             held = latest.get(key)
-            if reference_of(records, record) and (held is None or rank >= (not held.get("note"), held["date"])):
+            if reference_of(records, record) and (held is None or clean_rank(record) >= clean_rank(held)):
                 latest[key] = record
         for (engine, name), record in sorted(
             latest.items(), key=lambda item: (item[0][0], -speedup(item[1], reference_of(records, item[1]), "repeated"))
