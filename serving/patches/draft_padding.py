@@ -95,21 +95,27 @@ def _ngram(propose):
     return wrapper
 
 
-# Each proposer's module, and how its proposer is padded once it is imported.
+# Each proposer's module, how its proposer is padded once it is imported, and what its module gives the model
+# runner that padding makes needless (replaced where the runner imported it).
 PROPOSERS = (
-    ("vllm.v1.spec_decode.suffix_decoding", "SuffixDecodingProposer", _suffix),
-    ("vllm.v1.spec_decode.ngram_proposer", "NgramProposer", _ngram),
-    ("vllm.v1.spec_decode.ngram_proposer_gpu", "NgramProposerGPU", _ngram_gpu),
+    ("vllm.v1.spec_decode.suffix_decoding", "SuffixDecodingProposer", _suffix, {}),
+    ("vllm.v1.spec_decode.ngram_proposer", "NgramProposer", _ngram, {}),
+    (
+        "vllm.v1.spec_decode.ngram_proposer_gpu",
+        "NgramProposerGPU",
+        _ngram_gpu,
+        {"update_scheduler_for_invalid_drafts": _no_trim},
+    ),
 )
 
 
-def pad_proposer(module, class_name: str, wrap) -> None:
+def pad_proposer(module, class_name: str, wrap, runner_replacements: dict) -> None:
     cls = getattr(module, class_name)
     if hasattr(cls.propose, _WRAPPED):
         return
     cls.propose = wrap(cls.propose)
-    if class_name == "NgramProposerGPU":
-        replace_in_runner(module, "update_scheduler_for_invalid_drafts", _no_trim)
+    for name, replacement in runner_replacements.items():
+        replace_in_runner(module, name, replacement)
     from vllm.logger import init_logger
 
     # the tests read this line to know the padding is in the engine
@@ -121,8 +127,8 @@ def register() -> None:
     """Pads each proposer when vLLM imports its module, not before: ngram_proposer imports numba, and numba imported
     ahead of vLLM 0.32's scan of every loaded module for Triton kernels to override (vllm.triton_utils.dispatcher,
     at a CPU worker's start) stops that scan (numba's `_lib_fn_wrapper` has no `get`), so no CPU worker starts."""
-    for module_name, class_name, wrap in PROPOSERS:
-        after_import(module_name, lambda module, c=class_name, w=wrap: pad_proposer(module, c, w))
+    for module_name, class_name, wrap, replaced in PROPOSERS:
+        after_import(module_name, lambda module, c=class_name, w=wrap, r=replaced: pad_proposer(module, c, w, r))
 
 
 class _AfterImport:
