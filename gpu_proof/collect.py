@@ -68,6 +68,7 @@ def compact_variant(record: dict, host: str, environment: dict) -> dict:
         "options": record.get("options") or {},
         "cold_start": record["cold_start"],
         **({"warm_start": record["warm_start"]} if record.get("warm_start") else {}),
+        **({"host_busy": True} if record.get("host_busy") else {}),
         "bytes_per_step": record["decode"]["weights_bytes_per_step"] if record.get("decode") else None,
         "warmup": record["probe"]["warmup"],
         "runs": record["probe"]["runs"],

@@ -42,7 +42,9 @@ Options beyond the catalog, each recorded in the variant's record under `options
                     variant known to answer differently must fail the check, or the check has no teeth)
 A variant the catalog does not define is refused before any step runs (--plan checks a list without a GPU).
 Drivers on one host (another engine, another model) may start servers side by side; what is timed (the bandwidth,
-each probe, the floor) runs under one host-wide lock (PROBE_LOCK), so no two timings overlap.
+each probe, the floor) runs under one host-wide lock (PROBE_LOCK), so no two timings overlap, and a probe first
+waits until no server on the host is starting (STARTING: their compiling loads the CPUs whose host work sets a
+step's pace; past QUIET_WAIT_S it probes anyway and its record says host_busy).
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ SHARED_GPU_MEMORY = 0.88  # of the GPU, split between the servers started togeth
 # starting beside it would inflate (vLLM's --kv-cache-memory-bytes skips that profiling)
 SHARED_KV_CACHE_BYTES = 8 * 2**30
 PROBE_LOCK = Path(os.environ.get("PROBE_LOCK", "/tmp/gpu-proof-probe.lock"))
+# one file a server starting on the host (any driver's): a probe waits, under PROBE_LOCK, until none is left, since
+# their compiling loads the CPUs whose host work sets a step's pace; after QUIET_WAIT_S it probes anyway and the
+# record says host_busy
+STARTING = Path(os.environ.get("PROBE_STARTING", "/tmp/gpu-proof-starting"))
+QUIET_WAIT_S = 900
 SHARED_WAIT_S = 3600  # how long a step waits for the shared state's driver to finish it
 PROFILER = {"profiler": "torch", "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False}
 
@@ -125,6 +132,22 @@ def plan(names: list[str], variants: dict, together: int, random_drafter: bool) 
     if any(variants[name]["speculative"]["method"] != "none" for name in names):
         steps.append("lossless")
     return steps
+
+
+def starting_on_host() -> list[str]:
+    """The servers starting on this host, by their markers (`<driver pid>-<state>-<variant>`); a dead driver's
+    markers are dropped."""
+    alive = []
+    for marker in sorted(STARTING.glob("*")) if STARTING.is_dir() else []:
+        try:
+            os.kill(int(marker.name.split("-", 1)[0]), 0)
+        except (ValueError, ProcessLookupError):
+            marker.unlink(missing_ok=True)
+            continue
+        except PermissionError:
+            pass  # alive, another user's
+        alive.append(marker.name)
+    return alive
 
 
 class Driver:
@@ -216,6 +239,25 @@ class Driver:
         handle = open(PROBE_LOCK, "a")
         fcntl.flock(handle, fcntl.LOCK_EX)
         return handle
+
+    def mark_starting(self, name: str, starting: bool) -> None:
+        marker = STARTING / f"{os.getpid()}-{self.state.name}-{name}"
+        if starting:
+            STARTING.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        else:
+            marker.unlink(missing_ok=True)
+
+    def wait_quiet(self) -> bool:
+        """Until no server on the host is starting (held under the probe lock, so no timing runs meanwhile); False
+        where QUIET_WAIT_S ran out first."""
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while busy := starting_on_host():
+            if time.monotonic() > deadline:
+                self.log(f"{len(busy)} servers still starting after {QUIET_WAIT_S} s: probed anyway (host_busy)")
+                return False
+            time.sleep(min(5.0, QUIET_WAIT_S / 10))
+        return True
 
     # ---- steps ----
     def step_environment(self, _: str) -> None:
@@ -332,12 +374,16 @@ class Driver:
                     failed.append(self.fail(name, record, error))
                     self.stop(running.pop(name)[0])
                     continue
+                finally:
+                    self.mark_starting(name, False)
                 record["cold_start"]["seconds"] = round(time.monotonic() - started, 1)  # from its own start
                 self.log(f"{name}: ready after {record['cold_start']['seconds']:.0f} s")
                 self.record(f"variant-{name}", record)
             for name, (_, base, _, record, _) in running.items():
                 try:
                     with self.probe_lock():
+                        if not self.wait_quiet():
+                            record["host_busy"] = True
                         self.probe_variant(name, base, record)
                 except Exception as error:  # noqa: BLE001
                     failed.append(self.fail(name, record, error))
@@ -351,6 +397,8 @@ class Driver:
         finally:
             for proc, *_ in running.values():
                 self.stop(proc)
+            for name in names:
+                self.mark_starting(name, False)
         first = next((self.state / "cache" / n for n in running if n not in failed), None)
         if first is not None and not (self.state / "cache" / "kernels.tar").exists():
             with tarfile.open(self.state / "cache" / "kernels.tar", "w") as archive:
@@ -436,6 +484,7 @@ class Driver:
         log_path = self.results / "logs" / f"{name}{'-restart' if restart else ''}.log"
         with open(log_path, "w") as handle:
             self.log(f"{name}: starting `python3 -m serving` on port {port}")
+            self.mark_starting(name, True)
             proc = subprocess.Popen(
                 self.serve_cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -465,7 +514,10 @@ class Driver:
         _, _, log_path, record, _ = first
         first_log = log_path.read_text(errors="replace")
         proc, base, log_path, _, started = self.start(name, together, restart=True)
-        wait_for_ping(base, 1200, alive=lambda: proc.poll() is None, logs=lambda: tail(log_path))
+        try:
+            wait_for_ping(base, 1200, alive=lambda: proc.poll() is None, logs=lambda: tail(log_path))
+        finally:
+            self.mark_starting(name, False)
         record["warm_start"] = {
             "cache": "the first start's (what bake_compile_cache ships)",
             "together": together,

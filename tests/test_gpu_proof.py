@@ -27,6 +27,13 @@ def pipeline():
     return driver.catalog(ROOT / "config.yaml")
 
 
+@pytest.fixture(autouse=True)
+def own_host_markers(tmp_path, monkeypatch):
+    """Each test its own folder of starting servers' markers: another run of the suite on this machine is no server
+    of this test's host."""
+    monkeypatch.setattr(driver, "STARTING", tmp_path / "starting")
+
+
 def committed() -> dict[Path, dict]:
     return {path: json.loads(path.read_text()) for path in sorted(RECORDS.glob("*/*.json"))}
 
@@ -427,3 +434,28 @@ def test_a_second_driver_on_the_host_takes_the_first_ones_weights_and_times_only
     assert json.loads((results / "bandwidth.json").read_text())["shared_from"] == str(tmp_path / "first")
     assert not (tmp_path / "second" / "weights").exists() and not any((tmp_path / "second" / "quant").iterdir())
     assert held == ["second"]  # the probe (bandwidth was taken, not measured)
+
+
+def test_a_probe_waits_for_the_hosts_starting_servers_and_says_when_it_could_not(tmp_path, pipeline, monkeypatch):
+    """A server starting on the host (any driver's marker, its driver alive) holds every probe back; a dead driver's
+    marker does not; past QUIET_WAIT_S the probe runs and its record, and the committed one, say host_busy."""
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (starting / f"{dead.pid}-gone-bf16").touch()
+    d = fake_driver(tmp_path / "quiet", pipeline, ["awq-w4a16-g32-none"])
+    assert d.wait_quiet() and not any(starting.iterdir())  # the dead driver's marker is dropped
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (starting / f"{sleeper.pid}-other-bf16").touch()
+        monkeypatch.setattr(driver, "QUIET_WAIT_S", 0.5)
+        d.run()
+    finally:
+        sleeper.kill()
+    record = json.loads((tmp_path / "quiet" / "results" / "variant-awq-w4a16-g32-none.json").read_text())
+    assert record["status"] == "ok" and record["host_busy"] is True
+    assert [p.name for p in starting.iterdir()] == [f"{sleeper.pid}-other-bf16"]  # its own markers are gone
+    written = collect.collect(tmp_path / "quiet" / "results.tar.gz", "host9", tmp_path / "records")
+    kept = {p.name: json.loads(p.read_text()) for p in written}
+    assert kept["host9-vllm0.26.0-awq-w4a16-g32-none.json"]["host_busy"] is True
