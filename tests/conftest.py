@@ -78,12 +78,13 @@ def is_e2e(item) -> bool:
 
 
 # What an e2e test needs, in the order the session's background build has it ready: a module runs once the build has
-# made what its tests need, while the build goes on. The base image is ready by the time the quantized checkpoint is,
-# not always before the checkpoint: base_image and train_tiny both wait for a venv, and whichever starts first keeps
-# the cores. The SLURM module comes before those that need the quantized checkpoint: it mostly waits on the
-# scheduler, so it runs beside the build's quantize and bakes, and the modules that compute run after them. Modules
-# that need the whole DAG (tiny_run) come last: the rest of it, the timed stages among them, runs in tiny_run with
-# nothing else running.
+# made what its tests need, while the build goes on. The trained checkpoint comes first: train_tiny is the longest job
+# and every later stage waits for it, so the build makes it before the base image (background_targets). The SLURM
+# module comes before those that need the quantized checkpoint: it mostly waits on the scheduler, so it runs beside
+# the build's base image and bake, and the modules that compute run after them. Before the first module that needs
+# the quantized checkpoint the session probes the default variant's image with nothing else running
+# (probe_the_image), then the build makes the rest of the tiny DAG beside the modules that follow; those that need the
+# whole DAG (tiny_run) come last.
 READINESS = (
     ("tiny_venvs",),
     ("tiny_checkpoint",),
@@ -123,7 +124,9 @@ TEST_TORCH_THREADS = 1
 BESIDE_TESTS = ["--set-threads", f"quantize={TEST_TORCH_THREADS}"]
 VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
-# The session's background build: {"process": Popen, "log": Path, "targets": [...]}.
+# The session's background build: {"process": Popen, "log": Path, "targets": [...], "done": {stage: marker file},
+# "probe": the default variant's probe target while the session has yet to run it, "go": the file that lets the build
+# go on after the probe}.
 _background: dict = {}
 # How often a fixture asks Snakemake (a dry run, ~2.5 s of CPU) whether the background build has made its targets,
 POLL_S = 15
@@ -133,27 +136,51 @@ EXISTS_POLL_S = 1
 # ...and the second dry run's delay: a job's outputs appear a moment before Snakemake has marked it done (a torch
 # stage's exit), and the first dry run may still find it running
 APPEARED_RETRY_S = 3
+# The pause in the background build where the session probes the default variant's image (probe_the_image): the
+# stages after it wait until the probe has run with nothing else running.
+PROBE = "probe"
+# The first module rank that runs after the probe: the modules before it (the SLURM one) start processes of their own
+# that outlive a test, and those from it on compute beside the rest of the tiny DAG.
+PROBE_RANK = 3
 
 
-def background_targets(items) -> list[list[str]]:
-    """What the session builds in the background from its start, in stages run one after the other: first the stage
-    venvs when a test needs them; when a test needs the tiny DAG, the default variant up to its image (venvs,
-    checkpoint, quantized model, base image, bake: no stage the pipeline ranks variants by); and what the selected
-    modules list in BACKGROUND_TARGETS. Those of the modules that need the whole DAG are a later stage: made beside
-    the modules that run before them, after what those need (two bakes side by side each take twice as long)."""
+def _model_manifest() -> str:
+    return f"weights/{_tiny_config()['model']['name']}/manifest.json"
+
+
+def _default_image() -> str:
+    return f"results/{_tiny_config()['variant']}/build_image/image.json"
+
+
+def _default_probe() -> str:
+    return f"results/{_tiny_config()['variant']}/latency_probe/latency.json"
+
+
+def background_targets(items) -> list:
+    """What the session builds in the background from its start, in stages run one after the other (each a Snakemake
+    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: with them the trained
+    checkpoint (train_tiny is the longest job and every later stage waits for it: made first, the modules that need
+    the checkpoint start minutes sooner than when the base image took a core first); then the default variant up to
+    its image (base image, quantized model, bake) with what the modules before the whole DAG list in
+    BACKGROUND_TARGETS; then PROBE, where the build waits while the session probes that image with nothing else
+    running (probe_the_image); then the rest of the default target (`all`: gate, lossless check, tarball, verify),
+    beside the modules that run before those that need it; then what the modules that need the whole DAG list (two
+    bakes side by side each take twice as long, so after the rest)."""
     items = list(filter(is_e2e, items))
     needs = set().union(*(needed_fixtures(item) for item in items))
     if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
         return []
-    first = list(VENV_TARGETS)
-    if needs & set(READINESS[-1]):
-        config = _tiny_config()
-        first.append(f"results/{config['variant']}/build_image/image.json")
     whole_dag = len(READINESS) - 1
-    first += [t for t in _listed(i for i in items if module_rank(i) < whole_dag) if t not in first]
-    # a target that an earlier module needs too is made in the first stage
-    later = [t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first]
-    return [first, later] if later else [first]
+    dag = bool(needs & set(READINESS[-1]))
+    first = [*VENV_TARGETS, _model_manifest()] if dag else list(VENV_TARGETS)
+    second = [_default_image()] if dag else []
+    second += [t for t in _listed(i for i in items if module_rank(i) < whole_dag) if t not in first + second]
+    # a target that an earlier module needs too is made in an earlier stage
+    later = [t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first + second]
+    stages = [first, second] if second else [first]
+    if dag:
+        stages += [PROBE, ["all"]]
+    return stages + [later] if later else stages
 
 
 def _listed(items) -> list[str]:
@@ -165,15 +192,24 @@ def _listed(items) -> list[str]:
 def pytest_collection_finish(session):
     """Start the background build (background_targets) beside the quick tests, which run first, and the e2e modules
     that need less than it makes (pytest_collection_modifyitems): on 2 cores the serving and Docker stages leave
-    about half the CPU idle. Fixtures wait for what they need (build)."""
+    about half the CPU idle. Fixtures wait for what they need (build, wait_for_stage)."""
     stages = [] if session.config.option.collectonly else background_targets(session.items)
     if not stages:
         return
-    log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-")) / "snakemake.log"
-    runs = [
-        shlex.join([sys.executable, "-m", "snakemake", "--cores", "2", *targets, *BESIDE_TESTS, *TINY])
-        for targets in stages
-    ]
+    folder = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-"))
+    log_path, go = folder / "snakemake.log", folder / "probed"
+    runs, done = [], {}
+    for index, targets in enumerate(stages):
+        if targets == PROBE:
+            runs.append(f"until [ -e {shlex.quote(str(go))} ]; do sleep 1; done")
+            continue
+        # the stage that makes the checkpoint first, the one that makes the image its image first
+        first = [t for t in targets if t in (_model_manifest(), _default_image())][:1]
+        done[tuple(targets)] = folder / f"stage-{index}.done"
+        prioritize = ["--prioritize", *first] if first else []
+        command = [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *prioritize, *BESIDE_TESTS, *TINY]
+        runs.append(shlex.join(command))
+        runs.append(shlex.join(["touch", str(done[tuple(targets)])]))
     with open(log_path, "w") as log:
         _background.update(
             process=subprocess.Popen(
@@ -184,8 +220,84 @@ def pytest_collection_finish(session):
                 start_new_session=True,  # stopped as a group: the shell and the snakemake it runs
             ),
             log=log_path,
-            targets=[target for targets in stages for target in targets],
+            targets=[target for targets in stages if targets != PROBE for target in targets],
+            done=done,
+            probe=_default_probe() if PROBE in stages else None,
+            go=go,
         )
+
+
+_previous_module: list = [None]  # the module of the last test set up
+
+
+def pytest_runtest_setup(item):
+    """Probe the default variant's image (probe_the_image) between two tests, with nothing else running: from the
+    first module of PROBE_RANK on, as soon as the build has made the image, at a module's first test (the previous
+    module's processes have ended with its fixtures) or between the tests of a module that says its fixtures leave
+    no process running (PROBE_BETWEEN_TESTS); before the first module that needs the whole DAG in any case."""
+    module = getattr(item, "module", None)
+    first_of_module, _previous_module[0] = module is not _previous_module[0], module
+    if not _background.get("probe") or not is_e2e(item) or module_rank(item) < PROBE_RANK:
+        return
+    if module_rank(item) == len(READINESS) - 1 or (
+        (first_of_module or getattr(module, "PROBE_BETWEEN_TESTS", False)) and _image_made()
+    ):
+        probe_the_image()
+
+
+def _image_made() -> bool:
+    marker = next((m for stage, m in _background["done"].items() if _default_image() in stage), None)
+    return marker is not None and marker.exists()
+
+
+def _failed_background() -> AssertionError:
+    process = _background["process"]
+    log = _background["log"].read_text()
+    return AssertionError(
+        f"the background build of {' '.join(_background['targets'])} failed ({process.returncode}):\n{log[-10000:]}"
+    )
+
+
+def wait_for_stage(*targets: str) -> bool:
+    """Wait until the background stage that makes exactly `targets` has ended; False when no stage makes them (or no
+    background build runs). The background build's failure fails the caller, with its log."""
+    marker = _background.get("done", {}).get(targets)
+    process = _background.get("process")
+    if marker is None or process is None:
+        return False
+    while not marker.exists() and process.poll() is None:
+        time.sleep(EXISTS_POLL_S)
+    if not marker.exists():
+        raise _failed_background()
+    return True
+
+
+def wait_for_background() -> None:
+    """Wait until the background build has ended: a test that writes a whole image into the container stores waits
+    for the build's own image writes (two at once filled a CI disk: rules/build_image.smk's image_writes). Its
+    failure fails the caller, with its log."""
+    process = _background.get("process")
+    if process is not None and process.wait() != 0:
+        raise _failed_background()
+
+
+def probe_the_image() -> None:
+    """The default variant's latency probe, run here while nothing else runs: the background build has made the image
+    and waits (PROBE) until this has run, then goes on with the rest of the DAG beside the tests. The probe's numbers
+    rank the sweep's candidates (rank_candidates), whose own probes also run with nothing beside them (tiny_sweep).
+    Once per session; a failed probe stops the background build."""
+    target = _background.pop("probe", None)
+    if target is None:
+        return
+    stages = list(_background["done"])
+    image_stage = next(stage for stage in stages if _default_image() in stage)
+    wait_for_stage(*image_stage)
+    try:
+        snakemake("--cores", "2", target, *TINY)
+    except BaseException:
+        os.killpg(_background["process"].pid, signal.SIGTERM)
+        raise
+    _background["go"].touch()
 
 
 def pytest_sessionfinish(session):
@@ -222,10 +334,7 @@ def build(*targets: str, config: list[str] | None = None) -> None:
         dry_runs = dry_runs + 1 if _all_exist(targets) else 0
         time.sleep({0: EXISTS_POLL_S, 1: APPEARED_RETRY_S}.get(dry_runs, POLL_S))
     if process is not None and process.returncode != 0:
-        log = _background["log"].read_text()
-        raise AssertionError(
-            f"the background build of {' '.join(_background['targets'])} failed ({process.returncode}):\n{log[-10000:]}"
-        )
+        raise _failed_background()
     snakemake("--cores", "2", *targets, *config)
 
 
@@ -354,9 +463,12 @@ def tiny_venvs():
 @pytest.fixture(scope="session")
 def tiny_run(tiny_venvs):
     """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification). Run once per
-    session: every e2e module reads its outputs instead of running stages again. The background build has made it up
-    to the image by then; the rest, the latency probe among it, runs here with nothing else running."""
-    build()
+    session: every e2e module reads its outputs instead of running stages again. The session probed the image with
+    nothing else running (probe_the_image); the background build made the rest beside the modules before this one.
+    The run here checks that nothing is left to do (and makes what no background build made)."""
+    probe_the_image()
+    wait_for_stage("all")
+    snakemake("--cores", "2", *TINY)
 
 
 TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
