@@ -31,23 +31,30 @@ def test_the_venvs_alone_when_no_test_needs_the_dag():
     assert conftest.background_targets([item(["tiny_checkpoint"])]) == [conftest.VENV_TARGETS]
 
 
-def test_a_dag_test_adds_the_checkpoint_first_then_the_image_the_probe_and_the_rest_modules_add_their_own():
+def test_a_dag_test_adds_the_base_then_the_checkpoint_alone_the_image_the_probe_and_the_rest():
     slurm = item(["slurm_cluster", "tiny_checkpoint"], BACKGROUND_TARGETS=["a/b.json", IMAGE, CHECKPOINT])
     targets = conftest.background_targets([item(["tiny_run"]), slurm])
-    # each once; the probe runs in the session, between the image and the rest of the default target
-    assert targets == [[*conftest.VENV_TARGETS, CHECKPOINT], [IMAGE, "a/b.json"], conftest.PROBE, ["all"]]
+    # each once (modules add their own); the probe runs in the session, between the image and the rest of the DAG
+    assert targets == [
+        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
+        [CHECKPOINT],
+        [IMAGE, "a/b.json"],
+        conftest.PROBE,
+        ["all"],
+    ]
 
 
-def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_rest():
+def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_image_before_the_probe():
     sweep = item(["tiny_sweep"], BACKGROUND_TARGETS=["results/k1/build_image/image.json", "a/b.json"])
     slurm = item(["slurm_cluster"], BACKGROUND_TARGETS=["a/b.json"])
     targets = conftest.background_targets([sweep, slurm])
     assert targets == [
-        [*conftest.VENV_TARGETS, CHECKPOINT],
+        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
+        [CHECKPOINT],
         [IMAGE, "a/b.json"],
+        ["results/k1/build_image/image.json"],
         conftest.PROBE,
         ["all"],
-        ["results/k1/build_image/image.json"],
     ]
 
 
@@ -260,3 +267,59 @@ def test_a_stage_is_waited_for_until_its_marker_appears(paused):
     paused.background["process"] = SimpleNamespace(pid=4321, returncode=None, poll=poll)
     assert conftest.wait_for_stage("all") and marker.exists()
     assert not conftest.wait_for_stage("results/other/build_image/image.json")  # no stage makes it: nothing to wait
+
+
+@pytest.fixture
+def sweep(monkeypatch, tmp_path):
+    """A session that plans the sweep, its image already probed; the background build `running` or ended; the
+    session's snakemake runs and the processes it starts recorded."""
+    calls, started = [], []
+    monkeypatch.setattr(conftest, "snakemake", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(conftest.subprocess, "Popen", lambda args, **kw: started.append(args) or "sweep process")
+    monkeypatch.setattr(conftest.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # the sweep's log
+    monkeypatch.setattr(conftest, "_sweep", {"planned": True})
+    monkeypatch.setattr(conftest, "_tiny_run_done", [True])
+    monkeypatch.setattr(conftest, "_previous_module", [None])
+    state = SimpleNamespace(calls=calls, started=started, running=True)
+    process = SimpleNamespace(poll=lambda: None if state.running else 0, wait=lambda: 0, returncode=0)
+    monkeypatch.setattr(conftest, "_background", {"process": process})
+    return state
+
+
+def module_item(name, fixtures=("tiny_run",), **attrs):
+    return item(fixtures, __file__=f"/x/tests/{name}", **attrs)
+
+
+def test_the_sweep_probes_alone_at_a_module_beside_it_once_the_build_has_ended_then_runs_in_the_background(sweep):
+    conftest.pytest_runtest_setup(module_item("test_verify_image.py"))  # reads image.tar.gz: never beside the sweep
+    conftest.pytest_runtest_setup(module_item(conftest.BESIDE_THE_SWEEP[0]))  # the build still runs
+    assert sweep.calls == [] and sweep.started == []
+    sweep.running = False
+    lossless = module_item(conftest.BESIDE_THE_SWEEP[-1], PROBE_BETWEEN_TESTS=True)
+    conftest.pytest_runtest_setup(lossless)
+    probes = [f"results/{name}/latency_probe/latency.json" for name in ("tiny-awq-dflash3", "tiny-awq-ngram4")]
+    assert sweep.calls == [("--cores", "2", *probes, *conftest.TINY_SWEEP)]
+    assert len(sweep.started) == 1 and sweep.started[0][2:] == ["snakemake", "--cores", "2", *conftest.TINY_SWEEP]
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert len(sweep.calls) == 1 and len(sweep.started) == 1  # once
+
+
+def test_the_sweep_starts_before_the_last_modules_in_any_case(sweep, monkeypatch):
+    monkeypatch.setattr(conftest, "wait_for_background", lambda: setattr(sweep, "running", False))
+    beside = module_item(conftest.BESIDE_THE_SWEEP[0])
+    conftest.pytest_runtest_setup(beside)
+    conftest.pytest_runtest_setup(Item(fixturenames=["tiny_run"], e2e=True, module=beside.module))
+    assert sweep.calls == []  # between the tests of a module that may hold a server: not there
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert not sweep.running and len(sweep.calls) == 1 and len(sweep.started) == 1
+
+
+def test_the_default_run_is_complete_before_the_sweep_starts(sweep, monkeypatch):
+    """The sweep puts the default target's tarball out of date: a session that reaches the sweep before any test
+    needed tiny_run completes that run first."""
+    monkeypatch.setattr(conftest, "_tiny_run_done", [])
+    sweep.running = False
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert sweep.calls[0] == ("--cores", "2", *conftest.TINY) and sweep.calls[1][-3:] == tuple(conftest.TINY_SWEEP)
+    conftest.complete_the_tiny_run()
+    assert len(sweep.calls) == 2  # the tiny_run fixture has nothing left to do
