@@ -75,6 +75,9 @@ AccountingStorageHost=localhost
 # Snakemake's executor names each job's rule in its comment: kept, so sacct shows which rule a job ran.
 AccountingStoreFlags=job_comment
 ReturnToService=2
+# A job's tasks run at the nice value of the sbatch that submitted it (root's too): a run started under nice
+# leaves the CPUs to everything else on the machine (tests/test_slurm.py submits its time-limit run so).
+PropagatePrioProcess=1
 MpiDefault=none
 $gres_types
 $node State=UNKNOWN$gres

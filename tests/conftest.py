@@ -29,6 +29,10 @@ json.dump(state, open(state_path, "w"))"""
 # --configfile takes several files: targets go before it.
 # Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
 LAST = ("test_sweep_e2e.py",)
+# Modules that need the whole DAG but read only the default variant's own records and image (never image.tar.gz, nor
+# a run of the default target): they run after the other modules that need it, and the sweep runs beside them once it
+# has probed its candidates (start_the_sweep).
+BESIDE_THE_SWEEP = ("test_gate_teeth.py", "test_load_probe.py", "test_lossless.py")
 
 
 # Fixtures that build venvs, images or pipeline outputs, or need a Docker daemon: only e2e tests may use them, so
@@ -65,12 +69,19 @@ def pytest_collection_modifyitems(session, config, items):
             "\n  " + "\n  ".join(early)
         )
     # The quick tests first, while the background build starts (pytest_collection_finish); then the e2e modules in
-    # the order the background build makes what they need (module_rank), LAST's at the end. Stable: each group keeps
-    # its order, and a module's e2e tests stay together (its module fixtures are made once).
+    # the order the background build makes what they need (module_rank), BESIDE_THE_SWEEP's and LAST's at the end.
+    # Stable: each group keeps its order, and a module's e2e tests stay together (its module fixtures are made once).
     ranks: dict[Path, int] = {}
     for item in filter(is_e2e, items):
         ranks[item.path] = max(ranks.get(item.path, 0), module_rank(item))
-    items.sort(key=lambda item: (is_e2e(item), ranks[item.path] if is_e2e(item) else 0, item.path.name in LAST))
+    items.sort(
+        key=lambda item: (
+            is_e2e(item),
+            ranks[item.path] if is_e2e(item) else 0,
+            2 if item.path.name in LAST else 1 if is_e2e(item) and item.path.name in BESIDE_THE_SWEEP else 0,
+        )
+    )
+    _sweep["planned"] = any("tiny_sweep" in getattr(item, "fixturenames", ()) for item in items)
 
 
 def is_e2e(item) -> bool:
@@ -78,12 +89,13 @@ def is_e2e(item) -> bool:
 
 
 # What an e2e test needs, in the order the session's background build has it ready: a module runs once the build has
-# made what its tests need, while the build goes on. The base image is ready by the time the quantized checkpoint is,
-# not always before the checkpoint: base_image and train_tiny both wait for a venv, and whichever starts first keeps
-# the cores. The SLURM module comes before those that need the quantized checkpoint: it mostly waits on the
-# scheduler, so it runs beside the build's quantize and bakes, and the modules that compute run after them. Modules
-# that need the whole DAG (tiny_run) come last: the rest of it, the timed stages among them, runs in tiny_run with
-# nothing else running.
+# made what its tests need, while the build goes on. The base image is ready before the checkpoint: the build trains
+# with nothing beside it once the modules that need the venvs only have run (background_targets). The SLURM module
+# comes before those that need the quantized checkpoint: it mostly waits on the scheduler, so it runs beside the
+# build's quantize and bakes, and the modules that compute run after them. From the first module that needs the
+# quantized checkpoint on, once the build has made the images, the session probes the default variant's image with
+# nothing else running (probe_the_image), then the build makes the rest of the tiny DAG beside the modules that
+# follow; those that need the whole DAG (tiny_run) come last.
 READINESS = (
     ("tiny_venvs",),
     ("tiny_checkpoint",),
@@ -123,7 +135,9 @@ TEST_TORCH_THREADS = 1
 BESIDE_TESTS = ["--set-threads", f"quantize={TEST_TORCH_THREADS}"]
 VENVS = ("compress", "serve-cpu", "eval")
 VENV_TARGETS = [f".venvs/{name}/pip-freeze.txt" for name in VENVS]
-# The session's background build: {"process": Popen, "log": Path, "targets": [...]}.
+# The session's background build: {"process": Popen, "log": Path, "targets": [...], "done": {stage: marker file},
+# "probe": the default variant's probe target while the session has yet to run it, "go": the file that lets the build
+# go on after the probe}.
 _background: dict = {}
 # How often a fixture asks Snakemake (a dry run, ~2.5 s of CPU) whether the background build has made its targets,
 POLL_S = 15
@@ -133,27 +147,62 @@ EXISTS_POLL_S = 1
 # ...and the second dry run's delay: a job's outputs appear a moment before Snakemake has marked it done (a torch
 # stage's exit), and the first dry run may still find it running
 APPEARED_RETRY_S = 3
+# The pause in the background build where the session probes the default variant's image (probe_the_image): the
+# stages after it wait until the probe has run with nothing else running.
+PROBE = "probe"
+# The first module rank that runs after the probe: the modules before it (the SLURM one) start processes of their own
+# that outlive a test, and those from it on compute beside the rest of the tiny DAG.
+PROBE_RANK = 3
 
 
-def background_targets(items) -> list[list[str]]:
-    """What the session builds in the background from its start, in stages run one after the other: first the stage
-    venvs when a test needs them; when a test needs the tiny DAG, the default variant up to its image (venvs,
-    checkpoint, quantized model, base image, bake: no stage the pipeline ranks variants by); and what the selected
-    modules list in BACKGROUND_TARGETS. Those of the modules that need the whole DAG are a later stage: made beside
-    the modules that run before them, after what those need (two bakes side by side each take twice as long)."""
+BASE_IMAGE = "results/base_image/image.json"  # the tiny profile's local base (rule base_image)
+
+
+def _model_manifest() -> str:
+    return f"weights/{_tiny_config()['model']['name']}/manifest.json"
+
+
+def _default_image() -> str:
+    return f"results/{_tiny_config()['variant']}/build_image/image.json"
+
+
+def _default_probe() -> str:
+    return f"results/{_tiny_config()['variant']}/latency_probe/latency.json"
+
+
+def background_targets(items) -> list:
+    """What the session builds in the background from its start, in stages run one after the other (each a Snakemake
+    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: with them the base image, then
+    the trained checkpoint alone, then the default variant up to its image (quantized model, bake) with what the
+    modules before the whole DAG list in BACKGROUND_TARGETS, then what the modules that need the whole DAG list (the
+    sweep's images: their bakes beside the SLURM and quantize modules, which compute little or on one thread); then
+    PROBE, where the build waits while the session probes the default image with nothing else running
+    (probe_the_image); then the rest of the default target (`all`: gate, load probe, lossless check, tarball, verify),
+    beside the modules that run before those that need it.
+
+    train_tiny runs alone: its 2 OpenMP threads wait for each other whenever another process takes a core (beside the
+    quick tests it took 485 s, alone 291 s). The base image, made first, takes one core beside the quick tests and
+    those that need the venvs only; the session has nothing left to run but waits for the checkpoint while it trains.
+    """
     items = list(filter(is_e2e, items))
     needs = set().union(*(needed_fixtures(item) for item in items))
     if not needs & (HEAVY_FIXTURES - {"docker_daemon"}):
         return []
-    first = list(VENV_TARGETS)
-    if needs & set(READINESS[-1]):
-        config = _tiny_config()
-        first.append(f"results/{config['variant']}/build_image/image.json")
     whole_dag = len(READINESS) - 1
-    first += [t for t in _listed(i for i in items if module_rank(i) < whole_dag) if t not in first]
-    # a target that an earlier module needs too is made in the first stage
-    later = [t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first]
-    return [first, later] if later else [first]
+    dag = bool(needs & set(READINESS[-1]))
+    first = [*VENV_TARGETS, BASE_IMAGE] if dag else list(VENV_TARGETS)
+    checkpoint = [_model_manifest()] if dag else []
+    second = [_default_image()] if dag else []
+    second += [
+        t for t in _listed(i for i in items if module_rank(i) < whole_dag) if t not in first + checkpoint + second
+    ]
+    # a target that an earlier module needs too is made in an earlier stage
+    later = [
+        t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first + checkpoint + second
+    ]
+    stages = [first, checkpoint, second] if dag else [first, second] if second else [first]
+    stages += [later] if later else []
+    return stages + [PROBE, ["all"]] if dag else stages
 
 
 def _listed(items) -> list[str]:
@@ -165,15 +214,25 @@ def _listed(items) -> list[str]:
 def pytest_collection_finish(session):
     """Start the background build (background_targets) beside the quick tests, which run first, and the e2e modules
     that need less than it makes (pytest_collection_modifyitems): on 2 cores the serving and Docker stages leave
-    about half the CPU idle. Fixtures wait for what they need (build)."""
+    about half the CPU idle. Fixtures wait for what they need (build, wait_for_stage)."""
     stages = [] if session.config.option.collectonly else background_targets(session.items)
     if not stages:
         return
-    log_path = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-")) / "snakemake.log"
-    runs = [
-        shlex.join([sys.executable, "-m", "snakemake", "--cores", "2", *targets, *BESIDE_TESTS, *TINY])
-        for targets in stages
-    ]
+    folder = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-"))
+    log_path, go = folder / "snakemake.log", folder / "probed"
+    runs, done = [], {}
+    for index, targets in enumerate(stages):
+        if targets == PROBE:
+            runs.append(f"until [ -e {shlex.quote(str(go))} ]; do sleep 1; done")
+            continue
+        # the first stage makes the base image first (its venv before the others), the one that makes the image its
+        # image first
+        first = [t for t in targets if t in (BASE_IMAGE, _default_image())][:1]
+        done[tuple(targets)] = folder / f"stage-{index}.done"
+        prioritize = ["--prioritize", *first] if first else []
+        command = [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *prioritize, *BESIDE_TESTS, *TINY]
+        runs.append(shlex.join(command))
+        runs.append(shlex.join(["touch", str(done[tuple(targets)])]))
     with open(log_path, "w") as log:
         _background.update(
             process=subprocess.Popen(
@@ -184,15 +243,137 @@ def pytest_collection_finish(session):
                 start_new_session=True,  # stopped as a group: the shell and the snakemake it runs
             ),
             log=log_path,
-            targets=[target for targets in stages for target in targets],
+            targets=[target for targets in stages if targets != PROBE for target in targets],
+            done=done,
+            probe=_default_probe() if PROBE in stages else None,
+            go=go,
+        )
+
+
+_previous_module: list = [None]  # the module of the last test set up
+
+
+def pytest_runtest_setup(item):
+    """Probe the default variant's image (probe_the_image) between two tests, with nothing else running: from the
+    first module of PROBE_RANK on, as soon as the build has made the images, at a module's first test (the previous
+    module's processes have ended with its fixtures) or between the tests of a module that says its fixtures leave
+    no process running (PROBE_BETWEEN_TESTS); before the first module that needs the whole DAG in any case."""
+    module = getattr(item, "module", None)
+    first_of_module, _previous_module[0] = module is not _previous_module[0], module
+    may_probe = first_of_module or getattr(module, "PROBE_BETWEEN_TESTS", False)
+    if _background.get("probe") and is_e2e(item) and module_rank(item) >= PROBE_RANK:
+        if module_rank(item) == len(READINESS) - 1 or (may_probe and _ready_to_probe()):
+            probe_the_image()
+    # ...and, likewise, the sweep's other candidates once the build has ended: from the first module that may run
+    # beside the sweep on, before LAST's in any case
+    name = Path(getattr(module, "__file__", "")).name
+    if _sweep.get("planned") and (name in LAST or (name in BESIDE_THE_SWEEP and may_probe and _background_ended())):
+        start_the_sweep()
+
+
+def _background_ended() -> bool:
+    process = _background.get("process")
+    return process is None or process.poll() is not None
+
+
+def _ready_to_probe() -> bool:
+    """The stages before PROBE have ended."""
+    return _background["done"][_before_probe()].exists()
+
+
+def _before_probe() -> tuple[str, ...]:
+    return list(_background["done"])[-2]  # PROBE's stage comes before the last, `all`
+
+
+def _failed_background() -> AssertionError:
+    process = _background["process"]
+    log = _background["log"].read_text()
+    return AssertionError(
+        f"the background build of {' '.join(_background['targets'])} failed ({process.returncode}):\n{log[-10000:]}"
+    )
+
+
+def wait_for_stage(*targets: str) -> bool:
+    """Wait until the background stage that makes exactly `targets` has ended; False when no stage makes them (or no
+    background build runs). The background build's failure fails the caller, with its log."""
+    marker = _background.get("done", {}).get(targets)
+    process = _background.get("process")
+    if marker is None or process is None:
+        return False
+    while not marker.exists() and process.poll() is None:
+        time.sleep(EXISTS_POLL_S)
+    if not marker.exists():
+        raise _failed_background()
+    return True
+
+
+def wait_for_background() -> None:
+    """Wait until the background build has ended: a test that writes a whole image into the container stores waits
+    for the build's own image writes (two at once filled a CI disk: rules/build_image.smk's image_writes). Its
+    failure fails the caller, with its log."""
+    process = _background.get("process")
+    if process is not None and process.wait() != 0:
+        raise _failed_background()
+
+
+def probe_the_image() -> None:
+    """The default variant's latency probe, run here while nothing else runs: the background build has made the images
+    and waits (PROBE) until this has run, then goes on with the rest of the DAG beside the tests. The probe's numbers
+    rank the sweep's candidates (rank_candidates), whose own probes also run with nothing beside them (tiny_sweep).
+    Once per session; a failed probe stops the background build."""
+    target = _background.pop("probe", None)
+    if target is None:
+        return
+    wait_for_stage(*_before_probe())
+    try:
+        snakemake("--cores", "2", target, *TINY)
+    except BaseException:
+        os.killpg(_background["process"].pid, signal.SIGTERM)
+        raise
+    _background["go"].touch()
+
+
+# The tiny sweep, run in the background once its probes have run (start_the_sweep): {"planned": a test needs it,
+# "started": time.time() at its probes' start, "process": Popen, "log": Path}.
+_sweep: dict = {}
+
+
+def _sweep_probes() -> list[str]:
+    """The latency probes of the sweep's candidates other than the default variant (probed before: probe_the_image)."""
+    import yaml
+
+    candidates = yaml.safe_load((ROOT / TINY_SWEEP[-1]).read_text())["select"]["candidates"]
+    return [f"results/{name}/latency_probe/latency.json" for name in candidates if name != _tiny_config()["variant"]]
+
+
+def start_the_sweep() -> None:
+    """Once the background build has ended (the default DAG and the sweep's images), probe the sweep's other
+    candidates with nothing else running, then run the rest of the sweep (ranking, the walk's lossless checks and
+    gates, the selected variant's tarball, verification and load probe: nothing it times) in the background, beside
+    BESIDE_THE_SWEEP's modules; tiny_sweep waits for it. Once per session."""
+    if "started" in _sweep:
+        return
+    complete_the_tiny_run()  # the sweep puts the default target's tarball out of date: its run is over first
+    wait_for_background()
+    _sweep["started"] = time.time()
+    snakemake("--cores", "2", *_sweep_probes(), *TINY_SWEEP)
+    _sweep["log"] = Path(tempfile.mkdtemp(prefix="qwen35-serve-sweep-")) / "snakemake.log"
+    with open(_sweep["log"], "w") as log:
+        _sweep["process"] = subprocess.Popen(
+            [sys.executable, "-m", "snakemake", "--cores", "2", *TINY_SWEEP],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
 def pytest_sessionfinish(session):
-    process = _background.get("process")
-    if process is not None and process.poll() is None:  # the session ended before it finished
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(120)
+    for running in (_background, _sweep):
+        process = running.get("process")
+        if process is not None and process.poll() is None:  # the session ended before it finished
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(120)
 
 
 def _all_exist(targets: tuple[str, ...]) -> bool:
@@ -222,10 +403,7 @@ def build(*targets: str, config: list[str] | None = None) -> None:
         dry_runs = dry_runs + 1 if _all_exist(targets) else 0
         time.sleep({0: EXISTS_POLL_S, 1: APPEARED_RETRY_S}.get(dry_runs, POLL_S))
     if process is not None and process.returncode != 0:
-        log = _background["log"].read_text()
-        raise AssertionError(
-            f"the background build of {' '.join(_background['targets'])} failed ({process.returncode}):\n{log[-10000:]}"
-        )
+        raise _failed_background()
     snakemake("--cores", "2", *targets, *config)
 
 
@@ -354,9 +532,21 @@ def tiny_venvs():
 @pytest.fixture(scope="session")
 def tiny_run(tiny_venvs):
     """The whole tiny DAG (what the README's first command does: image.tar.gz and its verification). Run once per
-    session: every e2e module reads its outputs instead of running stages again. The background build has made it up
-    to the image by then; the rest, the latency probe among it, runs here with nothing else running."""
-    build()
+    session: every e2e module reads its outputs instead of running stages again. The session probed the image with
+    nothing else running (probe_the_image); the background build made the rest beside the modules before this one.
+    The run here checks that nothing is left to do (and makes what no background build made)."""
+    complete_the_tiny_run()
+
+
+_tiny_run_done: list = []
+
+
+def complete_the_tiny_run() -> None:
+    if not _tiny_run_done:
+        probe_the_image()
+        wait_for_stage("all")
+        snakemake("--cores", "2", *TINY)
+        _tiny_run_done.append(True)
 
 
 TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
@@ -366,10 +556,17 @@ TINY_SWEEP = [*TINY, "config/tiny-sweep.yaml"]
 def tiny_sweep(tiny_run) -> float:
     """The tiny sweep over the default run (README: "...and ship the fastest"): it reuses tiny_run's variant and
     quantized checkpoint and adds the others. It replaces image.tar.gz with the selected variant's, so only modules
-    in LAST may use it. Returns when it started (time.time()): a record older than that is the default run's."""
-    started = time.time()
-    build(config=TINY_SWEEP)
-    return started
+    in LAST may use it. Its probes ran with nothing else running, the rest beside BESIDE_THE_SWEEP's modules
+    (start_the_sweep); the run here checks that nothing is left to do. Returns when it started (time.time()): a
+    record older than that is the default run's."""
+    start_the_sweep()
+    process = _sweep.get("process")
+    if process is None:
+        raise AssertionError("the sweep's probes failed: see the test that ran them (start_the_sweep)")
+    if process.wait() != 0:
+        raise AssertionError(f"the sweep failed ({process.returncode}):\n{_sweep['log'].read_text()[-10000:]}")
+    snakemake("--cores", "2", *TINY_SWEEP)
+    return _sweep["started"]
 
 
 def _tiny_config() -> dict:

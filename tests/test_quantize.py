@@ -34,6 +34,9 @@ REAL = yaml.safe_load((ROOT / "config.yaml").read_text())
 # conftest's ordering: the recipe runs and the pruned checkpoint's server after the background build's quantize (and
 # the SLURM module, which mostly waits, beside it and the bakes)
 RUNS_AFTER = ("tiny_quantized",)
+# ...and the session may probe the default image between two of its tests (conftest.pytest_runtest_setup): its
+# fixtures keep files only, every process a test starts ends with the test
+PROBE_BETWEEN_TESTS = True
 
 
 # ---- calibration ----

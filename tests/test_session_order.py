@@ -19,6 +19,7 @@ def item(fixtures=(), e2e=True, **module):
 
 VARIANT = conftest._tiny_config()["variant"]
 IMAGE = f"results/{VARIANT}/build_image/image.json"
+CHECKPOINT = f"weights/{conftest._tiny_config()['model']['name']}/manifest.json"
 
 
 def test_a_quick_session_builds_nothing_in_the_background():
@@ -30,17 +31,38 @@ def test_the_venvs_alone_when_no_test_needs_the_dag():
     assert conftest.background_targets([item(["tiny_checkpoint"])]) == [conftest.VENV_TARGETS]
 
 
-def test_a_dag_test_adds_the_default_variant_up_to_its_image_and_modules_add_their_own():
-    slurm = item(["slurm_cluster", "tiny_checkpoint"], BACKGROUND_TARGETS=["a/b.json", IMAGE])
+def test_a_dag_test_adds_the_base_then_the_checkpoint_alone_the_image_the_probe_and_the_rest():
+    slurm = item(["slurm_cluster", "tiny_checkpoint"], BACKGROUND_TARGETS=["a/b.json", IMAGE, CHECKPOINT])
     targets = conftest.background_targets([item(["tiny_run"]), slurm])
-    assert targets == [[*conftest.VENV_TARGETS, IMAGE, "a/b.json"]]  # each once
+    # each once (modules add their own); the probe runs in the session, between the image and the rest of the DAG
+    assert targets == [
+        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
+        [CHECKPOINT],
+        [IMAGE, "a/b.json"],
+        conftest.PROBE,
+        ["all"],
+    ]
 
 
-def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_rest():
+def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_image_before_the_probe():
     sweep = item(["tiny_sweep"], BACKGROUND_TARGETS=["results/k1/build_image/image.json", "a/b.json"])
     slurm = item(["slurm_cluster"], BACKGROUND_TARGETS=["a/b.json"])
     targets = conftest.background_targets([sweep, slurm])
-    assert targets == [[*conftest.VENV_TARGETS, IMAGE, "a/b.json"], ["results/k1/build_image/image.json"]]
+    assert targets == [
+        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
+        [CHECKPOINT],
+        [IMAGE, "a/b.json"],
+        ["results/k1/build_image/image.json"],
+        conftest.PROBE,
+        ["all"],
+    ]
+
+
+def test_the_probe_runs_before_the_modules_that_compute_beside_the_rest_of_the_dag():
+    """probe_the_image runs at the first module of PROBE_RANK: after the SLURM module, whose time-limit run outlives
+    its tests, and before the quantized checkpoint's modules, which compute beside the rest of the DAG."""
+    assert conftest.READINESS[conftest.PROBE_RANK - 1] == ("slurm_cluster",)
+    assert conftest.READINESS[conftest.PROBE_RANK] == ("tiny_quantized",)
 
 
 @pytest.mark.parametrize(
@@ -148,3 +170,156 @@ def test_it_looks_for_missing_targets_every_second_and_dry_runs_only_every_poll(
     assert slept[3] == conftest.APPEARED_RETRY_S and set(slept[4:]) == {conftest.POLL_S}  # dry runs once it exists
     assert calls["dry"] == len(slept) == 10  # one look a poll of the build, then a run of its own once it has ended
     assert calls["run"] == [("--cores", "2", "weights/m/manifest.json", *conftest.TINY)]
+
+
+@pytest.fixture
+def paused(monkeypatch, tmp_path):
+    """A background build paused at PROBE: its image stage has ended (its marker exists), the rest waits for `go`;
+    the session's own snakemake runs recorded."""
+    calls = []
+    monkeypatch.setattr(conftest, "snakemake", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(conftest.time, "sleep", lambda s: None)
+    killed = []
+    monkeypatch.setattr(conftest.os, "killpg", lambda pid, sig: killed.append(pid))
+    image_stage, rest = (IMAGE, "a/b.json"), ("all",)
+    (tmp_path / "image.done").write_text("")
+    log = tmp_path / "background.log"
+    log.write_text("rule bake_compile_cache failed")
+    background = {
+        "process": SimpleNamespace(pid=4321, returncode=None, poll=lambda: None),
+        "log": log,
+        "targets": [*image_stage, *rest],
+        "done": {image_stage: tmp_path / "image.done", rest: tmp_path / "rest.done"},
+        "probe": f"results/{VARIANT}/latency_probe/latency.json",
+        "go": tmp_path / "go",
+    }
+    monkeypatch.setattr(conftest, "_background", background)
+    monkeypatch.setattr(conftest, "_previous_module", [None])
+    return SimpleNamespace(calls=calls, killed=killed, background=background, tmp_path=tmp_path)
+
+
+def test_the_probe_runs_once_at_the_first_module_of_its_rank_then_lets_the_build_go_on(paused):
+    conftest.pytest_runtest_setup(item(["slurm_cluster"]))  # before PROBE_RANK: the build stays paused
+    assert paused.calls == [] and not paused.background["go"].exists()
+    conftest.pytest_runtest_setup(item(["tiny_quantized"]))
+    assert paused.calls == [("--cores", "2", f"results/{VARIANT}/latency_probe/latency.json", *conftest.TINY)]
+    assert paused.background["go"].exists() and paused.killed == []
+    conftest.pytest_runtest_setup(item(["tiny_run"]))
+    conftest.probe_the_image()
+    assert len(paused.calls) == 1  # once
+
+
+def test_the_probe_waits_between_the_tests_of_a_module_until_it_says_its_fixtures_leave_nothing_running(paused):
+    (paused.tmp_path / "image.done").unlink()  # the build is still making the image
+    serving = item(["tiny_quantized"])
+    conftest.pytest_runtest_setup(serving)  # a module's first test, but no image yet
+    (paused.tmp_path / "image.done").write_text("")
+    conftest.pytest_runtest_setup(Item(fixturenames=["tiny_quantized"], e2e=True, module=serving.module))
+    assert paused.calls == []  # between two tests of a module whose server may be running
+    quantize = item(["tiny_quantized"], PROBE_BETWEEN_TESTS=True)
+    conftest.pytest_runtest_setup(quantize)
+    assert len(paused.calls) == 1 and paused.background["go"].exists()
+
+
+def test_the_first_module_that_needs_the_whole_dag_waits_for_the_image_and_probes(paused, monkeypatch):
+    (paused.tmp_path / "image.done").unlink()
+    module = SimpleNamespace()
+    conftest.pytest_runtest_setup(Item(fixturenames=["tiny_quantized"], e2e=True, module=module))
+    looks = []
+
+    def poll():  # the image stage ends after two more looks
+        looks.append(1)
+        if len(looks) == 2:
+            (paused.tmp_path / "image.done").write_text("")
+
+    paused.background["process"] = SimpleNamespace(pid=4321, returncode=None, poll=poll)
+    conftest.pytest_runtest_setup(Item(fixturenames=["tiny_run"], e2e=True, module=module))
+    assert len(paused.calls) == 1 and len(looks) == 2
+
+
+def test_the_probe_waits_for_the_image_and_fails_with_the_builds_log_when_it_failed(paused):
+    (paused.tmp_path / "image.done").unlink()
+    paused.background["process"] = SimpleNamespace(pid=4321, returncode=1, poll=lambda: 1)
+    with pytest.raises(AssertionError, match="background build of .* failed \\(1\\):\n.*bake_compile_cache failed"):
+        conftest.probe_the_image()
+    assert paused.calls == [] and not paused.background["go"].exists()
+
+
+def test_a_failed_probe_stops_the_build(paused, monkeypatch):
+    def fail(*args, **kw):
+        raise AssertionError("probe failed")
+
+    monkeypatch.setattr(conftest, "snakemake", fail)
+    with pytest.raises(AssertionError, match="probe failed"):
+        conftest.probe_the_image()
+    assert paused.killed == [4321] and not paused.background["go"].exists()
+
+
+def test_a_stage_is_waited_for_until_its_marker_appears(paused):
+    polls = iter([None, None, None])
+    marker = paused.tmp_path / "rest.done"
+
+    def poll():
+        if next(polls, "done") == "done":
+            marker.write_text("")  # the stage ends after three looks
+        return None
+
+    paused.background["process"] = SimpleNamespace(pid=4321, returncode=None, poll=poll)
+    assert conftest.wait_for_stage("all") and marker.exists()
+    assert not conftest.wait_for_stage("results/other/build_image/image.json")  # no stage makes it: nothing to wait
+
+
+@pytest.fixture
+def sweep(monkeypatch, tmp_path):
+    """A session that plans the sweep, its image already probed; the background build `running` or ended; the
+    session's snakemake runs and the processes it starts recorded."""
+    calls, started = [], []
+    monkeypatch.setattr(conftest, "snakemake", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(conftest.subprocess, "Popen", lambda args, **kw: started.append(args) or "sweep process")
+    monkeypatch.setattr(conftest.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # the sweep's log
+    monkeypatch.setattr(conftest, "_sweep", {"planned": True})
+    monkeypatch.setattr(conftest, "_tiny_run_done", [True])
+    monkeypatch.setattr(conftest, "_previous_module", [None])
+    state = SimpleNamespace(calls=calls, started=started, running=True)
+    process = SimpleNamespace(poll=lambda: None if state.running else 0, wait=lambda: 0, returncode=0)
+    monkeypatch.setattr(conftest, "_background", {"process": process})
+    return state
+
+
+def module_item(name, fixtures=("tiny_run",), **attrs):
+    return item(fixtures, __file__=f"/x/tests/{name}", **attrs)
+
+
+def test_the_sweep_probes_alone_at_a_module_beside_it_once_the_build_has_ended_then_runs_in_the_background(sweep):
+    conftest.pytest_runtest_setup(module_item("test_verify_image.py"))  # reads image.tar.gz: never beside the sweep
+    conftest.pytest_runtest_setup(module_item(conftest.BESIDE_THE_SWEEP[0]))  # the build still runs
+    assert sweep.calls == [] and sweep.started == []
+    sweep.running = False
+    lossless = module_item(conftest.BESIDE_THE_SWEEP[-1], PROBE_BETWEEN_TESTS=True)
+    conftest.pytest_runtest_setup(lossless)
+    probes = [f"results/{name}/latency_probe/latency.json" for name in ("tiny-awq-dflash3", "tiny-awq-ngram4")]
+    assert sweep.calls == [("--cores", "2", *probes, *conftest.TINY_SWEEP)]
+    assert len(sweep.started) == 1 and sweep.started[0][2:] == ["snakemake", "--cores", "2", *conftest.TINY_SWEEP]
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert len(sweep.calls) == 1 and len(sweep.started) == 1  # once
+
+
+def test_the_sweep_starts_before_the_last_modules_in_any_case(sweep, monkeypatch):
+    monkeypatch.setattr(conftest, "wait_for_background", lambda: setattr(sweep, "running", False))
+    beside = module_item(conftest.BESIDE_THE_SWEEP[0])
+    conftest.pytest_runtest_setup(beside)
+    conftest.pytest_runtest_setup(Item(fixturenames=["tiny_run"], e2e=True, module=beside.module))
+    assert sweep.calls == []  # between the tests of a module that may hold a server: not there
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert not sweep.running and len(sweep.calls) == 1 and len(sweep.started) == 1
+
+
+def test_the_default_run_is_complete_before_the_sweep_starts(sweep, monkeypatch):
+    """The sweep puts the default target's tarball out of date: a session that reaches the sweep before any test
+    needed tiny_run completes that run first."""
+    monkeypatch.setattr(conftest, "_tiny_run_done", [])
+    sweep.running = False
+    conftest.pytest_runtest_setup(module_item(conftest.LAST[0], ("tiny_sweep",)))
+    assert sweep.calls[0] == ("--cores", "2", *conftest.TINY) and sweep.calls[1][-3:] == tuple(conftest.TINY_SWEEP)
+    conftest.complete_the_tiny_run()
+    assert len(sweep.calls) == 2  # the tiny_run fixture has nothing left to do

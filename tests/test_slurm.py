@@ -136,13 +136,24 @@ TRAINED = f"{MODEL}/download.json"
 def time_limit_run(slurm_cluster, tiny_checkpoint, tmp_path_factory):
     """train_tiny (minutes on any CPU) given 1 minute, in a checkout of its own, started before the other runs and
     left running beside them: slurmctld checks time limits every 30 s, so SLURM ends the job 60-90 s in, and the
-    executor, whose status checks space out while no job finishes, reports it and exits up to a minute later."""
+    executor, whose status checks space out while no job finishes, reports it and exits up to a minute later. Its
+    training only has to outlast the limit: its sbatch runs under `nice` (a stand-in first on PATH), which the job
+    inherits (setup/start-slurm.sh's PropagatePrioProcess), so it takes only CPU time that the other runs and the
+    session's background build leave; the executor itself, which reports the job, keeps its priority."""
     workdir = checkout_copy(tmp_path_factory.mktemp("slurm-time-limit") / "checkout")
     log = workdir.parent / "snakemake.log"
+    niced = workdir.parent / "niced-sbatch"
+    niced.mkdir()
+    (niced / "sbatch").write_text(f'#!/bin/sh\nexec nice -n 19 {shutil.which("sbatch")} "$@"\n')
+    (niced / "sbatch").chmod(0o755)
     args = slurm_args(*forced_with_resource(TRAINED, "train_tiny", "runtime=1"))
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "snakemake", *args], cwd=workdir, stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "snakemake", *args],
+            cwd=workdir,
+            env={**os.environ, "PATH": f"{niced}{os.pathsep}{os.environ['PATH']}"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     yield {"process": process, "workdir": workdir, "log": log}
     if process.poll() is None:  # a test before the one that waits for it failed the session
@@ -217,9 +228,12 @@ def test_a_job_the_scheduler_kills_fails_the_run_with_slurms_reason(cluster_run)
     """download asks for 50 MB and uses ~850: SLURM (OverMemoryKill, setup/start-slurm.sh) kills it, and the outputs
     the job wrote before are removed."""
     out = failing_with_resource(cluster_run["workdir"], DOWNLOAD, "download", "mem_mb=50")
-    # The executor reports the state (FAILED); SLURM's own log, which the profile shows, says why.
+    # The executor reports the state (FAILED); SLURM's own log, which the profile shows, says why, in either of
+    # slurmstepd's words (CI has seen both): "Exceeded job memory limit", or "StepId=<job>.batch exceeded memory limit
+    # (<bytes> > <limit>), being killed" alone when the job is cancelled before the first is written
     assert "SLURM status is: 'FAILED'" in out, out[-3000:]
-    assert "Exceeded job memory limit" in out, out[-3000:]
+    killed = r"Exceeded job memory limit|StepId=\d+\.batch exceeded memory limit \(\d+ > \d+\)"
+    assert re.search(killed, out), out[-3000:]
 
 
 def test_no_reachable_scheduler_is_a_clear_error(cluster_run, tmp_path):

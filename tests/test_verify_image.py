@@ -19,7 +19,7 @@ import yaml
 
 import build_image
 import verify_image
-from conftest import ROOT, TINY, snakemake
+from conftest import ROOT, TINY, snakemake, wait_for_background
 from lib import containers, docker_archive
 from lib.stage import StageError, sha256_file, validate_json
 
@@ -535,6 +535,7 @@ def test_a_second_clone_builds_the_same_image_and_tarball(tiny_verified, tmp_pat
         ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
     ).stdout
     assert not changed, f"the second clone is of HEAD; commit these first, or the images differ by them:\n{changed}"
+    wait_for_background()  # the sweep's images, made beside this module: one image write at a time
     clone = tmp_path / "second-clone"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)], check=True)
     for relative in BUILD_INPUTS:
