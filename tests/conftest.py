@@ -156,6 +156,16 @@ PROBE_RANK = 3
 
 
 BASE_IMAGE = "results/base_image/image.json"  # the tiny profile's local base (rule base_image)
+# The venvs the training and the base image start from: made first, so that the training can start beside the rest of
+# the first stage (Niced).
+FIRST_VENVS = [f".venvs/{name}/pip-freeze.txt" for name in ("compress", "serve-cpu")]
+
+
+class Niced(tuple):
+    """A background stage run niced (nice -n 19, its own Snakemake run: --nolock) beside the stage that follows it,
+    and waited for once that one has ended: it takes only the CPU that stage and the quick tests leave, then the
+    machine alone. The training's OpenMP threads wait for each other whenever another process takes a core (beside
+    the quick tests at equal priority it took 485 s, alone 291 s); niced, the others never wait for it."""
 
 
 def _model_manifest() -> str:
@@ -172,17 +182,16 @@ def _default_probe() -> str:
 
 def background_targets(items) -> list:
     """What the session builds in the background from its start, in stages run one after the other (each a Snakemake
-    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: with them the base image, then
-    the trained checkpoint alone, then the default variant up to its image (quantized model, bake) with what the
-    modules before the whole DAG list in BACKGROUND_TARGETS, then what the modules that need the whole DAG list (the
-    sweep's images: their bakes beside the SLURM and quantize modules, which compute little or on one thread); then
-    PROBE, where the build waits while the session probes the default image with nothing else running
-    (probe_the_image); then the rest of the default target (`all`: gate, load probe, lossless check, tarball, verify),
-    beside the modules that run before those that need it.
+    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: the venvs the training and
+    the base image start from, then the trained checkpoint (Niced) beside the last venv and the base image, then the
+    default variant up to its image (quantized model, bake) with what the modules before the whole DAG list in
+    BACKGROUND_TARGETS, then what the modules that need the whole DAG list (the sweep's images: their bakes beside the
+    SLURM and quantize modules, which compute little or on one thread); then PROBE, where the build waits while the
+    session probes the default image with nothing else running (probe_the_image); then the rest of the default target
+    (`all`: gate, load probe, lossless check, tarball, verify), beside the modules that run before those that need it.
 
-    train_tiny runs alone: its 2 OpenMP threads wait for each other whenever another process takes a core (beside the
-    quick tests it took 485 s, alone 291 s). The base image, made first, takes one core beside the quick tests and
-    those that need the venvs only; the session has nothing left to run but waits for the checkpoint while it trains.
+    The base image takes one core beside the quick tests and those that need the venvs only; the niced training takes
+    what they leave, then trains alone while the session, with nothing left to run, waits for the checkpoint.
     """
     items = list(filter(is_e2e, items))
     needs = set().union(*(needed_fixtures(item) for item in items))
@@ -200,7 +209,11 @@ def background_targets(items) -> list:
     later = [
         t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first + checkpoint + second
     ]
-    stages = [first, checkpoint, second] if dag else [first, second] if second else [first]
+    if dag:
+        rest_of_first = [t for t in first if t not in FIRST_VENVS]
+        stages = [FIRST_VENVS, Niced(checkpoint), rest_of_first, second]
+    else:
+        stages = [first, second] if second else [first]
     stages += [later] if later else []
     return stages + [PROBE, ["all"]] if dag else stages
 
@@ -220,23 +233,11 @@ def pytest_collection_finish(session):
         return
     folder = Path(tempfile.mkdtemp(prefix="qwen35-serve-background-"))
     log_path, go = folder / "snakemake.log", folder / "probed"
-    runs, done = [], {}
-    for index, targets in enumerate(stages):
-        if targets == PROBE:
-            runs.append(f"until [ -e {shlex.quote(str(go))} ]; do sleep 1; done")
-            continue
-        # the first stage makes the base image first (its venv before the others), the one that makes the image its
-        # image first
-        first = [t for t in targets if t in (BASE_IMAGE, _default_image())][:1]
-        done[tuple(targets)] = folder / f"stage-{index}.done"
-        prioritize = ["--prioritize", *first] if first else []
-        command = [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *prioritize, *BESIDE_TESTS, *TINY]
-        runs.append(shlex.join(command))
-        runs.append(shlex.join(["touch", str(done[tuple(targets)])]))
+    script, done = background_script(stages, folder, go, _stage_command)
     with open(log_path, "w") as log:
         _background.update(
             process=subprocess.Popen(
-                ["bash", "-c", " && ".join(runs)],
+                ["bash", "-c", script],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -248,6 +249,37 @@ def pytest_collection_finish(session):
             probe=_default_probe() if PROBE in stages else None,
             go=go,
         )
+
+
+def _stage_command(targets) -> list[str]:
+    """A background stage's Snakemake run: the stage that makes the base image makes it first, the one that makes the
+    image its image first; a Niced stage's run leaves the directory's lock to the stage it runs beside."""
+    first = [t for t in targets if t in (BASE_IMAGE, _default_image())][:1]
+    prioritize = ["--prioritize", *first] if first else []
+    nolock = ["--nolock"] if isinstance(targets, Niced) else []
+    return [sys.executable, "-m", "snakemake", "--cores", "2", *targets, *prioritize, *nolock, *BESIDE_TESTS, *TINY]
+
+
+def background_script(stages, folder: Path, go: Path, command) -> tuple[str, dict]:
+    """The bash script that runs the stages (command(targets): a stage's run) and {stage: its done marker}: each
+    marker is touched once its stage has ended, a Niced stage's once it and the stage beside it have. PROBE waits
+    for `go`. A failed stage ends the script (-e), and the niced run beside it with it."""
+    stop_niced = 'status=$?; [ -z "${niced:-}" ] || kill "$niced" 2>/dev/null || true; exit $status'
+    runs, done, niced = ["set -e", f"trap {shlex.quote(stop_niced)} EXIT"], {}, None
+    for index, targets in enumerate(stages):
+        if targets == PROBE:
+            runs.append(f"until [ -e {shlex.quote(str(go))} ]; do sleep 1; done")
+            continue
+        done[tuple(targets)] = folder / f"stage-{index}.done"
+        if isinstance(targets, Niced):
+            runs.append(f"nice -n 19 {shlex.join(command(targets))} & niced=$!")
+            niced = done[tuple(targets)]
+            continue
+        runs += [shlex.join(command(targets)), shlex.join(["touch", str(done[tuple(targets)])])]
+        if niced is not None:
+            runs += ['wait "$niced"', "niced=", shlex.join(["touch", str(niced)])]
+            niced = None
+    return "\n".join(runs), done
 
 
 _previous_module: list = [None]  # the module of the last test set up

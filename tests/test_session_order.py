@@ -1,6 +1,8 @@
 """conftest's plan for a session: what the background build makes, and the order the e2e modules run in so that each
 starts once the build has made what it needs."""
 
+import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -31,13 +33,14 @@ def test_the_venvs_alone_when_no_test_needs_the_dag():
     assert conftest.background_targets([item(["tiny_checkpoint"])]) == [conftest.VENV_TARGETS]
 
 
-def test_a_dag_test_adds_the_base_then_the_checkpoint_alone_the_image_the_probe_and_the_rest():
+def test_a_dag_test_adds_the_base_beside_the_niced_checkpoint_then_the_image_the_probe_and_the_rest():
     slurm = item(["slurm_cluster", "tiny_checkpoint"], BACKGROUND_TARGETS=["a/b.json", IMAGE, CHECKPOINT])
     targets = conftest.background_targets([item(["tiny_run"]), slurm])
     # each once (modules add their own); the probe runs in the session, between the image and the rest of the DAG
     assert targets == [
-        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
-        [CHECKPOINT],
+        conftest.FIRST_VENVS,
+        conftest.Niced([CHECKPOINT]),
+        [".venvs/eval/pip-freeze.txt", conftest.BASE_IMAGE],
         [IMAGE, "a/b.json"],
         conftest.PROBE,
         ["all"],
@@ -49,8 +52,9 @@ def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_image_befo
     slurm = item(["slurm_cluster"], BACKGROUND_TARGETS=["a/b.json"])
     targets = conftest.background_targets([sweep, slurm])
     assert targets == [
-        [*conftest.VENV_TARGETS, conftest.BASE_IMAGE],
-        [CHECKPOINT],
+        conftest.FIRST_VENVS,
+        conftest.Niced([CHECKPOINT]),
+        [".venvs/eval/pip-freeze.txt", conftest.BASE_IMAGE],
         [IMAGE, "a/b.json"],
         ["results/k1/build_image/image.json"],
         conftest.PROBE,
@@ -323,3 +327,46 @@ def test_the_default_run_is_complete_before_the_sweep_starts(sweep, monkeypatch)
     assert sweep.calls[0] == ("--cores", "2", *conftest.TINY) and sweep.calls[1][-3:] == tuple(conftest.TINY_SWEEP)
     conftest.complete_the_tiny_run()
     assert len(sweep.calls) == 2  # the tiny_run fixture has nothing left to do
+
+
+def _stand_in(log):
+    """A stage's run that logs its start (with its nice value) and end; stage "x" fails, "slow" outlasts the others."""
+
+    def command(targets):
+        name = targets[0]
+        pause = {"slow": 1.5}.get(name, 0.3)
+        end = "exit 3" if name == "x" else f"echo end {name} >> {log}"
+        return ["sh", "-c", f"echo start {name} $(nice) >> {log}; sleep {pause}; {end}"]
+
+    return command
+
+
+def _run_script(tmp_path, stages):
+    log = tmp_path / "runs.log"
+    script, done = conftest.background_script(stages, tmp_path, tmp_path / "go", _stand_in(log))
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    return result, log.read_text().splitlines() if log.exists() else [], done
+
+
+def test_a_niced_stage_runs_at_nice_19_beside_the_next_and_its_marker_waits_for_both(tmp_path):
+    result, lines, done = _run_script(tmp_path, [["a"], conftest.Niced(["slow"]), ["b"], ["c"]])
+    assert result.returncode == 0, result.stderr
+    base = int(subprocess.run(["nice"], capture_output=True, text=True).stdout)
+    assert lines[0] == f"start a {base}" and lines[1] == "end a"
+    assert sorted(lines[2:4]) == [f"start b {base}", f"start slow {min(base + 19, 19)}"]  # together
+    assert lines[4:] == ["end b", "end slow", f"start c {base}", "end c"]  # c after both
+    assert all(marker.exists() for marker in done.values())
+
+
+def test_a_failed_niced_stage_fails_the_build_after_the_stage_beside_it(tmp_path):
+    result, lines, done = _run_script(tmp_path, [conftest.Niced(["x"]), ["b"], ["c"]])
+    assert result.returncode == 3 and "end b" in lines and not any("c" in line for line in lines)
+    assert done[("b",)].exists() and not done[("x",)].exists()
+
+
+def test_a_failed_stage_stops_the_niced_run_beside_it(tmp_path):
+    result, lines, done = _run_script(tmp_path, [conftest.Niced(["slow"]), ["x"], ["c"]])
+    assert result.returncode == 3 and lines[-1].startswith("start") and "end slow" not in lines
+    time.sleep(2)  # past the stand-in's own end: it was stopped, so it never logs it
+    assert "end slow" not in (tmp_path / "runs.log").read_text()
+    assert not any(marker.exists() for marker in done.values())
