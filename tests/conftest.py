@@ -156,9 +156,6 @@ PROBE_RANK = 3
 
 
 BASE_IMAGE = "results/base_image/image.json"  # the tiny profile's local base (rule base_image)
-# The venvs the training and the base image start from: made first, so that the training can start beside the rest of
-# the first stage (Niced).
-FIRST_VENVS = [f".venvs/{name}/pip-freeze.txt" for name in ("compress", "serve-cpu")]
 
 
 class Niced(tuple):
@@ -182,13 +179,13 @@ def _default_probe() -> str:
 
 def background_targets(items) -> list:
     """What the session builds in the background from its start, in stages run one after the other (each a Snakemake
-    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: the venvs the training and
-    the base image start from, then the trained checkpoint (Niced) beside the last venv and the base image, then the
-    default variant up to its image (quantized model, bake) with what the modules before the whole DAG list in
-    BACKGROUND_TARGETS, then what the modules that need the whole DAG list (the sweep's images: their bakes beside the
-    SLURM and quantize modules, which compute little or on one thread); then PROBE, where the build waits while the
-    session probes the default image with nothing else running (probe_the_image); then the rest of the default target
-    (`all`: gate, load probe, lossless check, tarball, verify), beside the modules that run before those that need it.
+    run): first the stage venvs when a test needs them. When a test needs the tiny DAG: after them the trained
+    checkpoint (Niced) beside the base image, then the default variant up to its image (quantized model, bake) with
+    what the modules before the whole DAG list in BACKGROUND_TARGETS, then what the modules that need the whole DAG
+    list (the sweep's images: their bakes beside the SLURM and quantize modules, which compute little or on one
+    thread); then PROBE, where the build waits while the session probes the default image with nothing else running
+    (probe_the_image); then the rest of the default target (`all`: gate, load probe, lossless check, tarball, verify),
+    beside the modules that run before those that need it.
 
     The base image takes one core beside the quick tests and those that need the venvs only; the niced training takes
     what they leave, then trains alone while the session, with nothing left to run, waits for the checkpoint.
@@ -209,9 +206,8 @@ def background_targets(items) -> list:
     later = [
         t for t in _listed(i for i in items if module_rank(i) == whole_dag) if t not in first + checkpoint + second
     ]
-    if dag:
-        rest_of_first = [t for t in first if t not in FIRST_VENVS]
-        stages = [FIRST_VENVS, Niced(checkpoint), rest_of_first, second]
+    if dag:  # all venvs first: the eval venv made beside the base image delayed it by its own time
+        stages = [list(VENV_TARGETS), Niced(checkpoint), [BASE_IMAGE], second]
     else:
         stages = [first, second] if second else [first]
     stages += [later] if later else []

@@ -38,9 +38,9 @@ def test_a_dag_test_adds_the_base_beside_the_niced_checkpoint_then_the_image_the
     targets = conftest.background_targets([item(["tiny_run"]), slurm])
     # each once (modules add their own); the probe runs in the session, between the image and the rest of the DAG
     assert targets == [
-        conftest.FIRST_VENVS,
+        conftest.VENV_TARGETS,
         conftest.Niced([CHECKPOINT]),
-        [".venvs/eval/pip-freeze.txt", conftest.BASE_IMAGE],
+        [conftest.BASE_IMAGE],
         [IMAGE, "a/b.json"],
         conftest.PROBE,
         ["all"],
@@ -52,9 +52,9 @@ def test_what_modules_that_need_the_whole_dag_list_is_built_after_the_image_befo
     slurm = item(["slurm_cluster"], BACKGROUND_TARGETS=["a/b.json"])
     targets = conftest.background_targets([sweep, slurm])
     assert targets == [
-        conftest.FIRST_VENVS,
+        conftest.VENV_TARGETS,
         conftest.Niced([CHECKPOINT]),
-        [".venvs/eval/pip-freeze.txt", conftest.BASE_IMAGE],
+        [conftest.BASE_IMAGE],
         [IMAGE, "a/b.json"],
         ["results/k1/build_image/image.json"],
         conftest.PROBE,
