@@ -89,8 +89,8 @@ def is_e2e(item) -> bool:
 
 
 # What an e2e test needs, in the order the session's background build has it ready: a module runs once the build has
-# made what its tests need, while the build goes on. The base image is ready before the checkpoint: the build trains
-# with nothing beside it once the modules that need the venvs only have run (background_targets). The SLURM module
+# made what its tests need, while the build goes on. The base image is made beside the training (background_targets),
+# which, niced, takes only what it and the modules that need the venvs only leave. The SLURM module
 # comes before those that need the quantized checkpoint: it mostly waits on the scheduler, so it runs beside the
 # build's quantize and bakes, and the modules that compute run after them. From the first module that needs the
 # quantized checkpoint on, once the build has made the images, the session probes the default variant's image with
@@ -261,20 +261,20 @@ def background_script(stages, folder: Path, go: Path, command) -> tuple[str, dic
     marker is touched once its stage has ended, a Niced stage's once it and the stage beside it have. PROBE waits
     for `go`. A failed stage ends the script (-e), and the niced run beside it with it."""
     stop_niced = 'status=$?; [ -z "${niced:-}" ] || kill "$niced" 2>/dev/null || true; exit $status'
-    runs, done, niced = ["set -e", f"trap {shlex.quote(stop_niced)} EXIT"], {}, None
+    runs, done, niced_marker = ["set -e", f"trap {shlex.quote(stop_niced)} EXIT"], {}, None
     for index, targets in enumerate(stages):
         if targets == PROBE:
             runs.append(f"until [ -e {shlex.quote(str(go))} ]; do sleep 1; done")
             continue
         done[tuple(targets)] = folder / f"stage-{index}.done"
-        if isinstance(targets, Niced):
+        if isinstance(targets, Niced):  # $niced: its pid, until it has been waited for
             runs.append(f"nice -n 19 {shlex.join(command(targets))} & niced=$!")
-            niced = done[tuple(targets)]
+            niced_marker = done[tuple(targets)]
             continue
         runs += [shlex.join(command(targets)), shlex.join(["touch", str(done[tuple(targets)])])]
-        if niced is not None:
-            runs += ['wait "$niced"', "niced=", shlex.join(["touch", str(niced)])]
-            niced = None
+        if niced_marker is not None:
+            runs += ['wait "$niced"', "niced=", shlex.join(["touch", str(niced_marker)])]
+            niced_marker = None
     return "\n".join(runs), done
 
 
