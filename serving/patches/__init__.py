@@ -149,6 +149,16 @@ PATCHES: dict[str, Patch] = {
         "skipping the general path's copies and processors that cannot move an argmax (vLLM 0.32's forward is "
         "0.26's). V1 runner only. " + THREE_TOGETHER,
     ),
+    "gdn_prefill_graphs": Patch(
+        target="vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core",
+        vllm="0.32.0",
+        platform="cuda",
+        default=False,
+        why="On the Triton GDN prefill (the only one on the contract's A10G) every layer of a prefill spends "
+        "milliseconds of host time around a dozen kernel launches and syncs the host on a boolean-mask "
+        "assignment: a request's time to first token is host-bound whatever its length. One request's prefill "
+        "runs vLLM's kernels without the sync and, once its length has been seen, replays them from a CUDA graph.",
+    ),
     "fork_start": Patch(
         target="get_mp_context of vllm.v1.engine.utils and vllm.v1.executor.multiproc_executor",
         vllm="0.32.0",
