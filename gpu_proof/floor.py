@@ -16,8 +16,9 @@ token) is the time to first token the engine alone allows.
 --ab PATCH runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the patch on for the run) and measures
 every length twice, first with the patch's wrapper taken off vLLM's class, then with it back: one engine, one
 host, the same caches; each token's logprob is compared between the two (equal floats: the same computation).
---profile DIR adds, per pass, one 64-token first step under torch.profiler (CPU and CUDA, Python stacks): the trace
-stays in DIR, the record keeps its summary (host time in the GDN attention op a call, the GPU's busy time).
+--profile DIR adds, per pass, one first step (--profile-length tokens, 64) under torch.profiler (CPU and CUDA,
+Python stacks): the trace stays in DIR, the record keeps its summary (host time in the GDN attention op a call, the
+GPU's busy time).
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def run_request(engine, request_id: str, length: int, params) -> tuple[list[floa
     return steps, ids, logprobs
 
 
-def measure(engine, label: str, lengths: list[int], tokens: int, repeats: int, params_for, profile_dir=None) -> dict:
+def measure(
+    engine, label: str, lengths: list[int], tokens: int, repeats: int, params_for, profile_dir=None, profiled=64
+) -> dict:
     """Each length: WARMUPS untimed requests, then `repeats` timed ones (first step = prefill and first token); the
     first length also times its decode steps."""
     result = {"lengths": {}}
@@ -151,12 +154,13 @@ def measure(engine, label: str, lengths: list[int], tokens: int, repeats: int, p
         from torch.profiler import ProfilerActivity, profile
 
         params = params_for(1)
-        run_request(engine, f"{label}-profile-warm", PROFILED_LENGTH, params)
+        run_request(engine, f"{label}-profile-warm", profiled, params)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            run_request(engine, f"{label}-profile", PROFILED_LENGTH, params)
-            torch.cuda.synchronize()
+            run_request(engine, f"{label}-profile", profiled, params)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(profile_dir) / f"{label}-{PROFILED_LENGTH}.json"))
+        prof.export_chrome_trace(str(Path(profile_dir) / f"{label}-{profiled}.json"))
         result["profile"] = summarize_profile(prof.events())
     return result
 
@@ -185,6 +189,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a serve setting overridden")
     parser.add_argument("--ab", default=None, choices=sorted(AB_TARGETS), metavar="PATCH")
     parser.add_argument("--profile", default=None, metavar="DIR")
+    parser.add_argument("--profile-length", type=int, default=PROFILED_LENGTH, metavar="TOKENS")
     args = parser.parse_args()
 
     import importlib
@@ -209,7 +214,9 @@ def main() -> None:
         settings["patches"] = dict(settings.get("patches") or {}, **{args.ab: True})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its classes are ours
     lengths = [int(n) for n in args.lengths.split(",")]
-    flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=True))
+    import torch
+
+    flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=torch.cuda.is_available()))
     os.environ.update(child_env(dict(os.environ), settings))  # the engine core process inherits it
     sys.path.insert(0, str(DIST_DIR))  # the patches' plugin entry points, for this process too
 
@@ -243,12 +250,16 @@ def main() -> None:
         passes = {}
         for label, implementation in (("off", original), ("on", wrapper)):
             setattr(cls, method, implementation)
-            passes[label] = measure(engine, label, lengths, args.tokens, args.repeats, params_for, args.profile)
+            passes[label] = measure(
+                engine, label, lengths, args.tokens, args.repeats, params_for, args.profile, args.profile_length
+            )
         setattr(cls, method, wrapper)
         record.update(ab=args.ab, passes=passes, same=compare(passes["off"], passes["on"]))
         first = passes["on"]["lengths"][str(lengths[0])]
     else:
-        result = measure(engine, "run", lengths, args.tokens, args.repeats, params_for, args.profile)
+        result = measure(
+            engine, "run", lengths, args.tokens, args.repeats, params_for, args.profile, args.profile_length
+        )
         record.update(result)
         first = result["lengths"][str(lengths[0])]
     record["step_median_ms"] = first.get("step_median_ms")
