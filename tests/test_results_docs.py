@@ -20,7 +20,7 @@ def test_the_committed_docs_are_what_the_records_give(capsys):
 @pytest.fixture
 def project_copy(tmp_path, monkeypatch):
     """The records, docs/results.md and README.md in a scratch tree the renderer is pointed at."""
-    shutil.copytree(ROOT / "results" / "gpu-proof", tmp_path / "records")
+    shutil.copytree(ROOT / "records" / "gpu-proof", tmp_path / "records")
     (tmp_path / "docs").mkdir()
     for name in ("docs/results.md", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
