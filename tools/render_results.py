@@ -4,7 +4,8 @@
     python3 tools/render_results.py --check   # exit 1, naming the file, when a committed one differs
 
 Every number in both comes from a record; a speedup is always over bf16 measured on the same host (same GPU, same
-lease), and never across hosts. tests/test_results_docs.py runs --check.
+lease), and never across hosts. docs/results.md holds every engine's runs; the README's table only the engine the
+release profile ships (config.yaml's engine.vllm). tests/test_results_docs.py runs --check.
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ import statistics
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # serving.patches: the registry's defaults, to name what a run changed
 RECORDS = ROOT / "records" / "gpu-proof"
 RESULTS_MD = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
+# the release profile: the README's table shows its engine only (engine.vllm, else the schema's default)
+CONFIG = ROOT / "config.yaml"
+CONFIG_SCHEMA = ROOT / "schemas" / "config.schema.yaml"
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 COMMAND = "python3 tools/render_results.py"
 SETS = ("repeated", "varied", "fresh")
@@ -290,14 +296,39 @@ def clean_rank(record: dict) -> tuple:
     return (not record.get("host_busy"), not record.get("note"), record["date"])
 
 
-def readme_table(records: list[dict]) -> str:
-    """Per GPU model, each variant's latest same-host comparison with bf16."""
-    rows = [
-        "| GPU | vLLM | variant | × bf16, competition prompt | × bf16, fresh prompts | GB a step |",
-        "|---|---|---|---|---|---|",
-    ]
+def shipped_engine(config_path: Path | None = None) -> str:
+    """The vLLM release the release profile ships: its engine.vllm, else the schema's default."""
+    config = yaml.safe_load((config_path or CONFIG).read_text()) or {}
+    given = (config.get("engine") or {}).get("vllm")
+    if given:
+        return given
+    schema = yaml.safe_load(CONFIG_SCHEMA.read_text())
+    return schema["properties"]["engine"]["properties"]["vllm"]["default"]
+
+
+README_LEAD = [
+    "Speed on vLLM {engine}, the release `engine.vllm` names and the image ships, as the GPU proof measured it on",
+    "full-size random-weight checkpoints of Qwen3.5-4B's shapes. [docs/results.md](docs/results.md) has every run,",
+    "older engines' included.",
+]
+README_TERMS = [
+    "- **× bf16**: bf16's median latency over the variant's, averaged over the short, medium and long categories,",
+    "  with bf16 served on the same host by the same vLLM. The competition prompt repeats one sentence; fresh",
+    "  prompts are new on every run, so nothing is cached and nothing repeats.",
+    "- **GB a step**: the weights one decode step reads from GPU memory (decoder and head, plus MTP's draft passes or",
+    "  the drafter's pass), in GB.",
+    "",
+    "Random weights show what a step costs, never quality or acceptance: an MTP or DFlash row below 1× means their",
+    "drafts were not accepted, not that the method is slow on real text.",
+]
+
+
+def readme_table(records: list[dict], engine: str) -> str:
+    """Per GPU model, each variant's latest same-host comparison with bf16, on the shipped engine only."""
+    records = [r for r in records if r.get("engine") == engine]
+    rows = []
     for gpu in gpus(records):
-        latest: dict[tuple[str, str], dict] = {}
+        latest: dict[str, dict] = {}
         for record in records:
             if (
                 record["kind"] != "variant"
@@ -307,22 +338,27 @@ def readme_table(records: list[dict]) -> str:
                 or record["variant"] == REFERENCE
             ):
                 continue
-            key = (record["engine"], record["variant"])
-            held = latest.get(key)
+            held = latest.get(record["variant"])
             if reference_of(records, record) and (held is None or clean_rank(record) >= clean_rank(held)):
-                latest[key] = record
-        for (engine, name), record in sorted(
-            latest.items(), key=lambda item: (item[0][0], -speedup(item[1], reference_of(records, item[1]), "repeated"))
+                latest[record["variant"]] = record
+        for name, record in sorted(
+            latest.items(), key=lambda item: -speedup(item[1], reference_of(records, item[1]), "repeated")
         ):
             reference = reference_of(records, record)
             drafted = " (random drafter)" if "drafter" in record["options"] else ""
             rows.append(
-                f"| {gpu.removeprefix('NVIDIA ')} | {engine} | `{name}`{drafted} "
+                f"| {gpu.removeprefix('NVIDIA ')} | `{name}`{drafted} "
                 f"| {fmt(speedup(record, reference, 'repeated'), 2, '×')} "
                 f"| {fmt(speedup(record, reference, 'fresh'), 2, '×')} "
                 f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} |"
             )
-    return "\n".join(rows)
+    if not rows:
+        return f"No GPU record of vLLM {engine} yet: [docs/results.md](docs/results.md) has older engines' runs."
+    header = [
+        "| GPU | variant | × bf16, competition prompt | × bf16, fresh prompts | GB a step |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join([*(line.format(engine=engine) for line in README_LEAD), "", *header, *rows, "", *README_TERMS])
 
 
 def with_readme_table(readme: str, table: str) -> str:
@@ -338,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     records = load()
-    wanted = {RESULTS_MD: results_md(records), README: with_readme_table(README.read_text(), readme_table(records))}
+    wanted = {
+        RESULTS_MD: results_md(records),
+        README: with_readme_table(README.read_text(), readme_table(records, shipped_engine())),
+    }
     stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
