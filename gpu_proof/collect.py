@@ -1,7 +1,7 @@
 """Turn what a lease brought back (the driver's results.tar.gz) into the committed records: small, schema-checked,
-one folder per GPU model (results/gpu-proof/<gpu>/), one file per host and variant.
+one folder per GPU model (records/gpu-proof/<gpu>/), one file per host and variant.
 
-    python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out results/gpu-proof]
+    python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out records/gpu-proof]
 
 The driver's records keep every token id and every run's latency (the lossless step needs them on the host); what
 the generated tables cite is each category's summary per prompt set, the lossless verdict per row, and the host.
@@ -22,6 +22,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "schemas" / "gpu-proof.schema.yaml"
+RECORDS = ROOT / "records" / "gpu-proof"  # committed, apart from results/ (a run's outputs, ignored)
 SETS = ("repeated", "varied", "fresh")
 CATEGORY_FIELDS = (
     "name",
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tarball", type=Path)
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-proof")
+    parser.add_argument("--out", type=Path, default=RECORDS)
     parser.add_argument(
         "--note", default=None, help="a sentence on the run's conditions, kept in its variant and lossless records"
     )

@@ -18,7 +18,7 @@ except pipeline_config.ConfigError as error:
 config = PIPELINE.config  # defaults filled, sweeps expanded
 
 RECIPES, COMPARED, FIXED = PIPELINE.recipes, PIPELINE.compared, PIPELINE.fixed
-# select.mode fastest: the variants ranked and checked for image.tar.gz (rules/select.smk)
+# select.mode fastest: the variants ranked and checked for image.tar.gz (rules/rank_candidates.smk, rules/select.smk)
 CANDIDATES = PIPELINE.candidates
 # The same-host bf16 variant the ranking's speedups are against, when the run measures one (else baseline_ms).
 BF16_REFERENCE = PIPELINE.bf16_reference

@@ -87,7 +87,7 @@ SPECULATIVE_METHODS: dict[str, tuple[str, ...]] = {
     "none": (),
     "mtp": ("disable_padded_drafter_batch",),
     "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
-    # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.26 keeps async scheduling on for
+    # vLLM's n-gram matcher on the GPU: the one copy-style method vLLM 0.32 keeps async scheduling on for
     "ngram_gpu": ("prompt_lookup_max", "prompt_lookup_min"),
     "suffix": (
         "suffix_decoding_max_tree_depth",

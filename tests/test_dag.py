@@ -1,8 +1,11 @@
 """DAG shape: lint, the rendered graph, and which stages a config change reruns."""
 
+import functools
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,12 +42,6 @@ def test_lint_is_clean():
         assert "Lints for" not in result.stdout + result.stderr, result.stdout + result.stderr
 
 
-def test_every_stage_is_a_rule_in_its_own_file():
-    for stage in STAGES:
-        text = (ROOT / "rules" / f"{stage}.smk").read_text()
-        assert re.search(rf"^(rule|checkpoint) {stage}:", text, re.M), stage
-
-
 # The rules as Snakemake parsed them (its API, in a fresh interpreter: loading a workflow sets process-wide state).
 RULES_AS_PARSED = """
 import json, sys
@@ -61,15 +58,29 @@ with SnakemakeApi(OutputSettings()) as api:
 """
 
 
-def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
-    """logs/<rule>/... and benchmarks/<rule>/... for every rule that runs (`all` only gathers targets)."""
-    import json
-    import sys
-
+@functools.cache
+def parsed_rules() -> list[dict]:
     result = subprocess.run(
         [sys.executable, "-c", RULES_AS_PARSED, *TINY[1:]], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    rules = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_rule_is_in_its_own_file():
+    """rules/<name>.smk holds rule <name> and no other (`all`, which only gathers targets, is the Snakefile's)."""
+    rules = parsed_rules()
+    assert {rule["name"] for rule in rules} >= set(STAGES)
+    misplaced = [
+        f"{rule['name']} in {Path(rule['file']).relative_to(ROOT)}"
+        for rule in rules
+        if not rule["target_only"] and Path(rule["file"]) != ROOT / "rules" / f"{rule['name']}.smk"
+    ]
+    assert not misplaced, misplaced
+
+
+def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
+    """logs/<rule>/... and benchmarks/<rule>/... for every rule that runs (`all` only gathers targets)."""
+    rules = parsed_rules()
     listed = set(re.findall(r"^(\w+)", snakemake("--list-rules", *TINY).stdout, re.M))  # docstrings are indented
     assert {rule["name"] for rule in rules} == listed  # the API saw what the command line sees
     running = [rule for rule in rules if not rule["target_only"]]
@@ -83,7 +94,7 @@ def test_every_rule_has_a_log_and_a_benchmark_under_its_name():
     checkpoints = {(Path(rule["file"]).name, rule["name"]) for rule in rules if rule["checkpoint"]}
     # select's walk reads the ranking and each visited candidate's checks (rules/select.smk); tarball reads select's
     assert checkpoints == {
-        ("select.smk", "rank_candidates"),
+        ("rank_candidates.smk", "rank_candidates"),
         ("select.smk", "select"),
         ("lossless.smk", "lossless"),
         ("quality_gate.smk", "quality_gate"),

@@ -279,3 +279,10 @@ def test_every_stage_but_the_fetching_ones_runs_with_the_hub_off(tmp_path, onlin
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == (["OFFLINE", "None", "None"] if online else ["OFFLINE", "1", "1"])
+
+
+def test_only_the_three_fetching_stages_run_with_the_hub_on():
+    """download, download_draft and download_datasets reach the hub (and read HF_TOKEN); every other stage runs with
+    it off, so the docs name exactly these three."""
+    online = sorted(path.stem for path in (ROOT / "scripts").glob("*.py") if "online=True" in path.read_text())
+    assert online == ["download", "download_datasets", "download_draft"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS = ROOT / "results" / "gpu-proof"
+RECORDS = ROOT / "records" / "gpu-proof"
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "gpu-proof.schema.yaml").read_text())
 sys.path.insert(0, str(ROOT / "gpu_proof"))
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -20,7 +21,7 @@ def test_the_committed_docs_are_what_the_records_give(capsys):
 @pytest.fixture
 def project_copy(tmp_path, monkeypatch):
     """The records, docs/results.md and README.md in a scratch tree the renderer is pointed at."""
-    shutil.copytree(ROOT / "results" / "gpu-proof", tmp_path / "records")
+    shutil.copytree(ROOT / "records" / "gpu-proof", tmp_path / "records")
     (tmp_path / "docs").mkdir()
     for name in ("docs/results.md", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
@@ -133,8 +134,8 @@ def test_cost_and_correctness_are_separate_tables_and_random_weights_decide_no_l
     assert "| `tiny-awq-ngram4` | `plain` | 0.32.0 | h, 2026-11-29 | FAILED | 0 of 1 | 0 | 7 |" in lossless
     assert "| `tiny-canary` | `plain` | 0.32.0 | h, 2026-11-29 | FAILED, as a canary must | 0 of 1 |" in lossless
     assert "| 95 (empty), then 21 (its own cache) |" in cost  # a restart on the bake's cache beside the first start
-    readme = render_results.readme_table(records)
-    assert "| H200 | 0.32.0 | `awq` | 2.00× |" in readme and "tiny" not in readme
+    readme = render_results.readme_table(records, "0.32.0")
+    assert "| H200 | `awq` | 2.00× |" in readme and "tiny" not in readme
 
 
 def test_the_readme_takes_a_quiet_hosts_run_over_a_later_one_probed_while_servers_started():
@@ -142,5 +143,33 @@ def test_the_readme_takes_a_quiet_hosts_run_over_a_later_one_probed_while_server
     quiet = [variant("q", name, {"repeated": [m] * 3}) | base for name, m in (("bf16", 400), ("awq", 200))]
     later = base | {"date": "2099-01-01", "host_busy": True}
     busy = [variant("z", name, {"repeated": [m] * 3}) | later for name, m in (("bf16", 400), ("awq", 400))]
-    assert "| `awq` | 2.00× |" in render_results.readme_table(quiet + busy)
-    assert "| `awq` | 1.00× |" in render_results.readme_table(busy)  # a busy host's run where no quiet one exists
+    assert "| `awq` | 2.00× |" in render_results.readme_table(quiet + busy, "0.32.0")
+    assert "| `awq` | 1.00× |" in render_results.readme_table(busy, "0.32.0")  # a busy host's run where no quiet one
+
+
+def test_the_readme_shows_only_the_engine_the_release_config_ships():
+    """Older engines' runs stay in docs/results.md; the README's table is the release profile's engine.vllm only,
+    each speedup over that engine's bf16."""
+    base = {"gpu": "NVIDIA H200", "date": "2026-11-29", "weights": "random", "bytes_per_step": None}
+    runs = (("0.26.0", "bf16", 400), ("0.26.0", "old-only", 100), ("0.26.0", "both", 100))
+    runs += (("0.32.0", "bf16", 400), ("0.32.0", "both", 200))
+    records = [variant("h", name, {"repeated": [m] * 3}) | base | {"engine": engine} for engine, name, m in runs]
+    table = render_results.readme_table(records, "0.32.0")
+    assert "| H200 | `both` | 2.00× |" in table and "old-only" not in table and "4.00×" not in table
+    assert "vLLM 0.32.0" in table
+    assert "No GPU record" in render_results.readme_table(records, "0.99.0")
+    # the committed records: the other engines' records change nothing in the README's table
+    committed, shipped = render_results.load(), render_results.shipped_engine()
+    assert {r.get("engine") for r in committed} - {shipped}, "the records hold no older engine: nothing is shown"
+    mine = [r for r in committed if r.get("engine", shipped) == shipped]
+    assert render_results.readme_table(committed, shipped) == render_results.readme_table(mine, shipped)
+
+
+def test_the_shipped_engine_is_the_release_configs_engine_vllm_else_the_schemas_default(tmp_path):
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())
+    default = schema["properties"]["engine"]["properties"]["vllm"]["default"]
+    config = tmp_path / "config.yaml"
+    config.write_text("engine: {vllm: 0.99.0}\n")
+    assert render_results.shipped_engine(config) == "0.99.0"
+    config.write_text("model: {name: x}\n")
+    assert render_results.shipped_engine(config) == default

@@ -187,8 +187,9 @@ def test_fixed_variant_from_select(tmp_path):
     assert variants == {"tiny-bf16-mtp1"}
 
 
-# rules/select.smk on its own, with stand-ins for the two checks: each copies a prepared record and notes its call, so
-# a real Snakemake run shows which checks the walk asks for and in what order (no image, no server: seconds).
+# rules/rank_candidates.smk and rules/select.smk on their own, with stand-ins for the two checks: each copies a
+# prepared record and notes its call, so a real Snakemake run shows which checks the walk asks for and in what order
+# (no image, no server: seconds).
 WALK_SNAKEFILE = """
 import json, sys
 from pathlib import Path
@@ -219,6 +220,7 @@ checkpoint quality_gate:
         "echo quality_gate {wildcards.variant} >> checks.txt && cp records/{wildcards.variant}.quality.json {output}"
 
 
+include: config["rank_rules"]
 include: config["select_rules"]
 """
 
@@ -248,6 +250,7 @@ def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]], latencies=No
         (tmp_path / "records" / f"{variant}.quality.json").write_text(json.dumps(quality(0.9 if passed_gate else 0.05)))
     settings = {
         "scripts": str(ROOT / "scripts"),
+        "rank_rules": str(ROOT / "rules" / "rank_candidates.smk"),
         "select_rules": str(ROOT / "rules" / "select.smk"),
         "candidates": sorted(latencies),
         "select": {"by": "mean_speedup"},

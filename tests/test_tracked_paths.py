@@ -1,8 +1,8 @@
 """What the code, config and docs point at is in a clone, and run narrative stays out of code and config.
 
-A `results/...` path that sits where committed records live (not ignored by .gitignore, e.g. results/gpu-proof/)
-must be tracked; one that .gitignore ignores is a pipeline output, which a run writes and no clone carries. A path
-with `<`, `{` or `*` is a pattern (results/<variant>/..., results/{variant}/...), not a path, and is not checked.
+results/ is the pipeline's output folder: ignored as a whole, nothing in it tracked. Committed records live under
+records/ (records/gpu-proof/), and a `records/...` path the code, config or docs name must be tracked. A path with
+`<`, `{` or `*` is a pattern (records/gpu-proof/<gpu>/...), not a path, and is not checked.
 """
 
 import posixpath
@@ -16,8 +16,8 @@ SUFFIXES = {".py", ".smk", ".yaml", ".yml", ".md", ".sh", ".toml"}
 NAMES = {"Snakefile", "Dockerfile"}
 PATTERN_CHARS = set("<>{}*")
 # A path token: letters, digits and the characters of file names and patterns; never preceded by a path character,
-# so `myresults/x` or `a/results/x` are not taken for the project's results/.
-RESULTS_PATH = re.compile(r"(?<![\w./-])results/[\w.\-/<>{}*]*")
+# so `myrecords/x` or `a/records/x` are not taken for the project's records/.
+RECORDS_PATH = re.compile(r"(?<![\w./-])records/[\w.\-/<>{}*]*")
 RELATIVE_PATH = re.compile(r"(?<![\w./-])(?:\.\./)+[\w.\-/<>{}*]+")
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 MACHINE_ID = re.compile(r"\bmachine\d+\b")
@@ -34,12 +34,12 @@ def tracked() -> list[str]:
 
 
 def sources(names: list[str]) -> list[str]:
-    """The tracked code, config and docs (records under results/ are data, not checked)."""
+    """The tracked code, config and docs (the records under records/ are data, not checked)."""
     return [
         name
         for name in names
         if (Path(name).suffix in SUFFIXES or Path(name).name in NAMES)
-        and not name.startswith("results/")
+        and not name.startswith("records/")
         and (ROOT / name).is_file()
     ]
 
@@ -74,19 +74,22 @@ def ignored(paths: set[str]) -> set[str]:
     return set(checked.stdout.splitlines())
 
 
-def test_every_results_path_named_where_records_are_committed_is_tracked():
+def test_results_is_an_ignored_output_folder_with_nothing_tracked():
+    """A run writes results/; a clone carries none of it, so committed records cannot be overwritten by a run."""
+    assert [name for name in tracked() if name.startswith("results/")] == []
+    probes = {"results/gpu-proof/h200/x.json", "results/summary.json", "results/x/latency_probe/latency.json"}
+    assert ignored(probes) == probes
+
+
+def test_every_records_path_named_is_tracked_and_not_ignored():
     names = tracked()
     files = set(names)
     folders = folders_of(files)
-    named = [(name, number, path) for name, number, path in named_paths(RESULTS_PATH, sources(names))]
-    assert named, "no results/ path found: the scan is broken"
-    outputs = ignored({path for _, _, path in named})
-    missing = [
-        f"{name}:{number}: {path}"
-        for name, number, path in named
-        if path not in outputs and path.rstrip("/") not in outputs and not known(path, files, folders)
-    ]
-    assert not missing, "these name results/ paths no clone has (not tracked):\n  " + "\n  ".join(missing)
+    named = list(named_paths(RECORDS_PATH, sources(names)))
+    assert named, "no records/ path found: the scan is broken"
+    missing = [f"{name}:{number}: {path}" for name, number, path in named if not known(path, files, folders)]
+    assert not missing, "these name records/ paths no clone has (not tracked):\n  " + "\n  ".join(missing)
+    assert not ignored({path for _, _, path in named}), "records/ must not be ignored"
 
 
 def test_every_relative_path_stays_in_the_repository_and_is_tracked():

@@ -52,8 +52,9 @@ def venv_python(venv_marker: str) -> Path:
 CONSOLE_FD_ENV = "PIPELINE_CONSOLE_FD"
 
 
-# What every stage but the fetching ones (download, download_datasets) runs with: the hub switched off, so a stage
-# that would reach it for a file nobody fetched fails at once, naming it, instead of depending on the network.
+# What every stage but the fetching ones (download, download_draft, download_datasets) runs with: the hub switched
+# off, so a stage that would reach it for a file nobody fetched fails at once, naming it, instead of depending on
+# the network.
 HUB_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 

