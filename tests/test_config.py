@@ -253,6 +253,27 @@ def test_every_file_the_config_names_must_exist(key, mutate):
         pipeline_config.load(config)
 
 
+@pytest.mark.parametrize(
+    "key, mutate, found",
+    [
+        (
+            "variants.tiny-awq-mtp2.recipe",
+            lambda c: c["variants"]["tiny-awq-mtp2"].update(recipe="recipes/tiny"),
+            "recipes/tiny is a folder, not a file",
+        ),
+        ("quality.tasks_dir", lambda c: c["quality"].update(tasks_dir="data/heldout.txt"), "is a file, not a dir"),
+    ],
+)
+def test_a_named_path_of_the_wrong_kind_is_refused_as_such(key, mutate, found):
+    """A folder where a file is wanted exists: "does not exist" would send the reader looking for a typo."""
+    config = tiny_config()
+    mutate(config)
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    message = str(caught.value)
+    assert f"config key '{key}'" in message and found in message and "does not exist" not in message, message
+
+
 def test_a_speculative_method_parameter_reaches_vllms_command_line():
     config = tiny_config()
     config["variants"]["tiny-awq-mtp2"]["speculative"] = {"method": "ngram", "k": 4, "prompt_lookup_max": 3}

@@ -234,9 +234,11 @@ def missing_file_problems(config: dict, root: Path) -> list[str]:
             problems.append(f"config key '{key}': must name a {kind}")
             continue
         target = root / path
-        exists = target.is_dir() if kind == "dir" else target.is_file()
-        if not exists:
+        if not target.exists():
             problems.append(f"config key '{key}': {path} does not exist (no {kind} at {target})")
+        elif not (target.is_dir() if kind == "dir" else target.is_file()):
+            found = "a folder" if target.is_dir() else "a file" if target.is_file() else "neither file nor folder"
+            problems.append(f"config key '{key}': {path} is {found}, not a {kind} ({target})")
     return problems
 
 
