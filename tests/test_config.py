@@ -47,6 +47,21 @@ def dry_run_with(tmp_path: Path, config: dict):
             "unknown key",
         ),
         (lambda c: c.update(variant="nope"), "variant", "is not one of the variants"),
+        (  # vLLM would refuse it only at the bake, after quantizing
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(max_model_len=10**9),
+            "variants.tiny-awq-mtp2.serve.max_model_len",
+            "is greater than the maximum of 262144",
+        ),
+        (  # within Qwen3.5-4B's context, past the synthetic model's
+            lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(max_model_len=65536),
+            "variants.tiny-awq-mtp2.serve.max_model_len",
+            "65536 is more than the 32768 tokens the checkpoint supports: the max_position_embeddings of the synthetic",
+        ),
+        (
+            lambda c: c["sweeps"]["tiny-k"].update(axes={"serve.max_model_len": [8704, 40000]}),
+            "variants.tiny-awq-len40000.serve.max_model_len",
+            "40000 is more than the 32768 tokens the checkpoint supports",
+        ),
         (
             lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(enable_prefix_caching=True),
             "variants.tiny-awq-mtp2.serve.enable_prefix_caching",
@@ -272,6 +287,26 @@ def test_a_named_path_of_the_wrong_kind_is_refused_as_such(key, mutate, found):
         pipeline_config.load(config)
     message = str(caught.value)
     assert f"config key '{key}'" in message and found in message and "does not exist" not in message, message
+
+
+def test_a_downloaded_checkpoint_bounds_max_model_len_by_its_own_context(tmp_path):
+    """A hub checkpoint on disk at the pinned commit bounds max_model_len by its config.json; one of another commit
+    (download replaces it) or none yet leaves the schema's maximum to bound it."""
+    real = pipeline_config.load(yaml.safe_load((ROOT / "config.yaml").read_text())).config
+    model = real["model"]
+    folder = tmp_path / "weights" / model["name"]
+    assert pipeline_config.context_problems(real, tmp_path) == []  # not downloaded
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "checkpoint" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
+    record = {"source": "hub", "hub": {"repo": model["repo"], "revision": model["revision"], "files": {}}}
+    (folder / "download.json").write_text(json.dumps(record))
+    problems = pipeline_config.context_problems(real, tmp_path)
+    assert f"config key 'variants.{real['variant']}.serve.max_model_len': 13568 is more than the 8192 tokens" in (
+        "\n".join(problems)
+    )
+    record["hub"]["revision"] = "0" * 40
+    (folder / "download.json").write_text(json.dumps(record))
+    assert pipeline_config.context_problems(real, tmp_path) == []
 
 
 def test_a_speculative_method_parameter_reaches_vllms_command_line():
