@@ -103,7 +103,32 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
                 f"{key}.serve.kv_cache_dtype': {serve['kv_cache_dtype']} needs FP8 support "
                 f"(sm_89 or newer); image.gpu_arch is {gpu_arch}{note}"
             )
+        problems += [f"{key}': {problem}{note}" for problem in name_problems(name, speculative)]
     return problems
+
+
+# A part of a variant's name that gives a K: `<method><K>` (sweeps.k_label), or `k<K>`, the sweeps' older scheme,
+# which no name may use now.
+K_PART = re.compile(
+    "(k|" + "|".join(sweeps.k_label(m, "") for m in serve_settings.SPECULATIVE_METHODS if m != "none") + r")\d+"
+)
+
+
+def name_problems(name: str, speculative: dict) -> list[str]:
+    """A name's K is its settings' (a reader picks a variant by its name): every part of it that gives a K (mtp2,
+    suffix20, k3) must be sweeps.k_label of the variant's own method and k."""
+    method = speculative["method"]
+    own = sweeps.k_label(method, speculative["k"]) if method != "none" else None
+    has = (
+        f"speculates with {method} at k {speculative['k']}, which a name gives as {own!r}"
+        if own
+        else "does not speculate"
+    )
+    return [
+        f"{part!r} in the name gives a K the variant does not have: it {has}"
+        for part in name.split("-")
+        if K_PART.fullmatch(part) and part != own
+    ]
 
 
 def concurrency_problems(config: dict) -> list[str]:
