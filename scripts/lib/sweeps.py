@@ -41,7 +41,7 @@ def label_for(axis: str, value, point: dict) -> str:
     if axis == "recipe":
         text = Path(str(value)).stem
     elif axis == "speculative.k":
-        text = k_label(point.get("speculative", {}).get("method", "none"), value)
+        text = k_label(point["speculative"]["method"], value)
     elif axis == "speculative.method":
         text = str(value)
     else:
