@@ -81,7 +81,6 @@ def pytest_collection_modifyitems(session, config, items):
             2 if item.path.name in LAST else 1 if is_e2e(item) and item.path.name in BESIDE_THE_SWEEP else 0,
         )
     )
-    _sweep["planned"] = any("tiny_sweep" in getattr(item, "fixturenames", ()) for item in items)
 
 
 def is_e2e(item) -> bool:
@@ -224,6 +223,9 @@ def pytest_collection_finish(session):
     """Start the background build (background_targets) beside the quick tests, which run first, and the e2e modules
     that need less than it makes (pytest_collection_modifyitems): on 2 cores the serving and Docker stages leave
     about half the CPU idle. Fixtures wait for what they need (build, wait_for_stage)."""
+    # From the items that run: pytest_collection_modifyitems sees them before `-m "not e2e"` deselects the e2e ones,
+    # and a quick session planning the sweep started the whole tiny DAG (start_the_sweep).
+    _sweep["planned"] = any("tiny_sweep" in getattr(item, "fixturenames", ()) for item in session.items)
     stages = [] if session.config.option.collectonly else background_targets(session.items)
     if not stages:
         return
@@ -295,7 +297,9 @@ def pytest_runtest_setup(item):
     # ...and, likewise, the sweep's other candidates once the build has ended: from the first module that may run
     # beside the sweep on, before LAST's in any case
     name = Path(getattr(module, "__file__", "")).name
-    if _sweep.get("planned") and (name in LAST or (name in BESIDE_THE_SWEEP and may_probe and _background_ended())):
+    beside = name in BESIDE_THE_SWEEP and may_probe and _background_ended()
+    # at an e2e test only: the quick tests run first, and a build that ended early must not start the sweep beside them
+    if _sweep.get("planned") and is_e2e(item) and (name in LAST or beside):
         start_the_sweep()
 
 

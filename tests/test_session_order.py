@@ -370,3 +370,90 @@ def test_a_failed_stage_stops_the_niced_run_beside_it(tmp_path):
     time.sleep(2)  # past the stand-in's own end: it was stopped, so it never logs it
     assert "end slow" not in (tmp_path / "runs.log").read_text()
     assert not any(marker.exists() for marker in done.values())
+
+
+# A stand-in plugin for a session run as a user runs it: every Snakemake run and process the scheduler would start is
+# recorded instead (in STARTED), and what the session planned written at its end (in PLANNED).
+STAND_IN = """
+import json, os, subprocess
+import conftest, suite_timing
+
+suite_timing.ROOT = suite_timing.Path(os.environ["PLANNED"]).parent  # the session's timing record: not the suite's
+suite_timing.OUT = suite_timing.ROOT / "timing.json"
+
+
+def record(kind):
+    def started(*args, **kw):
+        with open(os.environ["STARTED"], "a") as out:
+            out.write(json.dumps([kind, [str(a) for a in (args[0] if kind == "Popen" else args)]]) + "\\n")
+        raise AssertionError(f"the session started {kind} {args}")
+
+    return started
+
+
+class Processes:  # conftest's subprocess module, but for Popen (other plugins' own processes stay theirs)
+    Popen = staticmethod(record("Popen"))
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+
+conftest.snakemake = record("snakemake")
+conftest.subprocess = Processes()
+
+
+def pytest_sessionfinish(session):
+    json.dump({"sweep": conftest._sweep, "background": sorted(conftest._background)}, open(os.environ["PLANNED"], "w"))
+"""
+# A module beside the sweep with a quick test and an e2e one, and the sweep's module (conftest.LAST).
+SESSION = {
+    conftest.BESIDE_THE_SWEEP[0]: "import pytest\n\ndef test_quick():\n    pass\n\n\n"
+    "@pytest.mark.e2e\ndef test_slow(tiny_run):\n    pass\n",
+    conftest.LAST[0]: "import pytest\n\n\n@pytest.mark.e2e\ndef test_sweep(tiny_sweep):\n    pass\n",
+}
+
+
+def run_session(tmp_path, *args):
+    """pytest run on SESSION's modules with tests/conftest.py's hooks (the plugin `conftest`) and the stand-in."""
+    for name, text in {**SESSION, "stand_in.py": STAND_IN, "pytest.ini": "[pytest]\nmarkers = e2e\n"}.items():
+        (tmp_path / name).write_text(text)
+    env = {
+        **conftest.os.environ,
+        "PYTHONPATH": conftest.os.pathsep.join([str(tmp_path), str(conftest.ROOT / "tests")]),
+        "STARTED": str(tmp_path / "started.jsonl"),
+        "PLANNED": str(tmp_path / "planned.json"),
+    }
+    command = [conftest.sys.executable, "-m", "pytest", "-p", "conftest", "-p", "stand_in", "-q", *args]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    started = tmp_path / "started.jsonl"
+    return (
+        result,
+        started.read_text().splitlines() if started.exists() else [],
+        conftest.json.loads((tmp_path / "planned.json").read_text()),
+    )
+
+
+def test_the_quick_tier_plans_and_starts_no_build(tmp_path):
+    """`pytest -m "not e2e"` (the README's quick command) over a module beside the sweep and the sweep's own: the e2e
+    tests deselected, nothing is built (it used to plan the sweep from the items before -m deselected them, and start
+    the whole tiny DAG at the quick test beside the sweep)."""
+    result, started, planned = run_session(tmp_path, "-m", "not e2e")
+    assert started == [] and result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 2 deselected" in result.stdout
+    assert not planned["sweep"].get("planned") and planned["background"] == []
+
+
+def test_a_session_with_the_e2e_tests_plans_the_sweep(tmp_path):
+    result, started, planned = run_session(tmp_path, "--collect-only")  # collected only: planned, never started
+    assert result.returncode == 0 and started == [], result.stdout + result.stderr
+    assert planned["sweep"]["planned"] is True
+
+
+def test_the_sweep_never_starts_at_a_quick_test_even_once_the_build_has_ended(sweep):
+    """The quick tests run first, beside the background build: one that ended early (it failed, or had nothing to
+    do) must not start the sweep beside them; the first e2e module beside the sweep does."""
+    sweep.running = False
+    conftest.pytest_runtest_setup(module_item(conftest.BESIDE_THE_SWEEP[0], (), e2e=False))
+    assert sweep.calls == [] and sweep.started == []
+    conftest.pytest_runtest_setup(module_item(conftest.BESIDE_THE_SWEEP[1]))
+    assert len(sweep.calls) == 1 and len(sweep.started) == 1

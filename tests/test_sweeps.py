@@ -42,9 +42,9 @@ def test_axes_expand_to_self_explaining_names():
         },
         fill,
     )
-    assert members["s"][:3] == ["tiny-bf16-k2-seqs1", "tiny-bf16-k2-seqs4", "tiny-bf16-k3-seqs1"]
+    assert members["s"][:3] == ["tiny-bf16-mtp2-seqs1", "tiny-bf16-mtp2-seqs4", "tiny-bf16-mtp3-seqs1"]
     assert len(members["s"]) == 8 and set(origin) == set(members["s"])
-    point = variants["tiny-w8a16-k3-seqs4"]
+    point = variants["tiny-w8a16-mtp3-seqs4"]
     assert point["recipe"] == "recipes/w8a16.yaml" and point["speculative"] == {"method": "mtp", "k": 3}
     assert point["serve"] == {"max_num_seqs": 4, "dtype": "bfloat16"}
     assert variants["base"] == BASE  # the base is not touched
@@ -63,7 +63,17 @@ def test_mapping_labels_and_prefixes():
         },
         fill,
     )
-    assert members == {"bits": ["bf16", "int4"], "named": ["named-k2"]}
+    assert members == {"bits": ["bf16", "int4"], "named": ["named-mtp2"]}
+
+
+def test_a_k_axis_labels_k_with_the_points_method_as_catalog_names_do():
+    base = dict(BASE, speculative={"method": "ngram_gpu", "k": 4, "prompt_lookup_max": 4})
+    _, members, _ = sweeps.expand(
+        {"base": base},
+        {"s": {"prefix": "x", "base": "base", "axes": {"speculative.k": [2, 8], "serve.max_num_seqs": [1]}}},
+        fill,
+    )
+    assert members == {"s": ["x-ngramgpu2-seqs1", "x-ngramgpu8-seqs1"]}
 
 
 def test_a_point_with_a_catalog_variants_settings_is_that_variant():
@@ -80,13 +90,14 @@ def test_a_point_with_a_catalog_variants_settings_is_that_variant():
         },
         fill,
     )
-    assert members == {"tiny-bits": ["tiny-bf16-mtp1", "tiny-awq-mtp1"], "tiny-k": ["tiny-awq-mtp1", "tiny-awq-k2"]}
-    assert set(variants) == {"tiny-awq-mtp1", "tiny-bf16-mtp1", "tiny-awq-k2"} and origin == {"tiny-awq-k2": "tiny-k"}
+    assert members == {"tiny-bits": ["tiny-bf16-mtp1", "tiny-awq-mtp1"], "tiny-k": ["tiny-awq-mtp1", "tiny-awq-mtp2"]}
+    assert set(variants) == {"tiny-awq-mtp1", "tiny-bf16-mtp1", "tiny-awq-mtp2"}
+    assert origin == {"tiny-awq-mtp2": "tiny-k"}
 
 
 def test_a_point_named_like_a_catalog_variant_with_other_settings_is_an_error():
-    catalog = {"base": BASE, "x-k2": dict(BASE, recipe="recipes/bf16.yaml")}
-    with pytest.raises(sweeps.SweepError, match=r"sweeps\.s'.*generates variant 'x-k2' with settings other than"):
+    catalog = {"base": BASE, "x-mtp2": dict(BASE, recipe="recipes/bf16.yaml")}
+    with pytest.raises(sweeps.SweepError, match=r"sweeps\.s'.*generates variant 'x-mtp2' with settings other than"):
         sweeps.expand(catalog, {"s": {"prefix": "x", "base": "base", "axes": {"speculative.k": [2]}}}, fill)
 
 

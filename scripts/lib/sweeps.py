@@ -2,8 +2,9 @@
 
 A sweep names a `base` variant of the catalog and `axes` (`recipe`, `serve.<key>`, `speculative.<key>`), each
 a list of values or a mapping label -> value. Every combination becomes a variant named
-`<prefix>-<label>-<label>...` (prefix: the sweep's name unless set), e.g. `tiny-awq-k2`. Labels explain the
-value: a recipe's file stem, `k<k>` for K, `seqs<n>` for max_num_seqs; a mapping names them itself.
+`<prefix>-<label>-<label>...` (prefix: the sweep's name unless set), e.g. `tiny-awq-mtp2`. Labels explain the
+value: a recipe's file stem, `<method><K>` for K (`mtp2`, `suffix20`: the catalog's names give K so too, and
+lib/config.py checks every name's against its settings), `seqs<n>` for max_num_seqs; a mapping names them itself.
 
 A point whose settings (schema defaults filled) equal a catalog variant's, or an earlier point's, IS that
 variant: its results are reused, not rebuilt. A point named like a catalog variant with other settings is an
@@ -19,9 +20,8 @@ from typing import Callable
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SECTIONS = ("serve", "speculative")
-# Short labels for list axes whose value alone would not say what was swept.
+# Short labels for list axes whose value alone would not say what was swept (K: k_label).
 PREFIXES = {
-    "speculative.k": "k",
     "serve.max_num_seqs": "seqs",
     "serve.max_num_batched_tokens": "batch",
     "serve.max_model_len": "len",
@@ -32,9 +32,16 @@ class SweepError(ValueError):
     """A sweep that cannot be expanded; the message names the sweep and the key."""
 
 
-def label_for(axis: str, value) -> str:
+def k_label(method: str, k) -> str:
+    """How a variant's name gives its K: its method and K, `mtp2`, `ngramgpu4`, `suffix20`, `dflash15`."""
+    return f"{method.replace('_', '')}{k}"
+
+
+def label_for(axis: str, value, point: dict) -> str:
     if axis == "recipe":
         text = Path(str(value)).stem
+    elif axis == "speculative.k":
+        text = k_label(point["speculative"]["method"], value)
     elif axis == "speculative.method":
         text = str(value)
     else:
@@ -95,7 +102,8 @@ def expand(variants: dict, sweeps: dict, fill: Callable[[str, dict, str], dict])
             for (axis, _), (_, value) in zip(axes, combination, strict=True):
                 set_axis(point, axis, value)
             labels = [
-                label or label_for(axis, value) for (axis, _), (label, value) in zip(axes, combination, strict=True)
+                label or label_for(axis, value, point)
+                for (axis, _), (label, value) in zip(axes, combination, strict=True)
             ]
             name = "-".join([prefix, *labels] if prefix else labels)
             if not NAME.match(name):
