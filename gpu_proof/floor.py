@@ -42,11 +42,31 @@ def engine_flags(args: list[str]) -> list[str]:
     return kept
 
 
+def timed_runs(engine, tokens: int, repeats: int) -> list[dict]:
+    """`repeats` greedy requests of a 64-token prompt, one at a time after a warm-up, each engine step timed."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    runs = []
+    for repeat in range(repeats + 1):  # the first is a warm-up
+        engine.add_request(f"floor-{repeat}", {"prompt_token_ids": list(range(100, 164))}, params)
+        steps, produced = [], 0
+        while engine.has_unfinished_requests():
+            began = time.perf_counter()
+            outputs = engine.step()
+            steps.append(time.perf_counter() - began)
+            produced = next((len(output.outputs[0].token_ids) for output in outputs), produced)
+        decode = steps[1:]  # the first step is the prefill (and first token)
+        run = {"first_step_ms": round(steps[0] * 1e3, 3), "step_median_ms": round(statistics.median(decode) * 1e3, 4)}
+        run |= {"step_mean_ms": round(statistics.mean(decode) * 1e3, 4), "steps": len(steps), "tokens": produced}
+        runs += [run] if repeat else []
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("serve_json")
-    parser.add_argument("model_dir")
-    parser.add_argument("out")
+    for positional in ("serve_json", "model_dir", "out"):
+        parser.add_argument(positional)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -62,7 +82,6 @@ def main() -> None:
     sys.path.insert(0, str(DIST_DIR))  # the patches' plugin entry points, for this process too
 
     import vllm
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
     try:
@@ -75,39 +94,10 @@ def main() -> None:
     started = time.monotonic()
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(namespace))
     start_s = time.monotonic() - started
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(100, 164))}  # 64 tokens
-    runs = []
-    for repeat in range(args.repeats + 1):  # the first is a warm-up
-        engine.add_request(f"floor-{repeat}", prompt, params)
-        steps, produced = [], 0
-        while engine.has_unfinished_requests():
-            began = time.perf_counter()
-            outputs = engine.step()
-            steps.append(time.perf_counter() - began)
-            for output in outputs:
-                produced = len(output.outputs[0].token_ids)
-        if repeat:
-            decode = steps[1:]  # the first step is the prefill (and first token)
-            runs.append(
-                {
-                    "first_step_ms": round(steps[0] * 1e3, 3),
-                    "step_median_ms": round(statistics.median(decode) * 1e3, 4),
-                    "step_mean_ms": round(statistics.mean(decode) * 1e3, 4),
-                    "steps": len(steps),
-                    "tokens": produced,
-                }
-            )
-    record = {
-        "kind": "floor",
-        "status": "ok",
-        "vllm": vllm.__version__,
-        "flags": flags,
-        "start_s": round(start_s, 1),
-        "tokens": args.tokens,
-        "runs": runs,
-        "step_median_ms": statistics.median(r["step_median_ms"] for r in runs),
-    }
+    runs = timed_runs(engine, args.tokens, args.repeats)
+    median = statistics.median(r["step_median_ms"] for r in runs)
+    record = {"kind": "floor", "status": "ok", "vllm": vllm.__version__, "flags": flags, "start_s": round(start_s, 1)}
+    record |= {"tokens": args.tokens, "runs": runs, "step_median_ms": median}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record))
 
