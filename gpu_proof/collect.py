@@ -24,16 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "schemas" / "gpu-proof.schema.yaml"
 RECORDS = ROOT / "records" / "gpu-proof"  # committed, apart from results/ (a run's outputs, ignored)
 SETS = ("repeated", "varied", "fresh")
-CATEGORY_FIELDS = (
-    "name",
-    "prompt_tokens",
-    "output_tokens_mean",
-    "median_ms",
-    "p90_ms",
-    "ttft_median_ms",
-    "itl_median_ms",
-    "mean_acceptance_length",
-)
+CATEGORY_FIELDS = ("name", "prompt_tokens", "output_tokens_mean", "median_ms", "p90_ms", "ttft_median_ms")
+CATEGORY_FIELDS += ("itl_median_ms", "mean_acceptance_length")
+CONTEXT = ("date", "gpu", "engine", "weights")  # what every record but the environment's takes from its run
 
 
 def gpu_model(name: str) -> str:
@@ -54,27 +47,15 @@ def compact_sets(probe: dict) -> dict:
 
 
 def compact_variant(record: dict, host: str, environment: dict) -> dict:
-    return {
-        "kind": "variant",
-        "host": host,
-        "date": environment["date"],
-        "gpu": environment["gpu"],
-        "engine": environment["engine"],
-        "weights": environment["weights"],
-        "config": record.get("config", "config.yaml"),
-        "variant": record["variant"],
-        "recipe": record["recipe"],
-        "speculative": record["speculative"],
-        "serve": record["serve"],
-        "options": record.get("options") or {},
-        "cold_start": record["cold_start"],
-        **({"warm_start": record["warm_start"]} if record.get("warm_start") else {}),
-        **({"host_busy": True} if record.get("host_busy") else {}),
-        "bytes_per_step": record["decode"]["weights_bytes_per_step"] if record.get("decode") else None,
-        "warmup": record["probe"]["warmup"],
-        "runs": record["probe"]["runs"],
-        "sets": compact_sets(record["probe"]),
-    }
+    """What the tables cite of a probed variant; `resident_servers` only where its driver counted them."""
+    kept = {key: record[key] for key in ("variant", "recipe", "speculative", "serve", "cold_start")}
+    kept |= {key: record[key] for key in ("warm_start", "host_busy", "resident_servers") if key in record}
+    kept |= {"config": record.get("config", "config.yaml"), "options": record.get("options") or {}}
+    # an older tree's driver kept the bytes in its decode analysis
+    kept["bytes_per_step"] = record.get("bytes_per_step") or (record.get("decode") or {}).get("weights_bytes_per_step")
+    probe = record["probe"]
+    kept |= {"warmup": probe["warmup"], "runs": probe["runs"], "sets": compact_sets(probe)}
+    return {"kind": "variant", "host": host, **{key: environment[key] for key in CONTEXT}, **kept}
 
 
 # what a run may change that bears on a lossless verdict (not a shared GPU's memory split)
@@ -88,18 +69,13 @@ def compact_lossless(record: dict, host: str, environment: dict, options: dict |
     for check in record["checks"]:
         rows = []
         for row in check["rows"]:
-            rows.append(
-                {key: row[key] for key in keep}
-                | {
-                    "first_difference": (row["first_difference"] or {}).get("position"),
-                    "near_tie_nats": (row["near_tie"] or {}).get("margin"),
-                }
-            )
+            where = {"first_difference": (row["first_difference"] or {}).get("position")}
+            where["near_tie_nats"] = (row["near_tie"] or {}).get("margin")
+            rows.append({key: row[key] for key in keep} | where)
         kept = {key: check[key] for key in ("variant", "reference_variant", "passed", "canary") if key in check}
         changed = {key: value for key, value in (options or {}).get(check["variant"], {}).items() if key in CHECKED}
         checks.append(kept | ({"options": changed} if changed else {}) | {"rows": rows})
-    context = {key: environment[key] for key in ("date", "gpu", "engine", "weights")}
-    return {"kind": "lossless", "host": host, **context, "checks": checks}
+    return {"kind": "lossless", "host": host, **{key: environment[key] for key in CONTEXT}, "checks": checks}
 
 
 def collect(
@@ -120,15 +96,9 @@ def collect(
             if member.isfile() and member.name.count("/") == 1 and member.name.endswith(".json")
         }
     environment, bandwidth = raw["environment"], raw.get("bandwidth") or {}
-    summary = {
-        "kind": "environment",
-        "host": host,
-        "date": environment["date"],
-        "gpu": environment["gpu"]["name"],
-        "cpu": environment["cpu"],
-        "vllm": environment["versions"]["vllm_bundle"]["vllm"],
-        "copy_gbps": bandwidth.get("copy_gbps"),
-    }
+    summary = {"kind": "environment", "host": host, "date": environment["date"], "gpu": environment["gpu"]["name"]}
+    summary |= {"cpu": environment["cpu"], "vllm": environment["versions"]["vllm_bundle"]["vllm"]}
+    summary["copy_gbps"] = bandwidth.get("copy_gbps")
     # what the variants were measured with: the vLLM release, and a trained checkpoint (--checkpoint) or random weights
     context = {
         "engine": summary["vllm"].split("+", 1)[0],
@@ -141,23 +111,15 @@ def collect(
         elif name == "lossless":
             options = {r["variant"]: r.get("options") or {} for n, r in raw.items() if n.startswith("variant-")}
             records["lossless"] = compact_lossless(record, host, summary | context, options)
-        elif name.startswith("floor-") and record.get("status") == "ok":
+        elif name.startswith("floor-") and record.get("status") == "ok":  # gpu_proof/floor.py's
             variant = name.removeprefix("floor-")
-            records[name] = {
-                "kind": "floor",
-                "host": host,
-                **{key: (summary | context)[key] for key in ("date", "gpu", "engine", "weights")},
-                "config": (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml"),
-                "variant": variant,
-                "step_median_ms": record["step_median_ms"],
-                "tokens": record["tokens"],
-                "runs": len(record["runs"]),
-            }
-    if note:  # what the run's conditions were, for its variants and its lossless checks (the tables show it)
-        for record in records.values():
-            if record["kind"] in ("variant", "lossless"):
-                record["note"] = note
+            floor = {"kind": "floor", "host": host, **{key: (summary | context)[key] for key in CONTEXT}}
+            floor |= {"config": (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml"), "variant": variant}
+            kept = {"step_median_ms": record["step_median_ms"], "tokens": record["tokens"], "runs": len(record["runs"])}
+            records[name] = floor | kept
     for record in records.values():
+        if note and record["kind"] in ("variant", "lossless"):  # the run's conditions (the tables show it)
+            record["note"] = note
         if host_busy and record["kind"] == "variant":
             record["host_busy"] = True
     schema = yaml.safe_load(SCHEMA.read_text())
@@ -177,13 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("tarball", type=Path)
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
     parser.add_argument("--out", type=Path, default=RECORDS)
-    parser.add_argument(
-        "--note", default=None, help="a sentence on the run's conditions, kept in its variant and lossless records"
-    )
-    parser.add_argument("--run", default=None, help="a name for this driver, where several ran on the host")
-    parser.add_argument(
-        "--host-busy", action="store_true", help="its probes ran while other servers started on the host (CPU load)"
-    )
+    parser.add_argument("--note", help="a sentence on the run's conditions, kept in its variant and lossless records")
+    parser.add_argument("--run", help="a name for this driver, where several ran on the host")
+    parser.add_argument("--host-busy", action="store_true", help="its probes ran while other servers started there")
     args = parser.parse_args(argv)
     for path in collect(args.tarball, args.host, args.out, args.note, args.run, args.host_busy):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)

@@ -95,32 +95,21 @@ case "$1" in
     env PYTHONPATH=/tmp/site-extra PYTHONUNBUFFERED=1 python3 -u gpu_proof/driver.py --state "$STATE" "${@:2}"
     echo "driver exit $?"
     touch "$STATE/driver.done" ;;
-  waitall)  # follow several drivers (STATES: their folders); each one's results and log come back as <folder>.*
-    limit=${2:-560}; t0=$(date +%s)
+  wait|waitall)  # follow the driver of STATE (wait: results.tar.gz, driver.log) or of each of STATES (<folder>.*)
+    limit=${2:-560}; t0=$(date +%s); states=$STATE; size=3000000
+    [ "$1" = waitall ] && { states=$STATES; size=1000000; }
     while :; do
       left=0
-      for state in $STATES; do
-        name=$(basename "$state")
+      for state in $states; do
+        name=results log=driver; [ "$1" = waitall ] && { name=$(basename "$state"); log=$name; }
         [ -d "$state/results" ] && tar czf "$OUT/$name.tar.gz.tmp" -C "$state" results && mv "$OUT/$name.tar.gz.tmp" "$OUT/$name.tar.gz"
-        [ -f "$state/driver.log" ] && tail -c 1000000 "$state/driver.log" > "$OUT/$name.log"
+        [ -f "$state/driver.log" ] && tail -c $size "$state/driver.log" > "$OUT/$log.log"
         [ -f "$state/driver.done" ] || left=$((left + 1))
       done
-      [ "$left" = 0 ] && { echo "all drivers finished"; break; }
+      [ "$left" = 0 ] && { echo "driver(s) finished"; break; }
       [ $(( $(date +%s) - t0 )) -ge "$limit" ] && { echo "$left still running after $limit s"; break; }
       sleep 10
     done
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-    for state in $STATES; do echo "== $state"; grep -E '^\[|FAILED|ready after|driver exit' "$state/driver.log" | tail -25; done ;;
-  wait)
-    limit=${2:-560}; t0=$(date +%s)
-    while :; do
-      [ -d "$STATE/results" ] && tar czf "$OUT/results.tar.gz.tmp" -C "$STATE" results \
-        && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
-      [ -f "$STATE/driver.log" ] && tail -c 3000000 "$STATE/driver.log" > "$OUT/driver.log"
-      [ -f "$STATE/driver.done" ] && { echo "driver finished"; break; }
-      [ $(( $(date +%s) - t0 )) -ge "$limit" ] && { echo "still running after $limit s"; break; }
-      sleep 10
-    done
-    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-    grep -E '^\[|===|FAILED|ready after' "$STATE/driver.log" | tail -60 ;;
+    for state in $states; do echo "== $state"; grep -E '^\[|===|FAILED|ready after|driver exit' "$state/driver.log" | tail -40; done ;;
 esac

@@ -508,28 +508,12 @@ def scores_copy_path(log_path: str) -> Path:
     return Path(log_path).with_suffix(".scores.json")
 
 
-def main(job) -> None:
+def scored_in_container(built: dict, tasks: list[dict], p, manager, samples_dir: Path | None) -> dict:
+    """Every task's lm-eval scores against the image served in a container: the scores, the image (its tag and the
+    ID that ran), its network and the seconds until it answered /ping."""
     from lib.containers import recorded_image, run_container, wait_for_ping  # container plumbing, host-side
 
-    p = job.params
-    tasks = normalize_tasks(p.tasks)
-    built = json.loads(Path(job.input.image).read_text())
-    image = built["ref"]
-    log_dir = scores_copy_path(job.log[0]).parent if job.log else None
-    samples_dir = Path(job.log[0]).with_suffix(".samples") if job.log else None
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    note = limit_note(p.limit)
-    if note:
-        print(f"[quality_gate] {note}", file=sys.stderr, flush=True)
-
-    use_fetched_datasets(job.input.datasets_cache, job.input.datasets_manifest)  # the hub is off (run_stage)
-    manager = task_manager(p.tasks_dir)
-    requests = build_task_requests(
-        tasks, base_url="http://unused", model_name=p.model_name, num_concurrent=p.num_concurrent, limit=p.limit
-    )
-    start = time.monotonic()
-    check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
-    image_id = recorded_image(built)
+    image, image_id = built["ref"], recorded_image(built)
     with run_container(image_id, gpus=bool(p.gpus), shm_size=p.shm_size, name_prefix="quality-gate") as container:
         ping_s = wait_for_ping(
             container.base_url,
@@ -559,19 +543,18 @@ def main(job) -> None:
                 f"lm-eval failed against {image}: {type(error).__name__}: {error}\n"
                 f"last container log lines:\n{container.logs()}"
             ) from error
+    return {"scores": scores, "image": image, "image_id": image_id, "network": container.network, "ping_s": ping_s}
 
-    reference = load_reference(p.reference_scores or None, p.reference_variant)
-    passed, rows = evaluate_gate(scores, tasks, reference["scores"] if reference else None, p.margin_stderr)
-    print(format_table(rows, reference["variant"] if reference else None, p.limit), flush=True)
-    note = limit_note(p.limit)
-    for line in ([note] if note else []) + warnings_for(rows) + limit_warnings(rows, p.limit):
-        print(line, file=sys.stderr, flush=True)
+
+def gate_report(served: dict, tasks: list[dict], p, passed: bool, rows: list[dict], reference, start: float) -> dict:
+    """The stage's record (schemas/quality.schema.yaml): the verdict, each task's row and how it was measured."""
     import lm_eval
 
-    report = {
-        "image": image,
-        "image_id": image_id,
-        "network": container.network,
+    scores = served["scores"]
+    return {
+        "image": served["image"],
+        "image_id": served["image_id"],
+        "network": served["network"],
         "model_name": p.model_name,
         "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
         "limit": p.limit,
@@ -580,7 +563,7 @@ def main(job) -> None:
         "num_concurrent": p.num_concurrent,
         "passed": passed,
         "seconds": round(time.monotonic() - start, 1),
-        "server_ready_s": round(ping_s, 1),
+        "server_ready_s": round(served["ping_s"], 1),
         "reference": {k: reference[k] for k in ("variant", "path", "image")} if reference else None,
         "tasks": [
             {
@@ -591,6 +574,34 @@ def main(job) -> None:
             for row, t in zip(rows, tasks, strict=True)
         ],
     }
+
+
+def main(job) -> None:
+    p = job.params
+    tasks = normalize_tasks(p.tasks)
+    built = json.loads(Path(job.input.image).read_text())
+    log_dir = scores_copy_path(job.log[0]).parent if job.log else None
+    samples_dir = Path(job.log[0]).with_suffix(".samples") if job.log else None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    note = limit_note(p.limit)
+    if note:
+        print(f"[quality_gate] {note}", file=sys.stderr, flush=True)
+
+    use_fetched_datasets(job.input.datasets_cache, job.input.datasets_manifest)  # the hub is off (run_stage)
+    manager = task_manager(p.tasks_dir)
+    requests = build_task_requests(
+        tasks, base_url="http://unused", model_name=p.model_name, num_concurrent=p.num_concurrent, limit=p.limit
+    )
+    start = time.monotonic()
+    check_datasets(requests, manager)  # before a slow server start: an offline host fails in seconds
+    served = scored_in_container(built, tasks, p, manager, samples_dir)
+
+    reference = load_reference(p.reference_scores or None, p.reference_variant)
+    passed, rows = evaluate_gate(served["scores"], tasks, reference["scores"] if reference else None, p.margin_stderr)
+    print(format_table(rows, reference["variant"] if reference else None, p.limit), flush=True)
+    for line in ([note] if note else []) + warnings_for(rows) + limit_warnings(rows, p.limit):
+        print(line, file=sys.stderr, flush=True)
+    report = gate_report(served, tasks, p, passed, rows, reference, start)
     validate_json(report, SCHEMA)
     if log_dir:  # the user's copy, kept whether or not the gate passes
         write_json(scores_copy_path(job.log[0]), report)

@@ -288,21 +288,8 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def main(job) -> None:
-    started = time.monotonic()
-    model_dir, out_dir = Path(job.input.model), Path(job.output.model)
-    # the source checkpoint as download (or train_tiny) made and verified it: a file changed since is not read
-    verify_manifest(model_dir, job.input.model_manifest)
-    bounds = dict(job.params.quantize)
-    # Guards that need no model come first: a recipe that does not fit fails in a second, not after loading.
-    recipe = read_recipe(job.input.recipe)
-    source_dir, source_config = model_dir, json.loads((model_dir / "config.json").read_text())
-    source_header = checkpoint_header(model_dir)
-    plan = plan_checkpoint(recipe, source_config, source_header)
-    prune, rows = recipe["prune_vocab"], plan["vocab_rows"]
-    architecture, targeted, untie = plan["architecture"], plan["targeted"], plan["untie"]
-    header = plan["header"]  # with its own lm_head once untied
-    expected_bytes = expected_weight_bytes(header, targeted)
+def describe_plan(recipe: dict, plan: dict, source_header: dict, expected_bytes: int) -> None:
+    untie, header, targeted = plan["untie"], plan["header"], plan["targeted"]  # header: its own lm_head once untied
     print(
         f"recipe {recipe['path']}: {len(targeted)} modules to quantize, expected weights {expected_bytes} bytes "
         f"(source {sum(i['bytes'] for i in source_header.values())}"
@@ -311,55 +298,68 @@ def main(job) -> None:
         flush=True,
     )
 
-    import torch
+
+def calibration_data(job, recipe: dict, tokenizer) -> tuple[dict | None, list | None, object]:
+    """The calibration section as the report records it, its texts and their tokenized dataset (all None for a
+    recipe that does not quantize)."""
+    if not recipe["quantize"]:
+        return None, None, None
+    calib = dict(job.params.calibration)
+    calib_file = getattr(job.input, "calibration", None) or calib["path"]
+    source = calib["source"]
+    if source == "hf_dataset":
+        fetched = [getattr(job.input, key, None) for key in ("calibration_cache", "calibration_datasets")]
+        if not all(fetched):
+            raise StageError("calibration.source hf_dataset: the job has no fetched cache (download_datasets)")
+        use_fetched_datasets(*fetched)
+    texts = load_calibration_texts(
+        source,
+        int(calib["num_samples"]),
+        int(calib["seed"]),
+        path=calib_file,
+        dataset=calib["dataset"],
+        split=calib["split"],
+        revision=calib.get("revision"),
+    )
+    dataset = build_dataset(tokenizer, texts, int(calib["max_seq_length"]), bool(calib["chat"]))
+    calib.update(
+        source=source,
+        text_file=calib_file,
+        samples_used=len(dataset),
+        tokens_used=sum(map(len, dataset["input_ids"])),
+    )
+    print(f"calibration: {calib['samples_used']} samples, {calib['tokens_used']} tokens", flush=True)
+    return calib, texts, dataset
+
+
+def kept_vocabulary(job, recipe: dict, rows: int, tokenizer, model_dir: Path, dataset) -> list[int]:
+    """The ids a pruned vocabulary keeps, before any model loads: a size that cannot hold every token the calibration
+    set, the held-out text and the kept texts use fails here."""
+    required = {i for row in (dataset["input_ids"] if dataset else []) for i in row}
+    for text in required_texts([job.input.heldout, *job.input.keep_texts], job.params.keep_sentence):
+        required |= set(tokenizer(text, add_special_tokens=False)["input_ids"])
+    try:
+        kept = plan_kept_ids(
+            json.loads((model_dir / "tokenizer.json").read_text()), recipe["prune_vocab"]["size"], required, rows
+        )
+    except PruneError as error:
+        raise StageError(f"recipe {recipe['path']}: pipeline.prune_vocab: {error}") from error
+    print(f"vocabulary: {rows} rows -> {len(kept)} ids ({len(required)} required by the data)", flush=True)
+    return kept
+
+
+def build_and_check(job, recipe, plan, bounds, expected_bytes, kept, tokenizer, heldout, calibration) -> dict:
+    """The checkpoint quantized (or copied) into a folder aside, checked, then moved to job.output.model; with a
+    pruned vocabulary the source is pruned first, and the tokenizer, held-out ids and calibration set made again for
+    it. What the checks found."""
     from transformers import AutoTokenizer
 
     from serving.patches.avx2_fp32 import HalfProductsInFp32
 
-    if getattr(job, "threads", None):
-        torch.set_num_threads(job.threads)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
-    calib, dataset, seed, max_seq_length = None, None, 0, 0
-    if recipe["quantize"]:
-        calib = dict(job.params.calibration)
-        calib_file = getattr(job.input, "calibration", None) or calib["path"]
-        source = calib["source"]
-        seed = int(calib["seed"])
-        max_seq_length = int(calib["max_seq_length"])
-        if source == "hf_dataset":
-            fetched = [getattr(job.input, key, None) for key in ("calibration_cache", "calibration_datasets")]
-            if not all(fetched):
-                raise StageError("calibration.source hf_dataset: the job has no fetched cache (download_datasets)")
-            use_fetched_datasets(*fetched)
-        texts = load_calibration_texts(
-            source,
-            int(calib["num_samples"]),
-            seed,
-            path=calib_file,
-            dataset=calib["dataset"],
-            split=calib["split"],
-            revision=calib.get("revision"),
-        )
-        dataset = build_dataset(tokenizer, texts, max_seq_length, bool(calib["chat"]))
-        calib.update(
-            source=source,
-            text_file=calib_file,
-            samples_used=len(dataset),
-            tokens_used=sum(map(len, dataset["input_ids"])),
-        )
-        print(f"calibration: {calib['samples_used']} samples, {calib['tokens_used']} tokens", flush=True)
-    kept = None
-    if prune:  # before any model loads: a size that cannot hold every required token fails here
-        required = {i for row in (dataset["input_ids"] if dataset else []) for i in row}
-        for text in required_texts([job.input.heldout, *job.input.keep_texts], job.params.keep_sentence):
-            required |= set(tokenizer(text, add_special_tokens=False)["input_ids"])
-        try:
-            kept = plan_kept_ids(json.loads((model_dir / "tokenizer.json").read_text()), prune["size"], required, rows)
-        except PruneError as error:
-            raise StageError(f"recipe {recipe['path']}: pipeline.prune_vocab: {error}") from error
-        print(f"vocabulary: {rows} rows -> {len(kept)} ids ({len(required)} required by the data)", flush=True)
-
+    source_dir = model_dir = Path(job.input.model)
+    out_dir, architecture, targeted = Path(job.output.model), plan["architecture"], plan["targeted"]
+    calib, texts, dataset = calibration
+    seed, max_seq_length = (int(calib["seed"]), int(calib["max_seq_length"])) if calib else (0, 0)
     tmp = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -369,7 +369,7 @@ def main(job) -> None:
     # the mode stays off: it would pass every op through Python for nothing.
     with HalfProductsInFp32() if default_device() == "cpu" else nullcontext():
         try:
-            if prune:
+            if kept is not None:
                 vocab, loaded = prune_checkpoint(
                     source_dir, pruned_dir, kept, architecture, job.input.heldout, heldout, bounds
                 )
@@ -388,7 +388,7 @@ def main(job) -> None:
                 max_seq_length=max_seq_length,
                 heldout=heldout,
                 seed=seed,
-                untie_head=untie,
+                untie_head=plan["untie"],
                 loaded=loaded,
             )
             loaded = None
@@ -412,12 +412,19 @@ def main(job) -> None:
             raise
         finally:
             shutil.rmtree(pruned_dir, ignore_errors=True)
+    return {"checks": checks, "qconfig": qconfig, "heldout": heldout_stats, "vocab": vocab}
+
+
+def quantize_report(job, recipe: dict, plan: dict, calib: dict | None, built: dict, started: float) -> dict:
+    """The stage's report of the checkpoint main wrote to job.output.model (`built`: what its checks found)."""
+    source_dir, out_dir = Path(job.input.model), Path(job.output.model)
+    checks, targeted = built["checks"], plan["targeted"]
     manifest = write_manifest(out_dir, job.output.manifest)
     source_bytes, output_bytes = _dir_bytes(source_dir), _dir_bytes(out_dir)
     parts = part_bytes(out_dir)
     decode_step = step_bytes(parts)
     decode_step.update(bound_ms_a10g=round(bound_ms(decode_step["total"], A10G_GBPS), 4), a10g_gbps=A10G_GBPS)
-    report = {
+    return {
         "status": "quantized" if recipe["quantize"] else "not quantized",
         "quantized": recipe["quantize"],
         "recipe": {
@@ -427,39 +434,66 @@ def main(job) -> None:
             "modifiers": recipe["modifiers"],
             "groups": recipe["groups"],
         },
-        "architecture": architecture,
+        "architecture": plan["architecture"],
         "calibration": calib,
         "quantized_modules": len(checks["quantized_module_names"]),
         "quantized_module_names": checks["quantized_module_names"],
-        "quantization_config": qconfig,
+        "quantization_config": built["qconfig"],
         "checks": {
             "pattern_matches": plan["pattern_counts"],
             "expected_quantized_modules": len(targeted),
             "mtp_tensors": checks["mtp_tensors"],
             "carried_over": checks["carried_over"],
-            "expected_weight_bytes": expected_bytes,
+            "expected_weight_bytes": built["expected_bytes"],
             "weight_bytes": checks["weight_bytes"],
-            "heldout": heldout_stats,
+            "heldout": built["heldout"],
         },
         "source_bytes": source_bytes,
         "output_bytes": output_bytes,
         "size_ratio": round(output_bytes / source_bytes, 4),
         "head": {
             "tied_in_source": plan["tied_head"],
-            "untied": untie,
-            "untie_bytes": parts["lm_head"] if untie else 0,
+            "untied": plan["untie"],
+            "untie_bytes": parts["lm_head"] if plan["untie"] else 0,
             "quantized": HEAD_MODULE in targeted,
         },
         "decode_step": decode_step,
-        "vocab": vocab and {**vocab, "size": prune["size"]},
+        "vocab": built["vocab"] and {**built["vocab"], "size": recipe["prune_vocab"]["size"]},
         "output_files": {name: (out_dir / name).stat().st_size for name in manifest},
         "wall_seconds": round(time.monotonic() - started, 1),
         "versions": _versions(),
     }
+
+
+def main(job) -> None:
+    started = time.monotonic()
+    model_dir, out_dir = Path(job.input.model), Path(job.output.model)
+    # the source checkpoint as download (or train_tiny) made and verified it: a file changed since is not read
+    verify_manifest(model_dir, job.input.model_manifest)
+    bounds = dict(job.params.quantize)
+    # Guards that need no model come first: a recipe that does not fit fails in a second, not after loading.
+    recipe = read_recipe(job.input.recipe)
+    source_config, source_header = json.loads((model_dir / "config.json").read_text()), checkpoint_header(model_dir)
+    plan = plan_checkpoint(recipe, source_config, source_header)
+    expected_bytes = expected_weight_bytes(plan["header"], plan["targeted"])
+    describe_plan(recipe, plan, source_header, expected_bytes)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    if getattr(job, "threads", None):
+        torch.set_num_threads(job.threads)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    heldout = heldout_ids(tokenizer, job.input.heldout, int(bounds["heldout_tokens"]))
+    calibration = calibration_data(job, recipe, tokenizer)
+    prune = recipe["prune_vocab"]  # before any model loads: a size that cannot hold the data's tokens fails here
+    kept = kept_vocabulary(job, recipe, plan["vocab_rows"], tokenizer, model_dir, calibration[2]) if prune else None
+    built = build_and_check(job, recipe, plan, bounds, expected_bytes, kept, tokenizer, heldout, calibration)
+    report = quantize_report(job, recipe, plan, calibration[0], built | {"expected_bytes": expected_bytes}, started)
     validate_json(report, getattr(job.input, "schema", None) or SCHEMA)
     write_json(job.output.report, report)
     print(
-        f"{report['status']}: {report['quantized_modules']} modules into {out_dir} ({output_bytes} bytes, "
+        f"{report['status']}: {report['quantized_modules']} modules into {out_dir} ({report['output_bytes']} bytes, "
         f"{report['size_ratio']:.2f} of the source) in {report['wall_seconds']:.0f} s",
         flush=True,
     )

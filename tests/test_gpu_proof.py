@@ -23,18 +23,22 @@ from render_results import RENAMED  # noqa: E402
 
 import collect  # noqa: E402
 import driver  # noqa: E402
+import plan  # noqa: E402
+import records  # noqa: E402
+import steps  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pipeline():
-    return driver.catalog(ROOT / "config.yaml")
+    return plan.catalog(ROOT / "config.yaml")
 
 
 @pytest.fixture(autouse=True)
 def own_host_markers(tmp_path, monkeypatch):
-    """Each test its own folder of starting servers' markers: another run of the suite on this machine is no server
-    of this test's host."""
-    monkeypatch.setattr(driver, "STARTING", tmp_path / "starting")
+    """Each test its own folders of starting and resident servers' markers: another run of the suite on this machine
+    is no server of this test's host."""
+    monkeypatch.setattr(records, "STARTING", tmp_path / "starting")
+    monkeypatch.setattr(records, "RESIDENT", tmp_path / "resident")
 
 
 def committed() -> dict[Path, dict]:
@@ -50,7 +54,7 @@ def test_the_records_validate_and_are_the_catalogs_variants(pipeline):
     a named host whose environment is recorded, in the folder of its GPU model; trained-weight records are variants
     of the tiny profile's catalog, random-weight ones of config.yaml's (a sweep point measured under an older name
     under the name the tables give it)."""
-    catalogs = {"config.yaml": pipeline, "config/tiny.yaml": driver.catalog(ROOT / "config" / "tiny.yaml")}
+    catalogs = {"config.yaml": pipeline, "config/tiny.yaml": plan.catalog(ROOT / "config" / "tiny.yaml")}
     records = committed()
     assert records, "no GPU records"
     hosts = {(r["gpu"], r["host"]) for r in records.values() if r["kind"] == "environment"}
@@ -82,17 +86,7 @@ def test_quantized_variants_read_fewer_bytes_than_bf16_on_their_host():
         assert record["bytes_per_step"] < bf16[record["host"]], (record["host"], record["variant"])
 
 
-# ---- the driver, against gpu_proof/fake_server.py ----
-
-TEXT_CONFIG = {
-    "full_attention_layers": 8,
-    "linear_attention_layers": 24,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-}
+# ---- the driver, against tests/serving_standin.py ----
 
 
 def write_checkpoint(folder: Path) -> None:
@@ -108,16 +102,16 @@ def write_checkpoint(folder: Path) -> None:
 
 
 def fake_driver(tmp_path, pipeline, names, **options):
-    """A Driver serving gpu_proof/fake_server.py, its environment, checkpoint, bandwidth and quantize steps done."""
-    d = driver.Driver(tmp_path, names, pipeline, {"warmup": 1, "runs": 2, **options})
-    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    """A Driver serving tests/serving_standin.py, its environment, checkpoint, bandwidth and quantize steps done."""
+    d = steps.Driver(tmp_path, names, pipeline, {"warmup": 1, "runs": 2, **options})
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
     write_checkpoint(d.model_dir)
     shutil.copytree(d.model_dir, tmp_path / "quant" / "awq-w4a16-g32-broad" / "model")
     environment = {"gpu": {"name": "NVIDIA H200"}, "versions": {"vllm_bundle": {"vllm": "0.26.0"}}}
     d.record(
         "environment", {"kind": "environment", "status": "ok", "cpu": "a CPU", "date": "2026-11-28", **environment}
     )
-    d.record("checkpoint", {"kind": "checkpoint", "status": "ok", "text_config": TEXT_CONFIG})
+    d.record("checkpoint", {"kind": "checkpoint", "status": "ok"})
     d.record("bandwidth", {"kind": "bandwidth", "status": "ok", "copy_gbps": 4000.0})
     for step in ("environment", "checkpoint", "bandwidth", "quantize-awq-w4a16-g32-broad"):
         (d.done / step).write_text("0\n")
@@ -142,7 +136,7 @@ def test_the_driver_serves_catalog_variants_together_and_checks_them_lossless(tm
         assert record["serve"]["gdn_prefill_backend"] == "triton"  # config.yaml's serve section, as a user's image
         assert set(record["probe"]["varied"] or {}) and record["probe"]["runs"] == 2
     assert "reference" in records["awq-w4a16-g32-none"] and "reference" not in records["bf16"]
-    assert records["awq-w4a16-g32-mtp2"]["decode"]["weights_bytes_per_step"] == 1000 + 500 + 2 * (100 + 500)
+    assert records["awq-w4a16-g32-mtp2"]["bytes_per_step"] == 1000 + 500 + 2 * (100 + 500)
     lossless = json.loads((results / "lossless.json").read_text())
     assert [(c["variant"], c["reference_variant"], c["passed"]) for c in lossless["checks"]] == [
         ("awq-w4a16-g32-mtp2", "awq-w4a16-g32-none", True),
@@ -184,7 +178,7 @@ def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other
         "serve_set": {"enable_prefix_caching": True},
     }
     d = fake_driver(tmp_path, pipeline, names, together=3, **options)
-    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
     d.run()
     results = tmp_path / "results"
     records = {n: json.loads((results / f"variant-{n}.json").read_text()) for n in names}
@@ -207,7 +201,7 @@ def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other
     assert kept["host1-vllm0.26.0-cached-bf16.json"]["warm_start"]["compile_log"]
     for record in kept.values():
         jsonschema.validate(record, SCHEMA)
-    with pytest.raises(driver.PlanError, match="awq-w4a16-g32-none"):
+    with pytest.raises(plan.PlanError, match="awq-w4a16-g32-none"):
         driver.main(["--variants", "bf16", "--reference-for", "bf16=awq-w4a16-g32-none", "--plan"])
 
 
@@ -215,7 +209,7 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     """The trained-weights proof: the tiny profile's catalog, its checkpoint and quantized model made on a CPU by the
     pipeline (--checkpoint, --quantized), every patch off (--patches off: a new engine before the patches are
     re-decided); nothing random is built, the given checkpoint is described by its files' digests."""
-    tiny = driver.catalog(ROOT / "config" / "tiny.yaml")
+    tiny = plan.catalog(ROOT / "config" / "tiny.yaml")
     given, quantized = tmp_path / "given", tmp_path / "given-awq"
     write_checkpoint(given)
     (given / "config.json").write_text(
@@ -236,8 +230,8 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     shutil.copytree(given, quantized)
     names = ["tiny-awq-none", "tiny-awq-mtp2"]
     options = {"warmup": 1, "runs": 1, "checkpoint": str(given), "patches": "off", "config": "config/tiny.yaml"}
-    d = driver.Driver(tmp_path / "state", names, tiny, options | {"quantized": {"awq-w4a16-g32-broad": str(quantized)}})
-    d.serve_cmd = [sys.executable, str(ROOT / "gpu_proof" / "fake_server.py")]
+    d = steps.Driver(tmp_path / "state", names, tiny, options | {"quantized": {"awq-w4a16-g32-broad": str(quantized)}})
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
     d.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
     d.record("bandwidth", {"kind": "bandwidth", "status": "ok", "copy_gbps": 4000.0})
     for step in ("environment", "bandwidth"):
@@ -247,7 +241,7 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     checkpoint = json.loads((results / "checkpoint.json").read_text())
     digest = hashlib.sha256((given / "model.safetensors").read_bytes()).hexdigest()
     assert checkpoint["weights_sha256"] == {"model.safetensors": digest}
-    assert (checkpoint["text_config"]["full_attention_layers"], checkpoint["text_config"]["head_dim"]) == (1, 128)
+    assert checkpoint["architecture"] == "Qwen3_5ForConditionalGeneration"
     assert not (tmp_path / "state" / "weights").exists() and not any((tmp_path / "state" / "quant").iterdir())
     for name in names:
         record = json.loads((results / f"variant-{name}.json").read_text())
@@ -286,7 +280,7 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     assert mtp["host_busy"] is True and "host_busy" not in kept["host9-vllm0.26.0-lossless.json"]
     assert kept["host9-vllm0.26.0-lossless.json"]["weights"] == "trained"
     assert kept["host9-vllm0.26.0-lossless.json"]["note"] == "a caveat"  # which checkpoint a canary served, say
-    with pytest.raises(driver.PlanError, match="no-such-recipe"):
+    with pytest.raises(plan.PlanError, match="no-such-recipe"):
         driver.main(
             [
                 "--config",
@@ -301,14 +295,13 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
 
 
 def test_a_variant_the_catalog_does_not_define_is_refused_before_any_step(tmp_path, pipeline):
-    with pytest.raises(driver.PlanError, match="awq-no-such-variant"):
+    with pytest.raises(plan.PlanError, match="awq-no-such-variant"):
         driver.main(["--variants", "bf16,awq-no-such-variant", "--state", str(tmp_path / "state")])
     assert not (tmp_path / "state").exists()
     variants = {"drafted": {"recipe": "recipes/awq-w4a16-g32-broad.yaml", "speculative": {"method": "dflash", "k": 15}}}
-    with pytest.raises(driver.PlanError, match="--random-drafter"):
-        driver.plan(["drafted"], variants, 1, random_drafter=False)
-    steps = driver.plan(["drafted"], variants, 1, random_drafter=True)
-    assert steps == [
+    with pytest.raises(plan.PlanError, match="--random-drafter"):
+        plan.plan_steps(["drafted"], variants, 1, random_drafter=False)
+    assert plan.plan_steps(["drafted"], variants, 1, random_drafter=True) == [
         "environment",
         "checkpoint",
         "bandwidth",
@@ -317,21 +310,6 @@ def test_a_variant_the_catalog_does_not_define_is_refused_before_any_step(tmp_pa
         "serve-1",
         "lossless",
     ]
-
-
-def test_decode_bound_counts_context_state_and_tokens_a_step():
-    category = {
-        "name": "long",
-        "prompt_tokens": 8192,
-        "output_tokens_requested": 256,
-        "itl_median_ms": 10.0,
-        "mean_acceptance_length": 2.0,
-    }
-    (row,) = driver.decode_bound(int(10.2e9), 1000.0, TEXT_CONFIG, [category])["categories"]
-    assert row["weights_bound_ms"] == pytest.approx(10.2 / 2)  # 10.2 GB at 1000 GB/s, two tokens a step
-    kv = 8320 * 8 * 2 * 4 * 256 * 2
-    state = 2 * 24 * 32 * 128 * 128 * 4
-    assert row["bound_with_kv_state_ms"] == pytest.approx((10.2e9 + kv + state) / 1e12 * 1e3 / 2, rel=1e-3)
 
 
 @pytest.mark.e2e  # the compress venv (torch, transformers)
@@ -396,7 +374,7 @@ def test_the_floor_measures_the_engine_with_the_servers_settings_less_the_front_
     import floor
     from serving.settings import vllm_args
 
-    tiny = driver.catalog(ROOT / "config" / "tiny.yaml")
+    tiny = plan.catalog(ROOT / "config" / "tiny.yaml")
     args = vllm_args(tiny.serve_json("tiny-awq-none"), "/m", host="127.0.0.1", port=0, cuda=True)
     flags = floor.engine_flags(args)
     assert "--max-num-seqs" in flags and "/m" in flags
@@ -412,7 +390,7 @@ def test_a_second_driver_on_the_host_takes_the_first_ones_weights_and_times_only
     """--share-state: another engine measured on the same weights in the same lease: the checkpoint, bandwidth and
     quantized model are the first driver's (waited for, never rebuilt); every probe holds the host-wide lock."""
     first = fake_driver(tmp_path / "first", pipeline, ["awq-w4a16-g32-none"])
-    second = driver.Driver(
+    second = steps.Driver(
         tmp_path / "second",
         ["awq-w4a16-g32-none"],
         pipeline,
@@ -422,14 +400,14 @@ def test_a_second_driver_on_the_host_takes_the_first_ones_weights_and_times_only
     second.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
     (second.done / "environment").write_text("0\n")
     held = []
-    real_lock = driver.Driver.probe_lock
-    monkeypatch.setattr(driver, "PROBE_LOCK", tmp_path / "probe.lock")
+    real_lock = steps.Driver.probe_lock
+    monkeypatch.setattr(records, "PROBE_LOCK", tmp_path / "probe.lock")
 
     def recording_lock(self):
         held.append(self.state.name)
         return real_lock(self)
 
-    monkeypatch.setattr(driver.Driver, "probe_lock", recording_lock)
+    monkeypatch.setattr(steps.Driver, "probe_lock", recording_lock)
     second.run()
     results = tmp_path / "second" / "results"
     record = json.loads((results / "variant-awq-w4a16-g32-none.json").read_text())
@@ -453,7 +431,7 @@ def test_a_probe_waits_for_the_hosts_starting_servers_and_says_when_it_could_not
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (starting / f"{sleeper.pid}-other-bf16").touch()
-        monkeypatch.setattr(driver, "QUIET_WAIT_S", 0.5)
+        monkeypatch.setattr(steps, "QUIET_WAIT_S", 0.5)
         d.run()
     finally:
         sleeper.kill()
@@ -463,3 +441,51 @@ def test_a_probe_waits_for_the_hosts_starting_servers_and_says_when_it_could_not
     written = collect.collect(tmp_path / "quiet" / "results.tar.gz", "host9", tmp_path / "records")
     kept = {p.name: json.loads(p.read_text()) for p in written}
     assert kept["host9-vllm0.26.0-awq-w4a16-g32-none.json"]["host_busy"] is True
+
+
+def test_a_group_starts_only_when_the_host_has_room_and_each_record_counts_the_servers_resident_beside_it(
+    tmp_path, pipeline, monkeypatch
+):
+    """--max-resident N: a group larger than N + 1 is refused before any step; a group waits, nothing of it started,
+    while other drivers' servers leave it no room beside at most N others at a probe, and starts once they stop; each
+    record says how many other servers were resident while it was probed (the most at the probe's start and end),
+    and collect.py keeps that count."""
+    with pytest.raises(plan.PlanError, match="--max-resident 0"):
+        driver.main(["--variants", "bf16,awq-w4a16-g32-none", "--together", "2", "--max-resident", "0", "--plan"])
+    resident = tmp_path / "resident"
+    resident.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # another driver, alive
+    try:
+        (resident / f"{other.pid}-other-bf16").touch()
+        alone = fake_driver(tmp_path / "alone", pipeline, ["bf16", "awq-w4a16-g32-none"], max_resident=0)
+        held_back = []
+
+        def other_server_stops(seconds):
+            held_back.append(not list((tmp_path / "alone" / "results").glob("variant-*.json")))
+            (resident / f"{other.pid}-other-bf16").unlink(missing_ok=True)
+
+        alone.pause = other_server_stops
+        alone.run()
+        assert held_back == [True]  # the first group waited once, before any of its servers started
+        results = tmp_path / "alone" / "results"
+        for name in ("bf16", "awq-w4a16-g32-none"):
+            record = json.loads((results / f"variant-{name}.json").read_text())
+            assert (record["status"], record["resident_servers"]) == ("ok", 0), record.get("error")
+        assert not any(resident.iterdir())  # its servers' markers went with them
+        written = collect.collect(tmp_path / "alone" / "results.tar.gz", "host9", tmp_path / "records")
+        assert {json.loads(p.read_text()).get("resident_servers") for p in written} == {0, None}  # None: environment
+
+        real_probe = steps.probe
+
+        def probe_while_another_server_starts(*args, **kwargs):
+            (resident / f"{other.pid}-other-mtp2").touch()
+            return real_probe(*args, **kwargs)
+
+        monkeypatch.setattr(steps, "probe", probe_while_another_server_starts)
+        pair = fake_driver(tmp_path / "pair", pipeline, ["bf16", "awq-w4a16-g32-none"], together=2, max_resident=2)
+        pair.run()
+        for name in ("bf16", "awq-w4a16-g32-none"):  # its group mate, and the other driver's server from mid-probe on
+            record = json.loads((tmp_path / "pair" / "results" / f"variant-{name}.json").read_text())
+            assert (record["status"], record["resident_servers"]) == ("ok", 2), record.get("error")
+    finally:
+        other.kill()

@@ -173,3 +173,14 @@ def test_the_shipped_engine_is_the_release_configs_engine_vllm_else_the_schemas_
     assert render_results.shipped_engine(config) == "0.99.0"
     config.write_text("model: {name: x}\n")
     assert render_results.shipped_engine(config) == default
+
+
+def test_each_probe_says_how_many_other_servers_were_resident_and_an_older_record_says_unknown():
+    base = {"gpu": "NVIDIA H200", "date": "2026-11-29", "engine": "0.32.0", "weights": "random", "bytes_per_step": None}
+    base["cold_start"] = {"cache": "empty", "seconds": 1.0}
+    records = [variant("h", name, {"repeated": [m] * 3}) | base for name, m in (("bf16", 400), ("awq", 200))]
+    for category in [c for record in records for c in record["sets"]["repeated"]["categories"]]:
+        category.update(itl_median_ms=1.5, ttft_median_ms=9.0, mean_acceptance_length=None)
+    records[0]["resident_servers"] = 3
+    rows = {line.split(" | ")[0]: line for line in render_results.variant_rows(records, "NVIDIA H200")}
+    assert rows["| `bf16`"].endswith("| 1 (empty) | 3 |") and rows["| `awq`"].endswith("| 1 (empty) | unknown |")

@@ -155,6 +155,11 @@ def reference_of(records: list[dict], record: dict) -> dict | None:
     )
 
 
+def resident_cell(record: dict) -> str:
+    """How many other servers were resident on the host during the probe; records from before it was counted lack it."""
+    return str(record["resident_servers"]) if "resident_servers" in record else "unknown"
+
+
 def start_cell(record: dict) -> str:
     """The first start's seconds and cache; with --restart, the second start's on the cache the first one filled."""
     cold = f"{fmt(record['cold_start'].get('seconds'), 0)} ({record['cold_start'].get('cache')})"
@@ -188,8 +193,8 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
         "Cost (full-size random-weight checkpoint):",
         "",
         "| variant | vLLM | host, date | × bf16 same host: repeated / varied / fresh | ITL ms | TTFT long ms: repeated "
-        "/ fresh | tokens a step | GB a step | start s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "/ fresh | tokens a step | GB a step | start s | others resident |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
     for record in sorted(variants, key=lambda r: (r["date"], r["host"], r["engine"], r["variant"], len(r["options"]))):
@@ -202,7 +207,7 @@ def variant_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {triple((long_ttft(record, 'repeated'), long_ttft(record, 'fresh')), 0)} "
             f"| {triple(per_set(record, 'mean_acceptance_length').values())} "
             f"| {fmt(record['bytes_per_step'] and record['bytes_per_step'] / 1e9)} "
-            f"| {start_cell(record)} |"
+            f"| {start_cell(record)} | {resident_cell(record)} |"
         )
     return rows + footnotes(notes)
 
@@ -217,8 +222,8 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
         "Acceptance and step cost (the tiny profile's trained checkpoint):",
         "",
         "| variant | vLLM | host, date | tokens a step: repeated / varied / fresh | ITL ms | engine step ms "
-        "| TTFT short ms | start s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT short ms | start s | others resident |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     floors = {(r["host"], r["engine"], r["variant"]): r for r in measured(records, "floor", gpu, "trained")}
     notes: list[str] = []
@@ -230,7 +235,7 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
             f"| {triple(per_set(record, 'itl_median_ms').values())} "
             f"| {fmt((floors.get((record['host'], record['engine'], record['variant'])) or {}).get('step_median_ms'))} "
             f"| {fmt(short['ttft_median_ms'], 1)} "
-            f"| {start_cell(record)} |"
+            f"| {start_cell(record)} | {resident_cell(record)} |"
         )
     return rows + footnotes(notes)
 
@@ -288,7 +293,8 @@ def results_md(records: list[dict]) -> str:
         "`repeated` is the competition's prompt (one sentence repeated), `varied` real paragraphs, `fresh` a new",
         "prompt every run (nothing cached). ITL is the mean over categories of each category's median inter-token",
         "latency; tokens a step is the mean acceptance length with speculation. `options` say what the run changed",
-        "from the catalog variant.",
+        "from the catalog variant. `others resident` is how many other servers were resident on the host while the",
+        "variant was probed (`unknown`: probed before the driver counted them).",
     ]
     for gpu in gpus(records):
         lines += [

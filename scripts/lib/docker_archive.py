@@ -159,33 +159,9 @@ def _json(small: dict, name: str, what: str, errors: list[str]):
         return None
 
 
-def verify_archive(
-    path: str | Path, expected_ref: str, expected_labels: dict[str, str], image_id: str | None = None
-) -> dict:
-    """Check the archive; return its record, or raise StageError listing every check that failed."""
-    started = time.monotonic()
-    members, small, layers = read_archive(path)
-    errors: list[str] = []
-    record = {"archive": str(path), "archive_sha256": members[None]["sha256"], "archive_bytes": members[None]["bytes"]}
-    manifest = _json(small, "manifest.json", "manifest", errors)
-    if manifest is not None:
-        if not isinstance(manifest, list) or len(manifest) != 1:
-            errors.append(f"manifest.json should describe exactly one image, not {len(manifest or [])}")
-            manifest = None
-    if manifest is None:
-        raise StageError(f"{path} failed verification:\n  - " + "\n  - ".join(errors))
-    entry = manifest[0]
-    tags = entry.get("RepoTags") or []
-    record["repo_tags"] = tags
-    if [short_ref(t) for t in tags] != [short_ref(expected_ref)]:
-        errors.append(f"RepoTags are {tags}, expected exactly [{short_ref(expected_ref)!r}]")
-    config_name = _norm(entry.get("Config", ""))
-    image = _json(small, config_name, "image config", errors) or {}
-    if config_name in members:
-        record["image_id"] = f"sha256:{members[config_name]['sha256']}"
-        if image_id and record["image_id"] != image_id:
-            errors.append(f"image config digest {record['image_id']} is not the built image's id {image_id}")
-    settings = image.get("config") or {}
+def _config_problems(settings: dict, expected_labels: dict[str, str], record: dict) -> list[str]:
+    """The image config's checks: entrypoint, offline env, port, labels, no secrets, not root. Fills `record`."""
+    errors = []
     env = settings.get("Env") or []
     labels = settings.get("Labels") or {}
     record.update(
@@ -214,7 +190,13 @@ def verify_archive(
             f"the server runs as root (config User {record['user']!r}); the Dockerfile's USER names the unprivileged "
             "server user"
         )
+    return errors
 
+
+def _layer_problems(image: dict, entry: dict, members: dict, layers: dict, record: dict) -> list[str]:
+    """Each layer the manifest lists: present, its digest the config's diff_id, a readable tar whose model files the
+    server user cannot change; then the files the image must hold. Fills `record`."""
+    errors = []
     diff_ids = (image.get("rootfs") or {}).get("diff_ids") or []
     layer_paths = [_norm(p) for p in entry.get("Layers") or []]
     if image and len(diff_ids) != len(layer_paths):
@@ -248,10 +230,41 @@ def verify_archive(
     for name in REQUIRED_FILES:
         if name not in files:
             errors.append(f"/{name} is in no layer")
-    if labels.get(DRAFT_LABEL, "none") != "none" and DRAFT_CONFIG not in files:
+    if record["labels"].get(DRAFT_LABEL, "none") != "none" and DRAFT_CONFIG not in files:
         errors.append(f"the image is labelled with a drafter ({DRAFT_LABEL}) but /{DRAFT_CONFIG} is in no layer")
     if cache_files == 0:
         errors.append(f"no file under /{CACHE_DIR} in any layer (the compile cache was not baked in)")
+    return errors
+
+
+def verify_archive(
+    path: str | Path, expected_ref: str, expected_labels: dict[str, str], image_id: str | None = None
+) -> dict:
+    """Check the archive; return its record, or raise StageError listing every check that failed."""
+    started = time.monotonic()
+    members, small, layers = read_archive(path)
+    errors: list[str] = []
+    record = {"archive": str(path), "archive_sha256": members[None]["sha256"], "archive_bytes": members[None]["bytes"]}
+    manifest = _json(small, "manifest.json", "manifest", errors)
+    if manifest is not None:
+        if not isinstance(manifest, list) or len(manifest) != 1:
+            errors.append(f"manifest.json should describe exactly one image, not {len(manifest or [])}")
+            manifest = None
+    if manifest is None:
+        raise StageError(f"{path} failed verification:\n  - " + "\n  - ".join(errors))
+    entry = manifest[0]
+    tags = entry.get("RepoTags") or []
+    record["repo_tags"] = tags
+    if [short_ref(t) for t in tags] != [short_ref(expected_ref)]:
+        errors.append(f"RepoTags are {tags}, expected exactly [{short_ref(expected_ref)!r}]")
+    config_name = _norm(entry.get("Config", ""))
+    image = _json(small, config_name, "image config", errors) or {}
+    if config_name in members:
+        record["image_id"] = f"sha256:{members[config_name]['sha256']}"
+        if image_id and record["image_id"] != image_id:
+            errors.append(f"image config digest {record['image_id']} is not the built image's id {image_id}")
+    errors += _config_problems(image.get("config") or {}, expected_labels, record)
+    errors += _layer_problems(image, entry, members, layers, record)
     record["seconds"] = round(time.monotonic() - started, 1)
     if errors:
         raise StageError(f"{path} failed verification:\n  - " + "\n  - ".join(errors))

@@ -472,59 +472,49 @@ def _stats(rows: list[dict]) -> dict:
     }
 
 
-def verdict(planned: list[Kind], answers: list[Answer], references: dict[str, dict], after: dict, model: str) -> dict:
-    """The record's verdict part: every request's row, the counts, latency per class, and the failures (each naming
-    the request). `after`: {alive, ping_status, kind, answer} of the check once the load is over."""
-    failures, rows = [], []
-    for name, reference in references.items():
-        if reference["problems"]:
-            failures.append(f"{name} (alone, before the load): " + "; ".join(reference["problems"]))
-    for index, (kind, answer) in enumerate(zip(planned, answers, strict=True)):
-        parsed, problems = check_answer(kind, answer, model)
-        row = {
-            "index": index,
-            "kind": kind.name,
-            "endpoint": kind.endpoint,
-            "valid": kind.valid,
-            "status": answer.status,
-            "latency_ms": round(answer.latency_ms, 2),
-            "ttft_ms": round(answer.ttft_ms, 2) if answer.ttft_ms is not None else None,
-            "finish_reason": parsed.get("finish_reason"),
-            "same_ids_as_alone": None,
-            "same_text_as_alone": None,
-            "near_tie": None,
-            "problems": problems,
-        }
-        reference = references.get(kind.name)
-        if not problems and reference is not None and not reference["problems"]:
-            compared = compare_with_alone(parsed, reference)
-            row.update(
-                same_ids_as_alone=compared["same_ids"],
-                same_text_as_alone=compared["same_text"],
-                near_tie=compared["near_tie"],
-            )
-            if compared["divergence"]:
-                d = compared["divergence"]
-                problems.append(
-                    f"differs from the same request alone at output token {d['position']} (id {d['speculative']}, "
-                    f"alone {d['reference']}), not at a near tie"
-                )
-        row["ok"] = not problems
-        if problems:
-            failures.append(f"request {index} ({kind.name}, {kind.path}): " + "; ".join(problems))
-        rows.append(row)
-
-    after_row = {
-        "alive": after["alive"],
-        "ping_status": after["ping_status"],
-        "kind": None,
-        "status": None,
-        "problems": [],
+def request_row(index: int, kind: Kind, answer: Answer, references: dict[str, dict], model: str) -> dict:
+    """One request's row: its answer checked, and compared with the same request alone where both are sound."""
+    parsed, problems = check_answer(kind, answer, model)
+    row = {
+        "index": index,
+        "kind": kind.name,
+        "endpoint": kind.endpoint,
+        "valid": kind.valid,
+        "status": answer.status,
+        "latency_ms": round(answer.latency_ms, 2),
+        "ttft_ms": round(answer.ttft_ms, 2) if answer.ttft_ms is not None else None,
+        "finish_reason": parsed.get("finish_reason"),
+        "same_ids_as_alone": None,
+        "same_text_as_alone": None,
+        "near_tie": None,
+        "problems": problems,
     }
+    reference = references.get(kind.name)
+    if not problems and reference is not None and not reference["problems"]:
+        compared = compare_with_alone(parsed, reference)
+        row.update(
+            same_ids_as_alone=compared["same_ids"],
+            same_text_as_alone=compared["same_text"],
+            near_tie=compared["near_tie"],
+        )
+        if compared["divergence"]:
+            d = compared["divergence"]
+            problems.append(
+                f"differs from the same request alone at output token {d['position']} (id {d['speculative']}, "
+                f"alone {d['reference']}), not at a near tie"
+            )
+    row["ok"] = not problems
+    return row
+
+
+def after_row(after: dict, references: dict[str, dict], model: str) -> dict:
+    """The check once the load is over (`after`: {alive, ping_status, kind, answer}): the server still up, /ping
+    200, and its answer the one it gave before the load."""
+    row = {"alive": after["alive"], "ping_status": after["ping_status"], "kind": None, "status": None, "problems": []}
     if not after["alive"]:
-        after_row["problems"].append("the server's container is no longer running")
+        row["problems"].append("the server's container is no longer running")
     if after["ping_status"] != 200:
-        after_row["problems"].append(f"/ping answered {after['ping_status'] or 'nothing'} after the load, not 200")
+        row["problems"].append(f"/ping answered {after['ping_status'] or 'nothing'} after the load, not 200")
     if after.get("answer") is not None:
         kind = after["kind"]
         parsed, problems = check_answer(kind, after["answer"], model)
@@ -533,21 +523,17 @@ def verdict(planned: list[Kind], answers: list[Answer], references: dict[str, di
             divergence = compare_with_alone(parsed, reference)["divergence"]
             if divergence:
                 problems.append(f"differs from its answer before the load at output token {divergence['position']}")
-        after_row.update(kind=kind.name, status=after["answer"].status)
-        after_row["problems"] += problems
-    if after_row["problems"]:
-        failures.append("after the load: " + "; ".join(after_row["problems"]))
-    after_row["ok"] = not after_row["problems"]
+        row.update(kind=kind.name, status=after["answer"].status)
+        row["problems"] += problems
+    row["ok"] = not row["problems"]
+    return row
 
-    statuses: dict[str, int] = {}
-    for row in rows:
-        statuses[str(row["status"])] = statuses.get(str(row["status"]), 0) + 1
+
+def load_counts(rows: list[dict], answers: list[Answer]) -> dict:
+    """The rows counted: requests, failures by class, server errors, unanswered, and the comparisons with alone."""
     valid_rows = [row for row in rows if row["valid"]]
-    latency = {"overall": _stats(valid_rows)}
-    latency |= {endpoint: _stats([row for row in valid_rows if row["endpoint"] == endpoint]) for endpoint in ENDPOINTS}
-    latency[INVALID] = _stats([row for row in rows if not row["valid"]])
     compared = [row for row in valid_rows if row["same_ids_as_alone"] is not None]
-    counts = {
+    return {
         "requests": len(rows),
         "valid": len(valid_rows),
         "invalid": len(rows) - len(valid_rows),
@@ -560,13 +546,42 @@ def verdict(planned: list[Kind], answers: list[Answer], references: dict[str, di
         "near_ties": sum(row["near_tie"] is not None for row in compared),
         "text_differs_from_alone": sum(row["same_text_as_alone"] is False for row in compared),
     }
+
+
+def verdict(planned: list[Kind], answers: list[Answer], references: dict[str, dict], after: dict, model: str) -> dict:
+    """The record's verdict part: every request's row, the counts, latency per class, and the failures (each naming
+    the request). `after`: {alive, ping_status, kind, answer} of the check once the load is over."""
+    failures = [
+        f"{name} (alone, before the load): " + "; ".join(reference["problems"])
+        for name, reference in references.items()
+        if reference["problems"]
+    ]
+    rows = [
+        request_row(index, kind, answer, references, model)
+        for index, (kind, answer) in enumerate(zip(planned, answers, strict=True))
+    ]
+    failures += [
+        f"request {row['index']} ({kind.name}, {kind.path}): " + "; ".join(row["problems"])
+        for kind, row in zip(planned, rows, strict=True)
+        if row["problems"]
+    ]
+    last = after_row(after, references, model)
+    if last["problems"]:
+        failures.append("after the load: " + "; ".join(last["problems"]))
+    statuses: dict[str, int] = {}
+    for row in rows:
+        statuses[str(row["status"])] = statuses.get(str(row["status"]), 0) + 1
+    valid_rows = [row for row in rows if row["valid"]]
+    latency = {"overall": _stats(valid_rows)}
+    latency |= {endpoint: _stats([row for row in valid_rows if row["endpoint"] == endpoint]) for endpoint in ENDPOINTS}
+    latency[INVALID] = _stats([row for row in rows if not row["valid"]])
     return {
         "passed": not failures,
         "failures": failures,
-        "counts": counts,
+        "counts": load_counts(rows, answers),
         "statuses": dict(sorted(statuses.items())),
         "latency_ms": latency,
-        "after": after_row,
+        "after": last,
         "requests": rows,
     }
 

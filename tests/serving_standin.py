@@ -1,14 +1,11 @@
-"""A stand-in for `python3 -m serving` (stdlib only), for testing gpu_proof/driver.py without a GPU.
+"""A stand-in for `python3 -m serving` (stdlib only), for testing gpu_proof/driver.py without a GPU or vLLM.
 
 Reads PORT and CACHE_DIR like serving/launch.py; answers /ping after FAKE_DELAY_S seconds (0.05 when the
 cache already holds vllm/compiled, as a baked cache would), /tokenize (a token per word), /detokenize,
 streamed /v1/completions (max_tokens chunks of one token id each, the same ids for the same prompt and MODEL_DIR,
-top logprobs when asked, FAKE_TOKEN_DELAY_S apart), /v1/chat/completions, /metrics (MTP counters), and
-/start_profile and /stop_profile when serve.json's extra_args configure vLLM's profiler (then /stop_profile writes a
-small gzipped trace there: two decode steps of three kernels each, the way the engine core writes its own).
+top logprobs when asked), /v1/chat/completions and /metrics (MTP counters).
 """
 
-import gzip
 import json
 import os
 import time
@@ -20,24 +17,7 @@ CACHE = Path(os.environ["CACHE_DIR"])
 WARM = (CACHE / "vllm" / "compiled").exists()
 READY_AT = time.monotonic() + (0.05 if WARM else float(os.environ.get("FAKE_DELAY_S", "0.3")))
 WEIGHTS = zlib.crc32(os.environ.get("MODEL_DIR", "").encode()) % 50  # other weights, other greedy ids
-TOKEN_DELAY_S = float(os.environ.get("FAKE_TOKEN_DELAY_S", "0"))
 COUNTS = {"drafts": 0, "accepted": 0}
-SERVE = json.loads(Path(os.environ["SERVE_CONFIG"]).read_text()) if os.environ.get("SERVE_CONFIG") else {}
-_ARGS = SERVE.get("extra_args", [])
-PROFILE_DIR = (
-    Path(json.loads(_ARGS[_ARGS.index("--profiler-config") + 1])["torch_profiler_dir"])
-    if "--profiler-config" in _ARGS
-    else None
-)
-TRACE = [  # (name, start us, duration us): per step a Marlin GEMM, a GDN kernel, the bf16 head; 100 us idle between
-    (name, step * 1000 + start, duration)
-    for step in range(2)
-    for name, start, duration in (
-        ("Marlin<256, 1, 8, 8, 4, 8>", 0, 500),
-        ("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 200),
-        ("nvjet_tst_128x8_64x12_4x1_v_bz_TNT", 700, 200),
-    )
-]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -75,14 +55,6 @@ class Handler(BaseHTTPRequestHandler):
             self.reply({"tokens": [len(w) for w in body["prompt"].split()]})
         elif self.path == "/detokenize":
             self.reply({"prompt": " ".join("w" * t for t in body["tokens"])})
-        elif self.path in ("/start_profile", "/stop_profile") and PROFILE_DIR is not None:
-            if self.path == "/stop_profile":
-                PROFILE_DIR.mkdir(parents=True, exist_ok=True)
-                events = [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in TRACE]
-                trace = PROFILE_DIR / f"rank0.{time.time_ns()}.pt.trace.json.gz"
-                with gzip.open(trace, "wt") as handle:
-                    json.dump({"traceEvents": events}, handle)
-            self.reply({})
         elif self.path == "/v1/chat/completions":
             self.reply({"choices": [{"message": {"content": "hi"}}]})
         elif self.path == "/v1/completions":
@@ -96,9 +68,6 @@ class Handler(BaseHTTPRequestHandler):
                 if body.get("logprobs"):
                     choice["logprobs"] = {"top_logprobs": [{f"token_id:{token}": -0.1, f"token_id:{token + 1}": -2.0}]}
                 self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                if TOKEN_DELAY_S:
-                    self.wfile.flush()
-                    time.sleep(TOKEN_DELAY_S)
             COUNTS["drafts"] += body["max_tokens"]
             usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
             self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -113,15 +82,6 @@ def main() -> None:
     (CACHE / "vllm" / "compiled").write_text("graph")
     (CACHE / "triton").mkdir(exist_ok=True)
     (CACHE / "triton" / "kernel.cubin").write_text("kernel")
-    # an autotuned kernel's kept result, as Triton writes it with TRITON_CACHE_AUTOTUNING=1 (the driver reads picks)
-    tuned = CACHE / "triton" / "H0" / "fake_kernel.autotune.json"
-    if not tuned.exists():
-        tuned.parent.mkdir(exist_ok=True)
-        timings = [
-            [{"kwargs": {"BLOCK": 64}, "num_warps": 4}, [0.02]],
-            [{"kwargs": {"BLOCK": 128}, "num_warps": 4}, [0.01]],
-        ]
-        tuned.write_text(json.dumps({"key": [1], "configs_timings": timings}))
     ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler).serve_forever()
 
 
