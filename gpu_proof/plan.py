@@ -91,5 +91,10 @@ def from_args(args, pipeline) -> tuple[list[str], list[str], dict]:
     options["serve_env"] = pairs(args.serve_env)
     options["serve_set"] = {key: json.loads(value) for key, value in pairs(args.serve_set).items()}
     options["config"] = str(Path(args.config).resolve().relative_to(ROOT))
-    options["engine"] = args.engine or pipeline.config["engine"]["vllm"]
+    options["engine"] = expected_engine(pipeline, args.engine)
     return names, steps, options
+
+
+def expected_engine(pipeline, given: str | None) -> str:
+    """The vLLM release the bundle must be: --engine's, else the catalog's engine.vllm."""
+    return given or pipeline.config["engine"]["vllm"]

