@@ -54,6 +54,11 @@ def metadata(query_lens, computed, rows=None, slots=None):
     return gdn_attn.GDNAttentionMetadataBuilder.build(builder(), 0, common)
 
 
+def regathered(md, slot):
+    blocks = torch.tensor([[slot]], dtype=torch.int32)
+    return gdn_attn.GDNAttentionMetadataBuilder.update_block_table(builder(), md, blocks, None)
+
+
 # the kernels' stand-ins: deterministic CPU functions of every tensor vLLM hands them, writing the states in place
 def conv(x, weight, bias, activation=None, conv_states=None, has_initial_state=None, cache_indices=None,
          query_start_loc=None, metadata=None, **_):
@@ -107,10 +112,13 @@ def inputs(rows, seed):
     return qkvz[:, :DIM], torch.rand(rows, HV, generator=gen), torch.rand(rows, HV, generator=gen)
 
 
-def vllm_side(l, md, mixed, b, a):
-    out = torch.zeros(mixed.shape[0], HV, V)
+VLLM_FORWARD_CORE = gdn.QwenGatedDeltaNetAttention._forward_core
+
+
+def vllm_side(l, md, mixed, b, a, out=None):
+    out = torch.zeros(mixed.shape[0], HV, V) if out is None else out
     gdn.get_forward_context = lambda: SimpleNamespace(attn_metadata={l.prefix: md})
-    gdn.QwenGatedDeltaNetAttention._forward_core(l, mixed, b, a, out)
+    VLLM_FORWARD_CORE(l, mixed, b, a, out)
     return out
 
 
@@ -123,6 +131,8 @@ taken = {
     "one prefill": patch.one_prefill(metadata([64], [0])),
     "one prefill, padded rows": patch.one_prefill(metadata([40], [0], rows=48)),
     "one prefill with a prior state": patch.one_prefill(metadata([30], [64])),
+    # the model runner V2 builds one KV-cache group's metadata and re-gathers the others' state slots from it
+    "another group's, re-gathered": patch.one_prefill(regathered(metadata([64], [0]), 5)),
     "a prefill behind a padding request": patch.one_prefill(metadata([64, 0], [0, 0])),
     "two prefills": patch.one_prefill(metadata([64, 30], [0, 0])),
     "a decode beside a prefill": patch.one_prefill(metadata([1, 64], [10, 0])),
@@ -136,15 +146,19 @@ def capture(body):
     captured.append(body)
     return body
 graphs = patch.Graphs(capture)
-steps = [(64, 0, 2), (64, 0, 3), (64, 80, 1), (64, 0, 4), (30, 0, 5), (64, 10, 2), (3000, 0, 1)]
+# (tokens, tokens computed before, state slot, re-gathered for another group's slot)
+steps = [(64, 0, 2, None), (64, 0, 3, None), (64, 80, 1, None), (64, 0, 4, 5), (30, 0, 5, None), (64, 10, 2, None),
+         (3000, 0, 1, None)]
 report = []
 ours, theirs = layer(7), layer(7)  # one layer each, its states carried from step to step
-for seed, (tokens, computed, slot) in enumerate(steps):
+for seed, (tokens, computed, slot, other) in enumerate(steps):
     md = metadata([tokens], [computed], slots=[slot])
+    md = md if other is None else regathered(md, other)
     mixed, b, a = inputs(tokens, seed)
     expected = snapshot(theirs, vllm_side(theirs, md, mixed, b, a))
     out = torch.zeros(tokens, HV, V)
-    how = graphs.run(ours, mixed, b, a, out, md, patch.one_prefill(md))
+    eager = lambda: vllm_side(ours, md, mixed, b, a, out)  # noqa: E731
+    how = graphs.run(ours, mixed, b, a, out, md, patch.one_prefill(md), eager)
     got = snapshot(ours, out)
     report.append({"how": how, "equal": all(torch.equal(x, y) for x, y in zip(expected, got))})
 
@@ -159,7 +173,8 @@ for seed in range(3):
     mixed, b, a = inputs(64, seed)
     expected = snapshot(theirs, vllm_side(theirs, md, mixed, b, a))
     out = torch.zeros(64, HV, V)
-    runs.append([broken.run(ours, mixed, b, a, out, md, patch.one_prefill(md)),
+    eager = lambda: vllm_side(ours, md, mixed, b, a, out)  # noqa: E731
+    runs.append([broken.run(ours, mixed, b, a, out, md, patch.one_prefill(md), eager),
                  all(torch.equal(x, y) for x, y in zip(expected, snapshot(ours, out)))])
 
 # the wrapper: the patch's branch for one request's prefill, vLLM's own code for any other batch
@@ -173,7 +188,8 @@ gdn.get_forward_context = lambda: SimpleNamespace(attn_metadata={l.prefix: two})
 wrapped(l, mixed, b, a, torch.zeros(94, HV, V))
 one = metadata([64], [0])
 gdn.get_forward_context = lambda: SimpleNamespace(attn_metadata={l.prefix: one})
-wrapped(l, mixed[:64], b[:64], a[:64], torch.zeros(64, HV, V))
+for _ in range(3):  # vLLM's code the first time, a capture the second, a replay the third
+    wrapped(l, mixed[:64], b[:64], a[:64], torch.zeros(64, HV, V))
 patch.register.__wrapped__()
 patch.register.__wrapped__()  # twice: still one wrapper
 inner = getattr(gdn.QwenGatedDeltaNetAttention._forward_core, patch._WRAPPED, None)
@@ -193,10 +209,11 @@ def test_gdn_prefill_graphs_computes_what_vllms_forward_core_computes(tiny_venvs
     assert taken["one prefill"] == [64, 64, 1]
     assert taken["one prefill, padded rows"] == [48, 40, 1]
     assert taken["one prefill with a prior state"] == [30, 30, 1]
+    assert taken["another group's, re-gathered"] == [64, 64, 1]
     assert taken["a prefill behind a padding request"] == [64, 64, 2]
     assert [taken[name] for name in ("two prefills", "a decode beside a prefill", "decodes only")] == [None] * 3
-    # 64 tokens: eager the first time, captured the second, replayed after, with other slots and prior states; a
-    # length seen once (30) eager; past MAX_TOKENS eager
+    # 64 tokens: vLLM's code the first time, captured the second, replayed after, with other slots, prior states and
+    # another group's re-gathered slots; a length seen once (30) vLLM's code; past MAX_TOKENS vLLM's code
     assert [step["how"] for step in seen["steps"]] == [
         "eager",
         "captured",
@@ -208,5 +225,5 @@ def test_gdn_prefill_graphs_computes_what_vllms_forward_core_computes(tiny_venvs
     ]
     assert all(step["equal"] for step in seen["steps"]), seen["steps"]
     assert seen["broken"] == [["eager", True], ["eager", True], ["eager", True]]
-    assert seen["wrapper"] == ["vllm"], "two prefills went to vLLM's code, one prefill to the patch's"
+    assert seen["wrapper"] == ["vllm", "vllm"], "two prefills and a first sighting went to vLLM's code, no more"
     assert seen["registered_once"]

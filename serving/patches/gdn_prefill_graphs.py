@@ -1,30 +1,27 @@
 """vLLM general plugin (entry point in _dist/): the Gated DeltaNet prefill of a step that prefills one request alone,
-without the host sync vLLM's code makes in every GDN layer, and replayed from a CUDA graph once its prompt length
-has been seen before.
+replayed from a CUDA graph once a layer has seen its length before.
 
-Why it exists: on an H200 (vLLM 0.26, bf16, 4B shapes) every request paid 55-70 ms before its first token whatever
-its length: a torch profiler trace of a 64-token prefill showed the GPU busy ~10 ms of it, and each of the 24 GDN
-layers spending 2.36 ms of host time in `vllm::qwen_gdn_attention_core` on the Triton prefill path (the only GDN
-prefill of the contract's A10G): Python around the FLA Triton kernels (autotuner, heuristics and launcher, a few
-tens of microseconds each) and the initial state's gather, masked zeroing and scatter. vLLM 0.32's `_forward_core`
-(vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py) still zeroes the initial state of requests without
-one by a boolean mask (`initial_state[~prefill_has_initial_state, ...] = 0`, a `nonzero` and a host sync in each
-layer) and launches the same kernels from Python.
+Why it exists: on an H200 with vLLM 0.32 (bf16, Qwen3.5-4B's shapes, in-process engine) a request's first token took
+50-70 ms whatever its length, a 1-token prompt included (0.32 classifies a first chunk as a prefill). A torch profiler
+trace of a 64-token prefill: the GPU busy 5 ms of it, each of the 24 GDN layers 3.4 ms of host time in
+`vllm::qwen_gdn_attention_core` on the Triton prefill path (the only GDN prefill of the contract's A10G): Python
+around a dozen launches (FLA's autotuner, heuristics and launcher, input guards) and the initial state's gather,
+boolean-mask zeroing (`initial_state[~prefill_has_initial_state, ...] = 0`: a `nonzero`, a host sync) and scatter.
+Replayed, a layer took 0.37 ms in the same trace.
 
-What it does, for a step whose GDN metadata is one request's prefill (no decodes, no drafts, `num_prefills == 1`):
-- the prefill branch of vLLM's `_forward_core`, with vLLM's own kernels (causal_conv1d_fn, fused_post_conv_prep,
-  the layer's chunk_gated_delta_rule) in vLLM's order, but the initial state zeroed by `masked_fill` (the same
-  values, no sync);
-- for prompt chunks of at most MAX_TOKENS tokens, the second time a layer sees a length it captures that branch in
-  a CUDA graph (static inputs shared by every layer, one private memory pool), and from then on copies the step's
-  inputs, state slot and has-state flag in, replays, and copies the output out: a handful of launches a layer
-  instead of the Python of a dozen. The competition's prompts repeat, and its 5 warm-ups capture them; a length seen
-  once (most fresh prompts) costs no capture.
-Any other batch (decodes, drafts, several prefills, FlashInfer/CuteDSL/AITER backends, a capture in progress) goes
-to vLLM's own code unchanged. A capture that fails turns the graphs off for the process (logged) and the step runs
-on the eager branch.
+What it does, for a step whose GDN metadata is one request's prefill (no decodes, no drafts, `num_prefills == 1`) of
+at most MAX_TOKENS rows: the second time a layer sees a length, it captures the prefill branch of vLLM's
+`_forward_core` in a CUDA graph (vLLM's own kernels in vLLM's order: causal_conv1d_fn, fused_post_conv_prep, the
+layer's chunk_gated_delta_rule, the state's gather and scatter; the zeroing as `masked_fill`, the same values without
+the sync a capture cannot hold), on static inputs shared by every layer and one private memory pool. From then on a
+step copies its inputs, state slots and has-state flags in, replays, and copies the output out. The competition's
+prompts repeat and its 5 warm-ups capture them; a length seen once (most fresh prompts) runs vLLM's own code and
+costs a dictionary look-up. Every other step (a length not seen before, longer chunks, decodes, drafts, several
+prefills, FlashInfer/CuteDSL/AITER backends, a capture in progress) runs vLLM's own code unchanged. A capture that
+fails turns the graphs off for the process (logged).
 
-serve.patches.gdn_prefill_graphs: false leaves vLLM's code alone (the GPU proof measures the prefill both ways).
+serve.patches.gdn_prefill_graphs: false leaves vLLM's code alone; gpu_proof/floor.py --ab measures a prefill both
+ways in one engine and compares every token's logprob.
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ from serving.patches import guarded
 
 _WRAPPED = "_serving_gdn_prefill_graphs"
 _LAYER_STATE = "_serving_prefill_graphs"
-# A prefill chunk of more tokens runs the eager branch: past it the GPU is busy longer than the host's launches take
-# (the eager branch already lets the host run ahead), while the graph's memory (its inputs and its pool, shared by
-# the layers) grows with the length: ~0.2 GB at 2,048 tokens of Qwen3.5-4B, ~0.8 GB at 8,192.
+# A prefill chunk of more rows runs vLLM's own code: there the GPU's work outweighs the host's launches, while a graph's
+# memory (its inputs and pool, shared by the layers) grows with the length: ~0.2 GB at 2,048 tokens of Qwen3.5-4B.
 MAX_TOKENS = 2048
 MIN_SIGHTINGS = 2  # a length is captured the second time a layer sees it: a length seen once costs no capture
 MAX_LENGTHS = 8  # lengths with a graph per layer; more stay eager (bounds the graphs' memory)
@@ -57,10 +53,11 @@ def one_prefill(metadata) -> tuple[int, int, int] | None:
     starts, slots = metadata.prefill_query_start_loc, metadata.prefill_state_indices
     if starts is None or slots is None or metadata.chunk_indices is None or metadata.chunk_offsets is None:
         return None
-    # without decodes vLLM's builder hands the chunk kernel the non-speculative tensors themselves
+    # without decodes vLLM's builder hands the chunk kernel the non-speculative tensors themselves, and the model runner
+    # V2's update_block_table (the other KV-cache groups) a view of the same slots
     if not (
         starts is metadata.non_spec_query_start_loc
-        and slots is metadata.non_spec_state_indices_tensor
+        and same_view(slots, metadata.non_spec_state_indices_tensor)
         and metadata.prefill_has_initial_state is metadata.has_initial_state
     ):
         return None
@@ -73,6 +70,14 @@ def one_prefill(metadata) -> tuple[int, int, int] | None:
     if tokens < 1 or rows < tokens:
         return None
     return rows, tokens, requests
+
+
+def same_view(tensor, other) -> bool:
+    """Whether two tensors are the same elements of the same storage (a slice from 0 of the whole is the whole)."""
+    return other is not None and (
+        tensor is other
+        or (tensor.data_ptr() == other.data_ptr() and tensor.shape == other.shape and tensor.stride() == other.stride())
+    )
 
 
 def prefill_branch(layer, mixed_qkv, b, a, core_attn_out, metadata, rows: int) -> None:
@@ -209,9 +214,9 @@ class Graphs:
             state = layer.__dict__[_LAYER_STATE] = {"seen": {}, "graphs": {}}
         return state
 
-    def run(self, layer, mixed_qkv, b, a, core_attn_out, metadata, batch: tuple[int, int, int]) -> str:
-        """One request's prefill (batch: one_prefill's) in this layer; says how it ran: 'eager', 'captured' or
-        'replayed'."""
+    def run(self, layer, mixed_qkv, b, a, core_attn_out, metadata, batch: tuple[int, int, int], eager) -> str:
+        """One request's prefill (batch: one_prefill's) in this layer; says how it ran: 'replayed', 'captured' or
+        'eager' (`eager()`, vLLM's own code: a length not seen before, past MAX_TOKENS or MAX_LENGTHS, graphs off)."""
         rows = batch[0]
         state = self.layer_state(layer)
         key = (*batch, tuple(mixed_qkv.shape[1:]), tuple(b.shape[1:]), mixed_qkv.dtype, str(mixed_qkv.device))
@@ -244,7 +249,7 @@ class Graphs:
 
                 try:
                     replay = self.capture(body)
-                except Exception as error:  # noqa: BLE001 - any failure: the eager branch from now on
+                except Exception as error:  # noqa: BLE001 - any failure: vLLM's own code from now on
                     self.enabled = False
                     self.failure = f"{type(error).__name__}: {error}"
                 else:
@@ -253,7 +258,7 @@ class Graphs:
                     replay()
                     core_attn_out[:rows].copy_(inputs.out)
                     return "captured"
-        prefill_branch(layer, mixed_qkv, b, a, core_attn_out, metadata, rows)
+        eager()
         return "eager"
 
 
@@ -297,7 +302,16 @@ def patched_forward_core(original, graphs: Graphs, log=None):
         if batch is None or self.gdn_prefill_backend != "triton" or capturing:
             return original(self, mixed_qkv, b, a, core_attn_out)
         enabled = graphs.enabled
-        how = graphs.run(self, mixed_qkv, b, a, core_attn_out, metadata, batch)
+        how = graphs.run(
+            self,
+            mixed_qkv,
+            b,
+            a,
+            core_attn_out,
+            metadata,
+            batch,
+            lambda: original(self, mixed_qkv, b, a, core_attn_out),
+        )
         if log is not None:
             if enabled and not graphs.enabled:
                 log(f"gdn prefill graphs: capture failed, eager from now on ({graphs.failure})")
