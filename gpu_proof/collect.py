@@ -1,7 +1,7 @@
 """Turn what a lease brought back (the driver's results.tar.gz) into the committed records: small, schema-checked,
 one folder per GPU model (records/gpu-proof/<gpu>/), one file per host and variant.
 
-    python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out records/gpu-proof]
+    python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out records/gpu-proof] [--floor FLOOR_JSON ...]
 
 The driver's records keep every token id and every run's latency (the lossless step needs them on the host); what
 the generated tables cite is each category's summary per prompt set, the lossless verdict per row, and the host.
@@ -27,6 +27,29 @@ SETS = ("repeated", "varied", "fresh")
 CATEGORY_FIELDS = ("name", "prompt_tokens", "output_tokens_mean", "median_ms", "p90_ms", "ttft_median_ms")
 CATEGORY_FIELDS += ("itl_median_ms", "mean_acceptance_length")
 CONTEXT = ("date", "gpu", "engine", "weights")  # what every record but the environment's takes from its run
+
+
+def compact_floor(record: dict) -> dict:
+    """What the tables cite of a gpu_proof/floor.py record: its decode step and, with --ab, each pass's median first
+    step (prefill and first token) a prompt length, whether every token's id and logprob was equal, and the profiled
+    step's host time in the GDN attention op and the GPU's busy time."""
+    kept = {"variant": record["variant"], "config": record.get("config", "config.yaml")}
+    kept |= {"step_median_ms": record["step_median_ms"], "tokens": record["tokens"], "runs": len(record["runs"])}
+    if record.get("options"):
+        kept["options"] = record["options"]
+    if "passes" in record:
+        passes = record["passes"]
+        kept["ab"] = record["ab"]
+        kept["prefill_ms"] = {
+            label: {length: entry["first_step_median_ms"] for length, entry in result["lengths"].items()}
+            for label, result in passes.items()
+        }
+        kept["same"] = {length: same["ids_equal"] and same["logprobs_equal"] for length, same in record["same"].items()}
+        profiled = {label: result["profile"] for label, result in passes.items() if "profile" in result}
+        if profiled:
+            fields = ("gdn_calls", "gdn_host_ms_per_call", "gpu_busy_ms")
+            kept["profile"] = {label: {key: profile[key] for key in fields} for label, profile in profiled.items()}
+    return kept
 
 
 def gpu_model(name: str) -> str:
@@ -85,10 +108,11 @@ def collect(
     note: str | None = None,
     run: str | None = None,
     host_busy: bool = False,
+    floors: list[str] = (),
 ) -> list[Path]:
     """The lease's records; `run` names one of several drivers on the host (its file names carry it, so two drivers'
     records of one variant, e.g. with and without a setting, both stay); `host_busy` marks variants probed while
-    other servers started on the host."""
+    other servers started on the host; `floors` are floor.py records made on the same host."""
     with tarfile.open(tarball) as archive:
         raw = {
             Path(member.name).stem: json.load(archive.extractfile(member))
@@ -114,11 +138,15 @@ def collect(
         elif name.startswith("floor-") and record.get("status") == "ok":  # gpu_proof/floor.py's
             variant = name.removeprefix("floor-")
             floor = {"kind": "floor", "host": host, **{key: (summary | context)[key] for key in CONTEXT}}
-            floor |= {"config": (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml"), "variant": variant}
-            kept = {"step_median_ms": record["step_median_ms"], "tokens": record["tokens"], "runs": len(record["runs"])}
-            records[name] = floor | kept
+            config = (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml")
+            records[name] = floor | compact_floor({"variant": variant, "config": config} | record)
+    for path in floors:  # floor.py run beside the driver on this host: its own variant, catalog and weights
+        record = json.loads(Path(path).read_text())
+        if record.get("status") == "ok":
+            floor = {"kind": "floor", "host": host, **{key: (summary | context)[key] for key in CONTEXT}}
+            records[f"floor-{Path(path).stem}"] = floor | {"weights": record["weights"]} | compact_floor(record)
     for record in records.values():
-        if note and record["kind"] in ("variant", "lossless"):  # the run's conditions (the tables show it)
+        if note and record["kind"] in ("variant", "lossless", "floor"):  # the run's conditions (the tables show it)
             record["note"] = note
         if host_busy and record["kind"] == "variant":
             record["host_busy"] = True
@@ -142,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--note", help="a sentence on the run's conditions, kept in its variant and lossless records")
     parser.add_argument("--run", help="a name for this driver, where several ran on the host")
     parser.add_argument("--host-busy", action="store_true", help="its probes ran while other servers started there")
+    parser.add_argument("--floor", action="append", default=[], help="floor.py's record of this host")
     args = parser.parse_args(argv)
-    for path in collect(args.tarball, args.host, args.out, args.note, args.run, args.host_busy):
+    for path in collect(args.tarball, args.host, args.out, args.note, args.run, args.host_busy, args.floor):
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 

@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--ab", default=None, choices=sorted(AB_TARGETS), metavar="PATCH")
     parser.add_argument("--profile", default=None, metavar="DIR")
     parser.add_argument("--profile-length", type=int, default=PROFILED_LENGTH, metavar="TOKENS")
+    parser.add_argument("--weights", choices=("random", "trained"), default="random", help="what MODEL_DIR holds")
     args = parser.parse_args()
 
     import importlib
@@ -197,9 +198,11 @@ def main() -> None:
     from serving.launch import DIST_DIR, child_env
     from serving.settings import vllm_args
 
+    variant = Path(args.serve_json).stem  # the driver writes STATE/serve/<variant>.json
     if Path(args.serve_json).is_file():
         settings = json.loads(Path(args.serve_json).read_text())
     else:
+        variant = args.serve_json
         import yaml
 
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -207,8 +210,7 @@ def main() -> None:
 
         catalog = pipeline_config.load(yaml.safe_load(Path(args.config).read_text()), ROOT)
         settings = catalog.serve_json(args.serve_json)
-    for item in args.set:
-        key, value = item.split("=", 1)
+    for key, value in dict(item.split("=", 1) for item in args.set).items():
         settings[key] = json.loads(value)
     if args.ab:
         settings["patches"] = dict(settings.get("patches") or {}, **{args.ab: True})
@@ -239,7 +241,10 @@ def main() -> None:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1 if args.ab else None)
 
     record = {"kind": "floor", "status": "ok", "vllm": vllm.__version__, "flags": flags, "start_s": round(start_s, 1)}
-    record["tokens"] = args.tokens
+    catalog_path = str(Path(args.config).resolve().relative_to(ROOT))
+    record |= {"variant": variant, "config": catalog_path, "weights": args.weights}
+    overrides = dict(item.split("=", 1) for item in args.set)
+    record |= {"tokens": args.tokens, "options": {key: json.loads(value) for key, value in overrides.items()}}
     if args.ab:
         module, cls_name, method, wrapped_attr = AB_TARGETS[args.ab]
         cls = getattr(importlib.import_module(module), cls_name)

@@ -489,3 +489,80 @@ def test_a_group_starts_only_when_the_host_has_room_and_each_record_counts_the_s
             assert (record["status"], record["resident_servers"]) == ("ok", 2), record.get("error")
     finally:
         other.kill()
+
+
+def ab_floor(variant: str, config: str, weights: str, logprobs_on: list) -> dict:
+    """What gpu_proof/floor.py --ab writes: two passes of two prompt lengths, one profiled step each."""
+
+    def passed(first_ms, logprobs, gdn_ms):
+        lengths = {
+            "64": {
+                "first_step_ms": [first_ms],
+                "first_step_median_ms": first_ms,
+                "ids": [5, 6],
+                "logprobs": logprobs,
+                "step_median_ms": 3.5,
+            },
+            "2048": {
+                "first_step_ms": [first_ms + 5],
+                "first_step_median_ms": first_ms + 5,
+                "ids": [7, 8],
+                "logprobs": [-0.5, -0.25],
+            },
+        }
+        profile = {
+            "steps": 1,
+            "gdn_calls": 24,
+            "gdn_host_ms_per_call": gdn_ms,
+            "gdn_host_ms_total": 24 * gdn_ms,
+            "gpu_kernel_ms": 5.0,
+            "gpu_busy_ms": 5.0,
+            "top_self_cpu_ms": [["aten::mm", 5.0]],
+        }
+        return {"lengths": lengths, "profile": profile}
+
+    off, on = passed(69.0, [-1.0, -2.0], 3.4), passed(20.0, logprobs_on, 0.4)
+    same = {
+        n: {"ids_equal": True, "logprobs_equal": off["lengths"][n]["logprobs"] == on["lengths"][n]["logprobs"]}
+        for n in ("64", "2048")
+    }
+    return {
+        "kind": "floor",
+        "status": "ok",
+        "vllm": "0.32.0",
+        "flags": [],
+        "start_s": 60.0,
+        "variant": variant,
+        "config": config,
+        "weights": weights,
+        "tokens": 128,
+        "options": {"gdn_prefill_backend": "triton"},
+        "ab": "gdn_prefill_graphs",
+        "passes": {"off": off, "on": on},
+        "same": same,
+        "step_median_ms": 3.5,
+        "runs": [{"first_step_ms": 20.0}],
+    }
+
+
+def test_an_in_process_ab_floor_is_kept_as_its_prefill_times_verdict_and_host_time(tmp_path, pipeline):
+    """collect.py --floor: a floor.py --ab record made beside the driver keeps, per pass and prompt length, the first
+    step's median, whether every token's id and logprob was equal, and the profiled step's GDN host time a call;
+    never the ids, logprobs or the profiler's op list; its own variant, catalog and weights, the host's context."""
+    d = fake_driver(tmp_path, pipeline, ["bf16"])
+    d.run()
+    floor = tmp_path / "tiny-ab.json"
+    floor.write_text(json.dumps(ab_floor("tiny-awq-mtp2", "config/tiny.yaml", "trained", [-1.0, -2.5])))
+    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records", floors=[str(floor)])
+    kept = json.loads((tmp_path / "records" / "h200" / "host1-vllm0.26.0-floor-tiny-ab.json").read_text())
+    assert any(p.name.endswith("floor-tiny-ab.json") for p in written)
+    assert (kept["variant"], kept["config"], kept["weights"], kept["ab"]) == (
+        "tiny-awq-mtp2",
+        "config/tiny.yaml",
+        "trained",
+        "gdn_prefill_graphs",
+    )
+    assert kept["prefill_ms"] == {"off": {"64": 69.0, "2048": 74.0}, "on": {"64": 20.0, "2048": 25.0}}
+    assert kept["same"] == {"64": False, "2048": True}  # a logprob moved at 64 tokens
+    assert kept["profile"]["on"] == {"gdn_calls": 24, "gdn_host_ms_per_call": 0.4, "gpu_busy_ms": 5.0}
+    assert "logprobs" not in json.dumps(kept) and "top_self_cpu_ms" not in json.dumps(kept)

@@ -184,3 +184,19 @@ def test_each_probe_says_how_many_other_servers_were_resident_and_an_older_recor
     records[0]["resident_servers"] = 3
     rows = {line.split(" | ")[0]: line for line in render_results.variant_rows(records, "NVIDIA H200")}
     assert rows["| `bf16`"].endswith("| 1 (empty) | 3 |") and rows["| `awq`"].endswith("| 1 (empty) | unknown |")
+
+
+def test_an_ab_floor_shows_each_lengths_prefill_both_ways_and_a_verdict_only_on_trained_weights():
+    base = {"kind": "floor", "host": "h", "gpu": "NVIDIA H200", "date": "2026-12-01", "engine": "0.32.0"}
+    base |= {"config": "config.yaml", "step_median_ms": 3.5, "tokens": 128, "runs": 5, "ab": "gdn_prefill_graphs"}
+    timed = {"prefill_ms": {"off": {"64": 69.0, "8192": 190.0}, "on": {"64": 20.0, "8192": 180.0}}}
+    trained = base | timed | {"variant": "tiny-awq-mtp2", "weights": "trained", "same": {"64": True, "8192": False}}
+    random = base | timed | {"variant": "bf16", "weights": "random", "same": {"64": True, "8192": True}}
+    random["profile"] = {
+        label: {"gdn_calls": 24, "gdn_host_ms_per_call": ms, "gpu_busy_ms": 5.0}
+        for label, ms in (("off", 3.38), ("on", 0.37))
+    }
+    rows = {line.split(" | ")[0]: line for line in render_results.prefill_rows([trained, random], "NVIDIA H200")}
+    assert "| 64: 69 → 20; 8192: 190 → 180 | 8192 differ |" in rows["| `tiny-awq-mtp2`"]
+    assert "| all (random weights: no verdict) | 3.38 → 0.37 |" in rows["| `bf16`"]
+    assert render_results.prefill_rows([random | {"gpu": "NVIDIA H100"}], "NVIDIA H200") == []

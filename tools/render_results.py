@@ -240,6 +240,45 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
     return rows + footnotes(notes)
 
 
+def prefill_rows(records: list[dict], gpu: str) -> list[str]:
+    """A vLLM patch measured off, then on, in one engine (gpu_proof/floor.py --ab): each prompt length's first step
+    (prefill and first token) both ways, whether every token's id and logprob stayed equal (a verdict only on
+    trained weights), and the profiled 64-token step's host time in the GDN attention op a call."""
+    floors = [r for r in records if r["kind"] == "floor" and r["gpu"] == gpu and "prefill_ms" in r]
+    if not floors:
+        return []
+    rows = [
+        "",
+        "Prefill in vLLM's engine alone (gpu_proof/floor.py --ab: one engine, the patch off then on; ms from a",
+        "request's arrival to its first token, median of 5 after 2 warm-ups, by prompt length in tokens):",
+        "",
+        "| variant | patch | weights | vLLM | host, date | off → on, ms a prompt length | ids and logprobs equal "
+        "| GDN op host ms a call, off → on |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for record in sorted(
+        floors, key=lambda r: (r["date"], r["host"], r["weights"], r["variant"], str(r.get("options")))
+    ):
+        off, on = record["prefill_ms"]["off"], record["prefill_ms"]["on"]
+        lengths = sorted(off, key=int)
+        times = "; ".join(f"{n}: {fmt(off[n], 0)} → {fmt(on[n], 0)}" for n in lengths)
+        differ = [n for n in lengths if not record["same"][n]]
+        equal = "all" if not differ else f"{', '.join(differ)} differ"
+        if record["weights"] != "trained":
+            equal += " (random weights: no verdict)"
+        profile = record.get("profile") or {}
+        host_ms = "—"
+        if "off" in profile and "on" in profile:
+            host_ms = f"{fmt(profile['off']['gdn_host_ms_per_call'])} → {fmt(profile['on']['gdn_host_ms_per_call'])}"
+        checked = {"variant": record["variant"], "options": record.get("options") or {}}
+        rows.append(
+            f"| {label(checked)}{note_mark(record, notes)} | `{record['ab']}` | {record['weights']} "
+            f"| {record['engine']} | {record['host']}, {record['date']} | {times} | {equal} | {host_ms} |"
+        )
+    return rows + footnotes(notes)
+
+
 def verdict(check: dict) -> str:
     """passed or FAILED; a canary (checked against another variant's reference on purpose) says what it shows."""
     if "canary" in check:
@@ -303,6 +342,7 @@ def results_md(records: list[dict]) -> str:
             *variant_rows(records, gpu),
             *trained_rows(records, gpu),
             *lossless_rows(records, gpu),
+            *prefill_rows(records, gpu),
         ]
         environments = [r for r in records if r["kind"] == "environment" and r["gpu"] == gpu]
         hosts = ", ".join(
