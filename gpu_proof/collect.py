@@ -31,24 +31,20 @@ CONTEXT = ("date", "gpu", "engine", "weights")  # what every record but the envi
 
 def compact_floor(record: dict) -> dict:
     """What the tables cite of a gpu_proof/floor.py record: its decode step and, with --ab, each pass's median first
-    step (prefill and first token) a prompt length, whether every token's id and logprob was equal, and the profiled
-    step's host time in the GDN attention op and the GPU's busy time."""
-    kept = {"variant": record["variant"], "config": record.get("config", "config.yaml")}
-    kept |= {"step_median_ms": record["step_median_ms"], "tokens": record["tokens"], "runs": len(record["runs"])}
-    if record.get("options"):
-        kept["options"] = record["options"]
-    if "passes" in record:
+    step a prompt length, whether every token's id and logprob was equal, and the profiled step's summary."""
+    kept = {key: record[key] for key in ("variant", "step_median_ms", "tokens", "runs")}
+    kept |= {"config": record.get("config", "config.yaml")} | (
+        {"options": record["options"]} if record.get("options") else {}
+    )
+    if "ab" in record:
         passes = record["passes"]
-        kept["ab"] = record["ab"]
+        kept |= {"ab": record["ab"], "same": {n: all(same.values()) for n, same in record["same"].items()}}
         kept["prefill_ms"] = {
-            label: {length: entry["first_step_median_ms"] for length, entry in result["lengths"].items()}
+            label: {n: entry["first_step_median_ms"] for n, entry in result["lengths"].items()}
             for label, result in passes.items()
         }
-        kept["same"] = {length: same["ids_equal"] and same["logprobs_equal"] for length, same in record["same"].items()}
-        profiled = {label: result["profile"] for label, result in passes.items() if "profile" in result}
-        if profiled:
-            fields = ("gdn_calls", "gdn_host_ms_per_call", "gpu_busy_ms")
-            kept["profile"] = {label: {key: profile[key] for key in fields} for label, profile in profiled.items()}
+        if all("profile" in result for result in passes.values()):
+            kept["profile"] = {label: result["profile"] for label, result in passes.items()}
     return kept
 
 
@@ -139,7 +135,8 @@ def collect(
             variant = name.removeprefix("floor-")
             floor = {"kind": "floor", "host": host, **{key: (summary | context)[key] for key in CONTEXT}}
             config = (raw.get(f"variant-{variant}") or {}).get("config", "config.yaml")
-            records[name] = floor | compact_floor({"variant": variant, "config": config} | record)
+            runs = {"runs": len(record["runs"])} if isinstance(record["runs"], list) else {}  # an older floor.py's
+            records[name] = floor | compact_floor({"variant": variant, "config": config} | record | runs)
     for path in floors:  # floor.py run beside the driver on this host: its own variant, catalog and weights
         record = json.loads(Path(path).read_text())
         if record.get("status") == "ok":

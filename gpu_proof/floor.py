@@ -1,29 +1,24 @@
-"""The engine's own floor: a serve.json's model in vLLM's engine without the API server, HTTP, streaming or the
-project's middleware, one greedy request at a time, each step timed.
+"""The engine's own floor: a variant in vLLM's engine without the API server, HTTP, streaming or the project's
+middleware, one greedy request at a time.
 
     CACHE_DIR=DIR python3 gpu_proof/floor.py SERVE_JSON|VARIANT MODEL_DIR OUT_JSON [--config config.yaml]
         [--tokens 256] [--repeats 3] [--lengths 64,2048] [--set KEY=JSON] [--ab PATCH] [--profile DIR]
 
-A catalog variant's name instead of a serve.json takes its settings from --config as rule serve_config writes them.
-The serve.json is turned into vLLM's flags exactly as the image does (serving.settings.vllm_args); the flags only
-the API server reads are dropped, the rest build vLLM's EngineArgs, so the engine is configured as the server's,
-with its environment (serving.launch.child_env: the enabled patches, the caches under CACHE_DIR, which a server of
-the same variant filled, so the engine starts from them).
-Beside the probe's inter-token latency of the same variant on the same host, the difference is what the front end
-(API server, streaming, middleware) adds a token; the first step of each prompt length (its prefill and first
-token) is the time to first token the engine alone allows.
-
---ab PATCH runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the patch on for the run) and measures
-every length twice, first with the patch's wrapper taken off vLLM's class, then with it back: one engine, one
-host, the same caches; each token's logprob is compared between the two (equal floats: the same computation).
---profile DIR adds, per pass, one first step (--profile-length tokens, 64) under torch.profiler (CPU and CUDA,
-Python stacks): the trace stays in DIR, the record keeps its summary (host time in the GDN attention op a call, the
-GPU's busy time).
+SERVE_JSON (as the driver writes it) or a catalog VARIANT of --config becomes vLLM's flags as the image's do
+(serving.settings.vllm_args, less the API server's), with the image's environment (serving.launch.child_env: the
+enabled patches, the caches under CACHE_DIR, which a server of the same variant filled). Each prompt length's first
+step (prefill and first token) is the time to first token the engine alone allows; the first length's decode steps,
+beside the probe's inter-token latency, say what the front end adds a token.
+--ab PATCH runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the patch enabled) and measures every
+length twice, with the patch's wrapper taken off vLLM's class, then put back: one engine, the same caches, every
+token's id and logprob compared. --profile DIR keeps a torch profiler trace (CPU, CUDA, Python stacks) of one first
+step a pass in DIR, and its summary in the record.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -34,19 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# flags of the API server, not of the engine
 FRONT_END_FLAGS = {"--host", "--port", "--middleware", "--served-model-name", "--default-chat-template-kwargs"}
-# the class each --ab patch wraps, and the attribute its wrapper keeps vLLM's original under
+# the class and method each --ab patch wraps, and the attribute its wrapper keeps vLLM's original under
 AB_TARGETS = {
     "gdn_prefill_graphs": (
-        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
-        "QwenGatedDeltaNetAttention",
-        "_forward_core",
+        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core",
         "_serving_gdn_prefill_graphs",
     ),
 }
 GDN_OP = "vllm::qwen_gdn_attention_core"
-PROFILED_LENGTH = 64
 WARMUPS = 2  # a length's graphs are captured at its second sighting: two warm-ups leave every timed run a replay
 
 
@@ -56,12 +47,10 @@ def engine_flags(args: list[str]) -> list[str]:
     for arg in args:
         if skip:
             skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in FRONT_END_FLAGS:
+        elif arg.split("=", 1)[0] in FRONT_END_FLAGS:
             skip = "=" not in arg
-            continue
-        kept.append(arg)
+        else:
+            kept.append(arg)
     return kept
 
 
@@ -70,54 +59,35 @@ def prompt_of(length: int) -> dict:
     return {"prompt_token_ids": [100 + (i * 7) % 150 for i in range(length)]}
 
 
-def summarize_profile(events, steps: int = 1) -> dict:
-    """What a profiled first step spent: host time in the GDN attention op (calls, per call), the busiest host ops,
-    and the GPU's kernel time (summed, and the union of kernel intervals: the time the GPU was busy)."""
-    ops, gdn, kernels = {}, [], []
+def summarize_profile(events) -> dict:
+    """A profiled first step: host time in the GDN attention op (calls, ms a call) and the GPU's busy time (the union
+    of its kernels' intervals)."""
+    gdn, kernels = [], []
     for event in events:
-        device = str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]
-        if device == "CUDA":
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
             kernels.append((event.time_range.start, event.time_range.end))
-            continue
-        self_us = getattr(event, "self_cpu_time_total", 0) or 0
-        ops[event.name] = ops.get(event.name, 0) + self_us
-        if event.name == GDN_OP:
+        elif event.name == GDN_OP:
             gdn.append(event.time_range.end - event.time_range.start)
-    busy, end = 0.0, None
+    busy, end = 0.0, float("-inf")
     for start, stop in sorted(kernels):
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
-    top = sorted(ops.items(), key=lambda item: -item[1])[:15]
-    return {
-        "steps": steps,
-        "gdn_calls": len(gdn),
-        "gdn_host_ms_per_call": round(statistics.mean(gdn) / 1e3, 4) if gdn else None,
-        "gdn_host_ms_total": round(sum(gdn) / 1e3, 3),
-        "gpu_kernel_ms": round(sum(stop - start for start, stop in kernels) / 1e3, 3),
-        "gpu_busy_ms": round(busy / 1e3, 3),
-        "top_self_cpu_ms": [[name, round(us / 1e3, 3)] for name, us in top],
-    }
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    mean = round(statistics.mean(gdn) / 1e3, 4) if gdn else None
+    return {"gdn_calls": len(gdn), "gdn_host_ms_per_call": mean, "gpu_busy_ms": round(busy / 1e3, 3)}
 
 
 def run_request(engine, request_id: str, length: int, params) -> tuple[list[float], list, list]:
-    """One request to completion: the time from its arrival to its first token (prefill and first token, whatever
-    the engine's step batching), then each later step's wall time; its token ids and each token's logprob."""
+    """One request to completion: the time from its arrival to its first token (whatever the engine's step batching),
+    then each later step's; its token ids and each token's logprob."""
     began = time.perf_counter()
     engine.add_request(request_id, prompt_of(length), params)
     steps, ids, logprobs = [], [], []
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        for output in outputs:
+        for output in engine.step():
             completion = output.outputs[0]
             ids = list(completion.token_ids)
-            logprobs = [
-                None if entry is None else round(float(entry[token].logprob), 6) if token in entry else None
-                for token, entry in zip(completion.token_ids, completion.logprobs or [], strict=False)
-            ]
+            entries = zip(completion.token_ids, completion.logprobs or [], strict=False)
+            logprobs = [round(float(entry[token].logprob), 6) for token, entry in entries if entry and token in entry]
         if ids:
             now = time.perf_counter()
             steps.append(now - began)
@@ -125,75 +95,54 @@ def run_request(engine, request_id: str, length: int, params) -> tuple[list[floa
     return steps, ids, logprobs
 
 
-def measure(
-    engine, label: str, lengths: list[int], tokens: int, repeats: int, params_for, profile_dir=None, profiled=64
-) -> dict:
-    """Each length: WARMUPS untimed requests, then `repeats` timed ones (first step = prefill and first token); the
-    first length also times its decode steps."""
-    result = {"lengths": {}}
-    for index, length in enumerate(lengths):
-        max_tokens = tokens if index == 0 else 2
-        params = params_for(max_tokens)
-        first, decode, ids, logprobs = [], [], None, None
-        for repeat in range(WARMUPS + repeats):
+def measure(engine, label: str, args, params_for) -> dict:
+    """Each length: WARMUPS untimed requests, then args.repeats timed ones; the first length also times its decode."""
+    lengths = {}
+    for index, length in enumerate(int(n) for n in args.lengths.split(",")):
+        params, first, decode = params_for(args.tokens if index == 0 else 2), [], []
+        for repeat in range(WARMUPS + args.repeats):
             steps, ids, logprobs = run_request(engine, f"{label}-{length}-{repeat}", length, params)
             if repeat >= WARMUPS:
-                first.append(steps[0])
+                first.append(round(steps[0] * 1e3, 3))
                 decode.extend(steps[1:])
-        entry = {
-            "first_step_ms": [round(s * 1e3, 3) for s in first],
-            "first_step_median_ms": round(statistics.median(first) * 1e3, 3),
-            "ids": ids,
-            "logprobs": logprobs,
-        }
-        if index == 0 and decode:
-            entry["step_median_ms"] = round(statistics.median(decode) * 1e3, 4)
-        result["lengths"][str(length)] = entry
-    if profile_dir is not None:
+        entry = {"first_step_ms": first, "first_step_median_ms": statistics.median(first), "ids": ids}
+        entry |= {"logprobs": logprobs} | (
+            {"step_median_ms": round(statistics.median(decode) * 1e3, 4)} if decode else {}
+        )
+        lengths[str(length)] = entry
+    result = {"lengths": lengths}
+    if args.profile:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        params = params_for(1)
-        run_request(engine, f"{label}-profile-warm", profiled, params)
+        run_request(engine, f"{label}-profile-warm", args.profile_length, params_for(1))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-            run_request(engine, f"{label}-profile", profiled, params)
+            run_request(engine, f"{label}-profile", args.profile_length, params_for(1))
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        Path(profile_dir).mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(Path(profile_dir) / f"{label}-{profiled}.json"))
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(args.profile) / f"{label}-{args.profile_length}.json"))
         result["profile"] = summarize_profile(prof.events())
     return result
-
-
-def compare(off: dict, on: dict) -> dict:
-    """Per length, whether the two passes gave the same ids and the same logprobs."""
-    same = {}
-    for length, entry in off["lengths"].items():
-        other = on["lengths"][length]
-        same[length] = {
-            "ids_equal": entry["ids"] == other["ids"],
-            "logprobs_equal": entry["logprobs"] == other["logprobs"],
-        }
-    return same
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("serve_json", help="a serve.json, or a variant of --config")
+    for name in ("model_dir", "out"):
+        parser.add_argument(name)
     parser.add_argument("--config", default=str(ROOT / "config.yaml"), help="the catalog a variant name is read from")
-    parser.add_argument("model_dir")
-    parser.add_argument("out")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--lengths", default=str(PROFILED_LENGTH), help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--lengths", default="64", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="a serve setting overridden")
     parser.add_argument("--ab", default=None, choices=sorted(AB_TARGETS), metavar="PATCH")
     parser.add_argument("--profile", default=None, metavar="DIR")
-    parser.add_argument("--profile-length", type=int, default=PROFILED_LENGTH, metavar="TOKENS")
+    parser.add_argument("--profile-length", type=int, default=64, metavar="TOKENS")
     parser.add_argument("--weights", choices=("random", "trained"), default="random", help="what MODEL_DIR holds")
     args = parser.parse_args()
 
-    import importlib
+    import torch
 
     from serving.launch import DIST_DIR, child_env
     from serving.settings import vllm_args
@@ -202,22 +151,18 @@ def main() -> None:
     if Path(args.serve_json).is_file():
         settings = json.loads(Path(args.serve_json).read_text())
     else:
-        variant = args.serve_json
         import yaml
 
         sys.path.insert(0, str(ROOT / "scripts"))
         from lib import config as pipeline_config
 
-        catalog = pipeline_config.load(yaml.safe_load(Path(args.config).read_text()), ROOT)
-        settings = catalog.serve_json(args.serve_json)
-    for key, value in dict(item.split("=", 1) for item in args.set).items():
-        settings[key] = json.loads(value)
+        variant = args.serve_json
+        settings = pipeline_config.load(yaml.safe_load(Path(args.config).read_text()), ROOT).serve_json(variant)
+    options = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.set)}
+    settings |= options
     if args.ab:
         settings["patches"] = dict(settings.get("patches") or {}, **{args.ab: True})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its classes are ours
-    lengths = [int(n) for n in args.lengths.split(",")]
-    import torch
-
     flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=torch.cuda.is_available()))
     os.environ.update(child_env(dict(os.environ), settings))  # the engine core process inherits it
     sys.path.insert(0, str(DIST_DIR))  # the patches' plugin entry points, for this process too
@@ -225,57 +170,44 @@ def main() -> None:
     import vllm
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
-
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # older layouts
-        from vllm.utils import FlexibleArgumentParser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    namespace = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags)
     started = time.monotonic()
+    namespace = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(namespace))
-    start_s = time.monotonic() - started
+    record = {"kind": "floor", "status": "ok", "vllm": vllm.__version__, "flags": flags}
+    record |= {"start_s": round(time.monotonic() - started, 1), "variant": variant, "weights": args.weights}
+    record |= {"config": str(Path(args.config).resolve().relative_to(ROOT)), "tokens": args.tokens, "options": options}
 
     def params_for(max_tokens: int):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1 if args.ab else None)
 
-    record = {"kind": "floor", "status": "ok", "vllm": vllm.__version__, "flags": flags, "start_s": round(start_s, 1)}
-    catalog_path = str(Path(args.config).resolve().relative_to(ROOT))
-    record |= {"variant": variant, "config": catalog_path, "weights": args.weights}
-    overrides = dict(item.split("=", 1) for item in args.set)
-    record |= {"tokens": args.tokens, "options": {key: json.loads(value) for key, value in overrides.items()}}
     if args.ab:
-        module, cls_name, method, wrapped_attr = AB_TARGETS[args.ab]
-        cls = getattr(importlib.import_module(module), cls_name)
+        target, wrapped_attr = AB_TARGETS[args.ab]
+        path, cls_name, method = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(path), cls_name)
         wrapper = getattr(cls, method)
-        original = getattr(wrapper, wrapped_attr, None)
-        if original is None:
+        if not hasattr(wrapper, wrapped_attr):
             raise SystemExit(f"--ab {args.ab}: the patch did not load in this process ({cls_name}.{method} unwrapped)")
         passes = {}
-        for label, implementation in (("off", original), ("on", wrapper)):
+        for label, implementation in (("off", getattr(wrapper, wrapped_attr)), ("on", wrapper)):
             setattr(cls, method, implementation)
-            passes[label] = measure(
-                engine, label, lengths, args.tokens, args.repeats, params_for, args.profile, args.profile_length
-            )
-        setattr(cls, method, wrapper)
-        record.update(ab=args.ab, passes=passes, same=compare(passes["off"], passes["on"]))
-        first = passes["on"]["lengths"][str(lengths[0])]
+            passes[label] = measure(engine, label, args, params_for)
+        off, on = passes["off"]["lengths"], passes["on"]["lengths"]
+        same = {n: {key: off[n][key] == on[n][key] for key in ("ids", "logprobs")} for n in off}
+        record |= {"ab": args.ab, "passes": passes, "same": same}
     else:
-        result = measure(
-            engine, "run", lengths, args.tokens, args.repeats, params_for, args.profile, args.profile_length
-        )
-        record.update(result)
-        first = result["lengths"][str(lengths[0])]
-    record["step_median_ms"] = first.get("step_median_ms")
-    record["runs"] = [{"first_step_ms": ms} for ms in first["first_step_ms"]]  # what collect.py counts
+        passes = {"run": measure(engine, "run", args, params_for)}
+        record |= passes["run"]
+    first = next(iter(passes[list(passes)[-1]]["lengths"].values()))
+    record |= {"step_median_ms": first.get("step_median_ms"), "runs": len(first["first_step_ms"])}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({key: value for key, value in record.items() if key != "passes"}))
-    for label, result in record.get("passes", {"run": record}).items():
+    for label, result in passes.items():
         for length, entry in result["lengths"].items():
             print(label, length, "first step", entry["first_step_median_ms"], "ms", entry.get("step_median_ms", ""))
-        if "profile" in result:
-            print(label, "profile", json.dumps(result["profile"]))
+        print(label, "profile", json.dumps(result.get("profile")))
+    print(json.dumps({key: record.get(key) for key in ("ab", "same", "start_s", "step_median_ms")}))
 
 
 if __name__ == "__main__":
