@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # --max-resident's default: how many other servers (any driver's) may be resident on the host while a probe runs.
-# A placeholder that lets `--together 3` run; the lead sets it from a GPU measurement (issue 62 item 4: one variant
-# probed alone and with others resident; 16 resident read +20-33 % inter-token latency where a lone server read +5 %).
+# Not yet measured on one host (one variant probed alone and beside N resident servers): probes beside 15 resident
+# servers read +20-33 % inter-token latency with prefix caching where a lone server read +5 %, so few, while
+# `--together 3` still runs.
 MAX_RESIDENT = 2
 
 
