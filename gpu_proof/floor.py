@@ -203,7 +203,7 @@ def main() -> None:
         import yaml
 
         sys.path.insert(0, str(ROOT / "scripts"))
-        from lib import config as pipeline_config
+        from lib.dag import config as pipeline_config
 
         catalog = pipeline_config.load(yaml.safe_load(Path(args.config).read_text()), ROOT)
         settings = catalog.serve_json(args.serve_json)

@@ -10,7 +10,7 @@ import pytest
 from bake_compile_cache import coldstart_record
 from conftest import ROOT
 from latency_probe import compile_cache_verdict
-from lib.cache_tar import deterministic_tar
+from lib.bake_compile_cache.cache_tar import deterministic_tar
 from lib.stage import StageError, validate_json
 from lib.vllm_logs import cache_evidence
 

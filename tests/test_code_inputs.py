@@ -1,5 +1,5 @@
 """A change to shared code reruns exactly the stages that import it: each rule's inputs include the project modules
-its script imports (scripts/lib/imports.py, rules/common.smk's code_of), read from the import graph, and the data
+its script imports (scripts/lib/dag/imports.py, rules/common.smk's code_of), read from the import graph, and the data
 files those modules declare they read (DATA_FILES)."""
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
-from lib.imports import DataFilesError, code_inputs, project_modules
+from lib.dag.imports import DataFilesError, code_inputs, project_modules
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -198,7 +198,7 @@ EDITS = [
         {"latency_probe", "lossless_reference", "quality_gate", "lossless", "tarball"},
     ),
     # imported by quantize alone
-    ("scripts/lib/quantize_checks.py", {"quantize"}, {"quantize", *FROM_BAKE_ON}),
+    ("scripts/lib/quantize/checks.py", {"quantize"}, {"quantize", *FROM_BAKE_ON}),
     # a data file, read by the tiny tokenizer (its DATA_FILES): download makes the model with it (train_tiny also
     # lists it, but reruns first for download's new checkpoint, the reason Snakemake gives)
     (
@@ -209,7 +209,11 @@ EDITS = [
 ]
 
 
-@pytest.mark.parametrize("module, named, reruns", EDITS, ids=[Path(edit[0]).stem for edit in EDITS])
+@pytest.mark.parametrize(
+    "module, named, reruns",
+    EDITS,
+    ids=[str(Path(edit[0]).relative_to("scripts/lib").with_suffix("")) for edit in EDITS],
+)
 def test_an_edited_module_reruns_the_stages_that_import_it_and_what_follows(built_copy, module, named, reruns):
     path = built_copy / module
     before = path.stat().st_mtime

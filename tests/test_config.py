@@ -1,5 +1,5 @@
-"""The config is checked before any job runs, naming the offending key: the checks themselves (scripts/lib/config.py,
-called directly: fast) and their wiring into Snakemake (a few dry runs)."""
+"""The config is checked before any job runs, naming the offending key: the checks themselves
+(scripts/lib/dag/config.py, called directly: fast) and their wiring into Snakemake (a few dry runs)."""
 
 import copy
 import json
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY, snakemake
-from lib import config as pipeline_config
+from lib.dag import config as pipeline_config
 from serving import patches
 from serving.settings import serve_json, vllm_args
 

@@ -15,7 +15,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from lib import config as pipeline_config  # noqa: E402
+from lib.dag import config as pipeline_config  # noqa: E402
 from lib.dflash import depth_problems, fit_problems  # noqa: E402
 from serving.settings import serve_json, vllm_args  # noqa: E402
 

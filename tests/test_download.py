@@ -36,7 +36,7 @@ COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
 SERVE = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 CORPUS = ROOT / "data" / "tiny" / "corpus.txt"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-GENERATOR = ROOT / "data" / "tiny" / "tasks" / "generate.py"
+GENERATOR = ROOT / "scripts" / "lib" / "tiny" / "tasks.py"
 
 # Exactly what vLLM's Qwen3_5MultiTokenPredictor loads (qwen3_5_mtp.py: mtp.* -> model.*).
 MTP_NAMES = {
@@ -483,7 +483,7 @@ def test_train_tiny_refuses_a_synthesized_checkpoint_of_another_seed(tmp_path):
 
 
 def test_training_conversations_stay_out_of_the_test_splits():
-    generator = training.load_generator(ROOT / "data" / "tiny" / "tasks" / "generate.py")
+    generator = training.load_generator(GENERATOR)
     tests = generator.test_docs()
     plan = training.training_plan(
         {

@@ -1,5 +1,5 @@
 """download_datasets against a local stand-in of the hub (tests/hub_standin.py), through the real huggingface_hub,
-datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, the lock (lib/lock.py: the first fetch
+datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, the lock (lib/dag/lock.py: the first fetch
 records the commit, later ones must resolve to it, tools/lock.py moves it), and later stages reading the fetched cache
 with the hub off (quality_gate's task loading, quantize's calibration loading)."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hub_standin import StandinHub, run_stage_script
-from lib import lock
+from lib.dag import lock
 from lib.stage import HUB_OFFLINE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

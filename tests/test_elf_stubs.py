@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import base_image
-from lib.elf_stubs import ExportedSymbol, build_stub, exported_symbols
+from lib.base_image.elf_stubs import ExportedSymbol, build_stub, exported_symbols
 from lib.stage import StageError
 
 # A library like the CUDA ones: a SONAME, one version node, functions and a data object.
@@ -103,7 +103,7 @@ def test_the_base_stands_in_for_the_matching_libraries_only(real, tmp_path, caps
 
 
 def test_a_stand_in_that_exports_something_else_is_removed(real, tmp_path, monkeypatch):
-    from lib import elf_stubs
+    from lib.base_image import elf_stubs
 
     truth = elf_stubs.exported_symbols(real)
     monkeypatch.setattr(elf_stubs, "exported_symbols", lambda library: truth if library == real else truth[:1])

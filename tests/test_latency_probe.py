@@ -13,7 +13,7 @@ import latency_probe
 from conftest import ROOT
 from lib import probe
 from lib.baseline import probe_baseline
-from lib.config import contract_categories
+from lib.dag.config import contract_categories
 from lib.stage import StageError, validate_json
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.

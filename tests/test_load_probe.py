@@ -1,5 +1,6 @@
-"""The load probe (scripts/load_probe.py, scripts/lib/load.py): its request mix, and its verdict against a stand-in
-server that answers as vLLM behind serving/ does (then breaks in one way at a time); the tiny image's record (e2e)."""
+"""The load probe (scripts/load_probe.py, scripts/lib/load_probe/load.py): its request mix, and its verdict against a
+stand-in server that answers as vLLM behind serving/ does (then breaks in one way at a time); the tiny image's record
+(e2e)."""
 
 import json
 import threading
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from lib import load
+from lib.load_probe import load
 from lib.stage import StageError, validate_json
 from load_probe import load_probe
 

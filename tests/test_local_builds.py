@@ -1,10 +1,10 @@
-"""`#! local-build` requirement lines (scripts/make_venv.py, scripts/lib/local_builds.py), pure parts."""
+"""`#! local-build` requirement lines (scripts/make_venv.py, scripts/lib/make_venv/local_builds.py), pure parts."""
 
 import pytest
 
 import make_venv
 from conftest import ROOT
-from lib import local_builds
+from lib.make_venv import local_builds
 from lib.stage import StageError
 
 

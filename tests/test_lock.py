@@ -1,4 +1,4 @@
-"""The lock (scripts/lib/lock.py, config/lock/): entries read, written and checked; the base image's digest through
+"""The lock (scripts/lib/dag/lock.py, config/lock/): entries read, written and checked; the base image's digest through
 pull_base and a fake `docker`; the refresh tool (tools/lock.py) against the hub stand-in and the fake docker; the config
 checked against the lock before any job runs. download_datasets' side: tests/test_download_datasets.py.
 """
@@ -16,7 +16,7 @@ import yaml
 
 from conftest import FAKE_DOCKER_HEAD, ROOT
 from hub_standin import StandinHub
-from lib import config as pipeline_config, lock
+from lib.dag import config as pipeline_config, lock
 from lib.stage import StageError
 
 sys.path.insert(0, str(ROOT))

@@ -21,7 +21,8 @@ import pytest
 import lossless
 import tarball
 from conftest import ROOT, SERVE_PY, TINY, host_server, snakemake
-from lib import lossless as check_lib, selection
+from lib import lossless as check_lib
+from lib.dag import selection
 from lib.stage import StageError, validate_json
 from test_sweeps import latency
 
@@ -593,7 +594,7 @@ def test_a_shared_reference_is_continued_for_another_variant_only_when_it_needs_
 def test_reference_differs_from_the_variant_in_speculation_only():
     import yaml
 
-    from lib import config as pipeline_config
+    from lib.dag import config as pipeline_config
     from lib.reference_server import reference_serve
 
     tiny = pipeline_config.load(yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text()))
@@ -675,7 +676,7 @@ def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
     for one request a category (the short category only when asked)."""
     import yaml
 
-    from lib.schema import section_defaults
+    from lib.dag.schema import section_defaults
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     variant = tiny["variant"]
@@ -752,7 +753,7 @@ def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
     import yaml
 
     import lossless_reference
-    from lib import config as pipeline_config
+    from lib.dag import config as pipeline_config
     from lib.probe import concurrent_batch, probe
 
     tiny, variant, _, settings = default_variant()
@@ -839,7 +840,7 @@ def test_padded_suffix_drafts_serve_fresh_prompts_losslessly(tiny_run, tmp_path)
 def test_the_reference_is_the_variants_own_image_without_speculation():
     import yaml
 
-    from lib import config as pipeline_config
+    from lib.dag import config as pipeline_config
 
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
     sweep = pipeline_config.load(dict(copy.deepcopy(tiny), select={"mode": "fastest"}))

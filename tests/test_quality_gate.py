@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lib.stage import StageError, validate_json
+from lib.tiny import tasks as tiny_tasks
 from quality_gate import (
     build_task_requests,
     check_server,
@@ -212,7 +213,7 @@ def real_profile_tasks() -> list[dict]:
     """config.yaml's quality tasks as the pipeline resolves them (schema defaults filled in)."""
     import yaml
 
-    from lib.config import with_defaults
+    from lib.dag.config import with_defaults
 
     return normalize_tasks(with_defaults(yaml.safe_load((ROOT / "config.yaml").read_text()))["quality"]["tasks"])
 
@@ -318,11 +319,10 @@ def test_report_schema_accepts_a_report_and_rejects_a_bad_one():
 
 
 def test_tiny_task_data_is_what_the_generator_writes(tmp_path):
-    # the committed data must be reproducible from generate.py
-    code = f"import sys; sys.path.insert(0, {str(TASKS_DIR)!r}); import generate; print(len(generate.mc_docs(1, 32)))"
-    assert subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True).stdout.strip() == "32"
+    # the committed data must be reproducible from the generator (scripts/lib/tiny/tasks.py)
+    assert len(tiny_tasks.mc_docs(1, 32)) == 32
     before = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
-    subprocess.run([sys.executable, str(TASKS_DIR / "generate.py")], check=True)
+    subprocess.run([sys.executable, "-B", tiny_tasks.__file__], check=True)
     after = {p.name: p.read_bytes() for p in TASKS_DIR.glob("*.jsonl")}
     assert before == after and len(before) == 4
 
@@ -460,16 +460,16 @@ def test_lm_eval_scores_fixed_answer_exactly(fake_server, tmp_path):
     assert all(b["temperature"] == 0 for b in bodies)
     assert (tmp_path / "tiny_mc.jsonl").read_text().count("\n") == len(mc_gold)
 
-    # the tiny model is trained on conversations rendered by generate.py: they must be what lm-eval sends
-    sys.path.insert(0, str(TASKS_DIR))
-    import generate
-
-    tests = generate.test_docs()
+    # the tiny model is trained on conversations rendered by the generator: they must be what lm-eval sends
+    tests = tiny_tasks.test_docs()
     ours = [
-        [{"role": "system", "content": generate.MC_DESCRIPTION}, {"role": "user", "content": generate.mmlu_pro_text(d)}]
+        [
+            {"role": "system", "content": tiny_tasks.MC_DESCRIPTION},
+            {"role": "user", "content": tiny_tasks.mmlu_pro_text(d)},
+        ]
         for d in tests["tiny_mc"]
     ]
-    ours += [[{"role": "user", "content": generate.GPQA_TEMPLATE.format(**d)}] for d in tests["tiny_mc_think"]]
+    ours += [[{"role": "user", "content": tiny_tasks.GPQA_TEMPLATE.format(**d)}] for d in tests["tiny_mc_think"]]
     ours += [[{"role": "user", "content": d["prompt"]}] for d in tests["tiny_ifeval"]]
     sent = [[{k: v for k, v in m.items() if k != "type"} for m in b["messages"]] for b in bodies]
     assert sorted(map(json.dumps, ours)) == sorted(map(json.dumps, sent))

@@ -10,15 +10,15 @@ import pytest
 import yaml
 
 from conftest import TEST_TORCH_THREADS, TINY as TINY_ARGS, _up_to_date
-from lib.config import with_defaults
-from lib.quantize_checks import (
+from lib.dag.config import with_defaults
+from lib.dag.recipe import read_recipe
+from lib.quantize.checks import (
     check_heldout,
     check_output,
     checkpoint_modules,
     expected_weight_bytes,
     plan_checkpoint,
     plan_targets,
-    read_recipe,
 )
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, validate_json, write_manifest
@@ -791,7 +791,7 @@ def test_after_guard_checkpoint_must_reload(runs, tiny_venvs, tmp_path):
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
     code = (
-        "import sys; from lib.stage import StageError; from lib.quantize_checks import load_model\n"
+        "import sys; from lib.stage import StageError; from lib.quantize.checks import load_model\n"
         f"try: load_model({str(broken)!r}, {ARCH!r}, 'written')\n"
         "except StageError as e: print(e); sys.exit(3)\n"
     )

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT
-from lib import lock, stage
+from lib import stage
+from lib.dag import lock
 
 FAILING_STAGE = """
 from lib.stage import StageError, run_stage

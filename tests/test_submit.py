@@ -23,7 +23,7 @@ import pytest
 import submit
 from conftest import ROOT, TINY, snakemake
 from lib.stage import StageError
-from lib.submission import ENV, MAX_ARCHIVE_BYTES, state_path
+from lib.submit.submission import ENV, MAX_ARCHIVE_BYTES, state_path
 
 KEY = "sk-test-" + "7f3a9c1e5b2d4a6f8e0c" * 2
 TEAM = "AFM-1a2b3c4d"
@@ -546,7 +546,7 @@ def test_a_failed_submit_is_submitted_on_rerun_without_uploading_again(tmp_path,
 def test_502_503_504_are_retried_with_backoff_on_every_request_but_submit(tmp_path, monkeypatch, capsys):
     tarball, payload = archive(tmp_path, 3 * 64 * KIB)
     waits = []
-    monkeypatch.setattr("lib.submission.time.sleep", waits.append)
+    monkeypatch.setattr("lib.submit.submission.time.sleep", waits.append)
     busy = {"register": [502], "upload_url": [503, 504], "put": [503], "complete": [503, 502]}
     with StandIn(payload, single_max=128 * KIB, busy=busy) as api:
         the_job = job(tmp_path, retries=2)
@@ -561,7 +561,7 @@ def test_502_503_504_are_retried_with_backoff_on_every_request_but_submit(tmp_pa
 
 def test_a_request_still_busy_after_its_retries_stops_naming_the_status(tmp_path, monkeypatch):
     tarball, payload = archive(tmp_path, 3 * 64 * KIB)
-    monkeypatch.setattr("lib.submission.time.sleep", lambda s: None)
+    monkeypatch.setattr("lib.submit.submission.time.sleep", lambda s: None)
     with StandIn(payload, single_max=128 * KIB, busy={"upload_url": [503] * 3}) as api:
         with pytest.raises(StageError, match=r"POST \$QWEN_SUBMIT_URL/upload-url: answered 503 after 3 attempt\(s\)"):
             run_in_process(api, job(tmp_path, retries=2), monkeypatch)
@@ -571,7 +571,7 @@ def test_a_request_still_busy_after_its_retries_stops_naming_the_status(tmp_path
 @pytest.mark.parametrize("status", [502, 503, 504])
 def test_submit_answering_a_gateway_error_is_never_retried(tmp_path, monkeypatch, status):
     tarball, payload = archive(tmp_path, 100 * KIB)
-    monkeypatch.setattr("lib.submission.time.sleep", lambda s: None)
+    monkeypatch.setattr("lib.submit.submission.time.sleep", lambda s: None)
     with StandIn(payload, single_max=128 * KIB, busy={"submit": [status]}) as api:
         with pytest.raises(StageError, match=rf"/submit answered {status}: .*rerun to submit it without uploading"):
             run_in_process(api, job(tmp_path, retries=3), monkeypatch)

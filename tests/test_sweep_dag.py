@@ -162,7 +162,7 @@ def test_bad_sweep_config_is_refused_naming_the_key(overlay, words):
     also through snakemake itself, below)."""
     from snakemake.utils import update_config
 
-    from lib import config as pipeline_config
+    from lib.dag import config as pipeline_config
 
     config = _tiny_config()
     update_config(config, overlay)
@@ -195,7 +195,7 @@ import json, sys
 from pathlib import Path
 
 sys.path.insert(0, config["scripts"])
-from lib import selection
+from lib.dag import selection
 
 CANDIDATES = config["candidates"]
 BF16_REFERENCE = config.get("bf16_reference")

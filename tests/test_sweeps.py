@@ -9,9 +9,9 @@ import compare
 import select_variant
 import tarball
 from conftest import ROOT
-from lib import selection, sweeps
 from lib.baseline import probe_baseline
-from lib.config import contract_categories
+from lib.dag import selection, sweeps
+from lib.dag.config import contract_categories
 from lib.stage import StageError, validate_json
 
 BASE = {

@@ -3,7 +3,7 @@ and each refusal. The tiny checkpoint's pruning through the stage (real tokenize
 
 import pytest
 
-from lib.vocab import (
+from lib.quantize.vocab import (
     PruneError,
     byte_symbols,
     plan_kept_ids,

@@ -41,7 +41,7 @@ INHERENT_OPTIONS = ("drafter",)
 
 
 # Sweep points as their records name them, measured before every variant name gave K as `<method><K>` (the catalog's
-# scheme: scripts/lib/sweeps.py k_label), and as users build them now: the tables give today's names, so that a row
+# scheme: scripts/lib/dag/sweeps.py k_label), and as users build them now: the tables give today's names, so that a row
 # names a variant one can ask for; the records stay as measured (tests/test_gpu_proof.py checks their settings are
 # the renamed variants').
 RENAMED = {

@@ -1,10 +1,10 @@
-"""Sweeps: declared axes over a catalog variant, expanded into named variants (read by scripts/lib/config.py).
+"""Sweeps: declared axes over a catalog variant, expanded into named variants (read by scripts/lib/dag/config.py).
 
 A sweep names a `base` variant of the catalog and `axes` (`recipe`, `serve.<key>`, `speculative.<key>`), each
 a list of values or a mapping label -> value. Every combination becomes a variant named
 `<prefix>-<label>-<label>...` (prefix: the sweep's name unless set), e.g. `tiny-awq-mtp2`. Labels explain the
 value: a recipe's file stem, `<method><K>` for K (`mtp2`, `suffix20`: the catalog's names give K so too, and
-lib/config.py checks every name's against its settings), `seqs<n>` for max_num_seqs; a mapping names them itself.
+lib/dag/config.py checks every name's against its settings), `seqs<n>` for max_num_seqs; a mapping names them itself.
 
 A point whose settings (schema defaults filled) equal a catalog variant's, or an earlier point's, IS that
 variant: its results are reused, not rebuilt. A point named like a catalog variant with other settings is an

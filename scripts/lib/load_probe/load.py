@@ -190,8 +190,8 @@ def plan(kinds: list[Kind], requests: int, seed: int = PLAN_SEED) -> list[Kind]:
     """`requests` requests: every kind once, then the valid kinds in turn; shuffled (seeded)."""
     if requests < len(kinds):
         raise StageError(
-            f"load.requests is {requests}: the mix has {len(kinds)} kinds of request (lib/load.py request_kinds), "
-            f"each sent at least once; ask for {len(kinds)} or more"
+            f"load.requests is {requests}: the mix has {len(kinds)} kinds of request "
+            f"(lib/load_probe/load.py request_kinds), each sent at least once; ask for {len(kinds)} or more"
         )
     valid = [kind for kind in kinds if kind.valid]
     planned = list(kinds) + [valid[i % len(valid)] for i in range(requests - len(kinds))]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-DATA_FILES = ("../../schemas/config.schema.yaml",)  # inputs of the rules whose script imports this (lib/imports.py)
+# inputs of the rules whose script imports this (lib/dag/imports.py)
+DATA_FILES = ("../../../schemas/config.schema.yaml",)
 SCHEMA_PATH = (Path(__file__).parent / DATA_FILES[0]).resolve()
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import jsonschema
 
-from lib import ROOT, lock, sweeps
-from lib.schema import SCHEMA_PATH, load as schema
+from lib import ROOT
+from lib.dag import lock, sweeps
+from lib.dag.recipe import read_recipe
+from lib.dag.schema import SCHEMA_PATH, load as schema
 from serving import settings as serve_settings
 
 # Folders under results/ that are not variants.
@@ -195,8 +197,6 @@ def draft_folder(draft: dict) -> str:
 def draft_problems(config: dict, root: Path) -> list[str]:
     """A drafter must be pinned (hub), names no revision it would ignore (synthetic) and must draft in the target's
     ids: refused before any job runs."""
-    from lib.quantize_checks import read_recipe
-
     problems, revisions = [], {}
     hub = config["model"]["source"] == "hub"
     for name, variant in config["variants"].items():
@@ -232,8 +232,8 @@ def draft_problems(config: dict, root: Path) -> list[str]:
 
 
 def base_problems(image: dict) -> list[str]:
-    """A registry base is named by tag, its digest held by the lock (lib/lock.py), or by tag@digest; a bare name (the
-    `latest` Docker would assume) is refused unless the base may float (image.allow_unpinned_base)."""
+    """A registry base is named by tag, its digest held by the lock (lib/dag/lock.py), or by tag@digest; a bare name
+    (the `latest` Docker would assume) is refused unless the base may float (image.allow_unpinned_base)."""
     base = image["base"]
     if base == "local":
         return []
@@ -349,10 +349,11 @@ def project_files(folder: str) -> list[str]:
     return sorted(str(p) for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
-def tiny_training_inputs(train: dict) -> dict:
-    """The generator of the tiny model's training conversations and the test splits it keeps out of them."""
-    generator = Path(train["generator"])
-    return {"generator": str(generator), "test_splits": sorted(str(p) for p in generator.parent.glob("*.test.jsonl"))}
+def tiny_training_inputs(train: dict, tasks_dir: str | None) -> dict:
+    """The generator of the tiny model's training conversations and the test splits it keeps out of them: those of
+    the gate's own tasks (quality.tasks_dir), which the generator writes."""
+    splits = sorted(str(p) for p in Path(tasks_dir).glob("*.test.jsonl")) if tasks_dir else []
+    return {"generator": train["generator"], "test_splits": splits}
 
 
 def contract_categories() -> list[dict]:
@@ -385,8 +386,6 @@ class Pipeline:
         """What a vocabulary-pruning recipe must keep every token of, beyond its calibration and held-out text: the
         probe's varied text and sentence, the local gate tasks' data. Nothing for other recipes, so a probe edit
         never reruns their quantization."""
-        from lib.quantize_checks import read_recipe
-
         if not read_recipe(self.recipes[recipe])["prune_vocab"]:
             return {"files": [], "sentence": None}
         tasks_dir = self.config["quality"]["tasks_dir"]
@@ -485,7 +484,6 @@ class Pipeline:
         """The same-host bf16 reference the ranking divides by: the first measured variant whose recipe quantizes
         nothing and that does not speculate (lib.baseline.is_bf16); None when the run measures none."""
         from lib.baseline import is_bf16
-        from lib.quantize_checks import read_recipe
 
         variants = self.config["variants"]
         return next(

@@ -1,6 +1,6 @@
 """Regenerate the tiny profile's lm-eval task data (deterministic; the output is committed).
 
-    python3 data/tiny/tasks/generate.py
+    python3 scripts/lib/tiny/tasks.py
 
 Small on purpose: a tiny CPU model answers a few dozen questions in minutes. The formats copy the real
 tasks so the same harness code paths run: tiny_mc = MMLU-Pro's fields and prompt, tiny_mc_think =
@@ -13,7 +13,8 @@ import json
 import random
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The tiny lm-eval tasks (their YAML, utils.py and the splits this writes): quality.tasks_dir in config/tiny.yaml.
+TASKS_DIR = Path(__file__).resolve().parents[3] / "data" / "tiny" / "tasks"
 LETTERS = "ABCD"
 # Category questions: one option of each category, always in the same category order, so the asked category
 # decides the letter. Measured on an H100 (issue #5): with the options shuffled, the 4-layer model stayed at
@@ -438,13 +439,13 @@ def tokenizer_text(repeats: int = 8) -> str:
 def test_docs() -> dict[str, list[dict]]:
     """The committed test splits (what train_conversations keeps out of training)."""
     return {
-        stem: [json.loads(line) for line in (HERE / f"{stem}.test.jsonl").read_text().splitlines() if line]
+        stem: [json.loads(line) for line in (TASKS_DIR / f"{stem}.test.jsonl").read_text().splitlines() if line]
         for stem in ("tiny_mc", "tiny_mc_think", "tiny_ifeval")
     }
 
 
 def write_jsonl(name: str, docs: list[dict]) -> None:
-    (HERE / name).write_text("".join(json.dumps(doc, sort_keys=True) + "\n" for doc in docs))
+    (TASKS_DIR / name).write_text("".join(json.dumps(doc, sort_keys=True) + "\n" for doc in docs))
 
 
 if __name__ == "__main__":
