@@ -28,7 +28,8 @@ from test_sweeps import latency
 
 SCHEMA = ROOT / "schemas" / "lossless.schema.yaml"
 MTP = {"method": "mtp", "k": 2}
-# conftest: the session may probe between two of its tests (pytest_runtest_setup); its fixtures keep no process running
+# the scheduler: the session may probe between two of its tests (pytest_runtest_setup); its fixtures keep no process
+# running
 PROBE_BETWEEN_TESTS = True
 
 

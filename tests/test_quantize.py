@@ -30,10 +30,10 @@ REPORT_SCHEMA = ROOT / "schemas" / "quantize_report.schema.yaml"
 ARCH = "Qwen3_5ForConditionalGeneration"
 TINY = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
 REAL = yaml.safe_load((ROOT / "config.yaml").read_text())
-# conftest's ordering: the recipe runs and the pruned checkpoint's server after the background build's quantize (and
-# the SLURM module, which mostly waits, beside it and the bakes)
+# the scheduler's ordering: the recipe runs and the pruned checkpoint's server after the background build's quantize
+# (and the SLURM module, which mostly waits, beside it and the bakes)
 RUNS_AFTER = ("tiny_quantized",)
-# ...and the session may probe the default image between two of its tests (conftest.pytest_runtest_setup): its
+# ...and the session may probe the default image between two of its tests (scheduler.pytest_runtest_setup): its
 # fixtures keep files only, every process a test starts ends with the test
 PROBE_BETWEEN_TESTS = True
 

@@ -850,7 +850,7 @@ VARIANTS = {
 }
 
 
-NEEDS = sorted({fixture for fixture, _ in VARIANTS.values()})  # for conftest's ordering (module_rank)
+NEEDS = sorted({fixture for fixture, _ in VARIANTS.values()})  # for the scheduler's ordering (module_rank)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

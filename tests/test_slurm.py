@@ -32,13 +32,13 @@ UNTRAINED = f"{MODEL}/untrained"
 # train_tiny, minutes on 2 cores, rerun before quantize).
 FAN_OUT = ["datasets/gate/datasets.json", *[f"{q}/report.json" for q in QUANTIZED]]
 DOWNLOAD = f"{UNTRAINED}/download.json"
-# made locally by the session's background build (conftest), beside the tests that run before this module
+# made locally by the session's background build (scheduler), beside the tests that run before this module
 BACKGROUND_TARGETS = [*FAN_OUT, DOWNLOAD]
 RULES = ("download", "download_datasets", "quantize")
 SOURCES_TIME = 946684800  # 2000-01-01: the copy's tracked files (checkout_copy)
 # Status checks every few seconds instead of the executor's 40 s: the jobs here take seconds. quantize asks for 4
 # threads (what a real node has): --max-threads caps what a job asks SLURM for, at the count of the tests' own torch
-# processes, as the jobs run beside the session's background build (conftest.TEST_TORCH_THREADS).
+# processes, as the jobs run beside the session's background build (scheduler.TEST_TORCH_THREADS).
 FAST = ["--slurm-init-seconds-before-status-checks", "2", "--max-threads", str(TEST_TORCH_THREADS)]
 
 

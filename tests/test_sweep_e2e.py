@@ -5,7 +5,7 @@ It reuses the default run's outputs (tiny-awq-mtp2, its quantized checkpoint, it
 are the sweep's), so it builds and probes the other candidates only. Their images come from the session's background
 build (BACKGROUND_TARGETS), made beside the modules that run before this one; the sweep itself probes them with
 nothing else running, then ranks and checks them beside the modules that read only the default variant's own records
-(conftest.start_the_sweep). It may replace image.tar.gz with the selected variant's, so conftest runs it last.
+(scheduler.start_the_sweep). It may replace image.tar.gz with the selected variant's, so the scheduler runs it last.
 
 What the walk must show is described where the records are checked, in
 test_select_walked_fastest_first_and_never_gated_a_slower_candidate.
