@@ -1,5 +1,6 @@
 """The tests' shared fixtures and helpers. The session's order and its background build of the tiny DAG are the plugin
-tests/scheduler.py; the suite's timing record is tests/suite_timing.py. Test modules import what they share from here
+tests/scheduler.py; the suite's timing record is tests/suite_timing.py; the stand-ins the tests serve or install
+(a hub, a server, a vLLM plugin) are in tests/support/. Test modules import what they share from here
 (`from conftest import ROOT, snakemake`)."""
 
 import contextlib
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))  # the stage scripts and lib
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the stand-ins (hub_standin, serving_standin)
 
 pytest_plugins = ["scheduler", "suite_timing"]
 pytest.register_assert_rewrite(*pytest_plugins)  # imported here before pytest loads them as plugins

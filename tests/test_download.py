@@ -1,6 +1,6 @@
 """download and train_tiny: hub pinning/failure handling, the hub's own hashes (checked for real by huggingface_hub
-against a local stand-in of the hub, tests/hub_standin.py), the manifest check of a later run, the synthetic tiny
-checkpoint, its chat template and its training.
+against a local stand-in of the hub, tests/support/hub_standin.py), the manifest check of a later run, the synthetic
+tiny checkpoint, its chat template and its training.
 
 Quick tests run under plain python3 (no torch). Building the tiny checkpoint runs the stage in the
 compress venv through a subprocess (built by the pipeline's venv rule); loading it in transformers

@@ -1,7 +1,7 @@
-"""download_datasets against a local stand-in of the hub (tests/hub_standin.py), through the real huggingface_hub,
-datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, the lock (lib/dag/lock.py: the first fetch
-records the commit, later ones must resolve to it, tools/lock.py moves it), and later stages reading the fetched cache
-with the hub off (quality_gate's task loading, quantize's calibration loading)."""
+"""download_datasets against a local stand-in of the hub (tests/support/hub_standin.py), through the real
+huggingface_hub, datasets and lm-eval of the eval venv: pinned commits, the hub's own hashes, the lock
+(lib/dag/lock.py: the first fetch records the commit, later ones must resolve to it, tools/lock.py moves it), and later
+stages reading the fetched cache with the hub off (quality_gate's task loading, quantize's calibration loading)."""
 
 import json
 import subprocess

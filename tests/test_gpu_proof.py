@@ -86,7 +86,7 @@ def test_quantized_variants_read_fewer_bytes_than_bf16_on_their_host():
         assert record["bytes_per_step"] < bf16[record["host"]], (record["host"], record["variant"])
 
 
-# ---- the driver, against tests/serving_standin.py ----
+# ---- the driver, against tests/support/serving_standin.py ----
 
 
 def write_checkpoint(folder: Path) -> None:
@@ -102,9 +102,10 @@ def write_checkpoint(folder: Path) -> None:
 
 
 def fake_driver(tmp_path, pipeline, names, **options):
-    """A Driver serving tests/serving_standin.py, its environment, checkpoint, bandwidth and quantize steps done."""
+    """A Driver serving tests/support/serving_standin.py, its environment, checkpoint, bandwidth and quantize steps
+    done."""
     d = steps.Driver(tmp_path, names, pipeline, {"warmup": 1, "runs": 2, **options})
-    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "support" / "serving_standin.py")]
     write_checkpoint(d.model_dir)
     shutil.copytree(d.model_dir, tmp_path / "quant" / "awq-w4a16-g32-broad" / "model")
     environment = {"gpu": {"name": "NVIDIA H200"}, "versions": {"vllm_bundle": {"vllm": "0.26.0"}}}
@@ -178,7 +179,7 @@ def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other
         "serve_set": {"enable_prefix_caching": True},
     }
     d = fake_driver(tmp_path, pipeline, names, together=3, **options)
-    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "support" / "serving_standin.py")]
     d.run()
     results = tmp_path / "results"
     records = {n: json.loads((results / f"variant-{n}.json").read_text()) for n in names}
@@ -231,7 +232,7 @@ def test_a_given_trained_checkpoint_and_quantized_model_are_served_with_every_pa
     names = ["tiny-awq-none", "tiny-awq-mtp2"]
     options = {"warmup": 1, "runs": 1, "checkpoint": str(given), "patches": "off", "config": "config/tiny.yaml"}
     d = steps.Driver(tmp_path / "state", names, tiny, options | {"quantized": {"awq-w4a16-g32-broad": str(quantized)}})
-    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "serving_standin.py")]
+    d.serve_cmd = [sys.executable, str(ROOT / "tests" / "support" / "serving_standin.py")]
     d.record("environment", {"kind": "environment", "status": "ok", "gpu": {"name": "NVIDIA H200"}})
     d.record("bandwidth", {"kind": "bandwidth", "status": "ok", "copy_gbps": 4000.0})
     for step in ("environment", "bandwidth"):

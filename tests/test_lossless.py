@@ -3,7 +3,7 @@
 Unit tests on crafted records (a flipped id must be caught, named by set, category, position and both ids; a near
 tie is passed and the comparison continues from the speculative prefix, so a later flip is caught too; the concurrent
 batch is compared the same way), the wiring (select skips a refused variant ungated and says why, tarball refuses it,
-the DAG puts the check before it), and e2e tests that make speculation lossy for real (tests/lossless_canary: a
+the DAG puts the check before it), and e2e tests that make speculation lossy for real (tests/support/lossless_canary: a
 test-only vLLM plugin that flips accepted draft tokens, everywhere or only after a near tie it took the other way) and
 show the check failing on a real server's ids.
 """
@@ -331,7 +331,8 @@ def toy_greedy(history: list[int]) -> tuple[int, list]:
 def toy_generate(prompt: list[int], n: int, take_ties: bool = False, flip_after_tie: int | None = None):
     """(ids, top logprobs): n greedy ids after `prompt`. take_ties: a speculative server whose rounding takes every
     near tie the other way (the model goes on from its pick); flip_after_tie: it then also emits the id this many
-    tokens after its first such tie with the lowest bit flipped (the output only), as tests/lossless_canary does."""
+    tokens after its first such tie with the lowest bit flipped (the output only), as tests/support/lossless_canary
+    does."""
     history, ids, tops, flip_at = list(prompt), [], [], None
     for _ in range(n):
         token, ranked = toy_greedy(history)
@@ -664,7 +665,7 @@ def test_the_dag_checks_before_tarball():
 
 # ---------- a real server made lossy on purpose (needs the serve-cpu venv and the tiny DAG's outputs) ----------
 
-CANARY_DIR = Path(__file__).resolve().parent / "lossless_canary"
+CANARY_DIR = ROOT / "tests" / "support" / "lossless_canary"
 
 
 def short_repeated(record: dict) -> dict:
@@ -690,8 +691,8 @@ def default_variant(short_only: bool = False) -> tuple[dict, str, Path, dict]:
 
 @contextlib.contextmanager
 def canary_server(tiny: dict, variant: str, switch: dict[str, str]):
-    """The variant's own image (MTP K=2, its baked compile cache: a warm start) with tests/lossless_canary mounted and
-    switched on by `switch` (its environment); yields (the running container, the served model name)."""
+    """The variant's own image (MTP K=2, its baked compile cache: a warm start) with tests/support/lossless_canary
+    mounted and switched on by `switch` (its environment); yields (the running container, the served model name)."""
     from lib.containers import run, run_container
     from serving.settings import serve_json
 
@@ -708,7 +709,7 @@ def canary_server(tiny: dict, variant: str, switch: dict[str, str]):
 
 @pytest.mark.e2e
 def test_a_lossy_server_is_caught(tiny_run):
-    """The shipped variant's own image run with tests/lossless_canary flipping accepted draft tokens (what a
+    """The shipped variant's own image run with tests/support/lossless_canary flipping accepted draft tokens (what a
     verify-step bug such as vLLM #39273's GDN state corruption looks like from outside), probed the way the DAG probes
     it, one request at a time and in its concurrent batch: the check names its first flipped token against the DAG's
     own reference run (the same image, speculation off), in the short category and in every batched request. The
@@ -745,7 +746,7 @@ def test_a_lossy_server_is_caught(tiny_run):
 
 @pytest.mark.e2e
 def test_a_server_lossy_only_after_a_near_tie_is_caught(tiny_run, tmp_path):
-    """tests/lossless_canary's second mode: where a step's token is a near tie (<= 0.07 nats in the server's own
+    """tests/support/lossless_canary's second mode: where a step's token is a near tie (<= 0.07 nats in the server's own
     logits: the tiny model's bf16 margins come in 1/64-nat steps, and the reference's own may be a step wider) it
     takes the runner-up and goes on from it, then flips the next accepted draft. The stages themselves on it, as the
     DAG runs them: lossless_reference serves the same image with speculation off and continues the lossy output from
