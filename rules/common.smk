@@ -6,9 +6,9 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-from lib.dag import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config.py
-from lib.dag import lock as pipeline_lock  # what each floating name resolved to (config/lock/), tests/test_lock.py
-from lib.dag import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/test_sweeps.py
+from lib.dag import config as pipeline_config  # every check and derivation, unit-tested in tests/unit/test_config.py
+from lib.dag import lock as pipeline_lock  # what each floating name resolved to (config/lock/), tests/unit/test_lock.py
+from lib.dag import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/unit/test_sweeps.py
 
 # Schema (naming every bad key), cross-field and file checks, sweep expansion: before any job runs.
 try:

@@ -2,7 +2,7 @@
 
 Standard library only, because it ships in the image: the entrypoint (serving/launch.py) turns serve.json into
 vLLM flags here, and the pipeline (scripts/lib/dag/config.py), gpu_proof/driver.py and the schema's `serve` and
-`speculative` sections (kept equal by tests/test_settings.py) read the same tables. Adding a serve flag or a
+`speculative` sections (kept equal by tests/unit/test_settings.py) read the same tables. Adding a serve flag or a
 speculative method is a row here and its description in schemas/config.schema.yaml. `serve.patches` switches the
 project's vLLM patches, whose table is serving/patches/__init__.py.
 """

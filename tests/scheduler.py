@@ -36,7 +36,7 @@ def _tiny_config() -> dict:
 
 
 # Modules run after every other: the sweep replaces image.tar.gz with the selected variant's.
-LAST = ("test_sweep_e2e.py",)
+LAST = ("test_sweep.py",)
 # Modules that need the whole DAG but read only the default variant's own records and image (never image.tar.gz, nor
 # a run of the default target): they run after the other modules that need it, and the sweep runs beside them once it
 # has probed its candidates (start_the_sweep).
@@ -78,7 +78,8 @@ def pytest_collection_modifyitems(session, config, items):
         )
     # The quick tests first, while the background build starts (pytest_collection_finish); then the e2e modules in
     # the order the background build makes what they need (module_rank), BESIDE_THE_SWEEP's and LAST's at the end.
-    # Stable: each group keeps its order, and a module's e2e tests stay together (its module fixtures are made once).
+    # Stable: each group keeps its order, and a module's e2e tests stay together (its module fixtures are made once);
+    # within a group, modules by name, whether in tests/unit/ or tests/e2e/.
     ranks: dict[Path, int] = {}
     for item in filter(is_e2e, items):
         ranks[item.path] = max(ranks.get(item.path, 0), module_rank(item))
@@ -87,6 +88,7 @@ def pytest_collection_modifyitems(session, config, items):
             is_e2e(item),
             ranks[item.path] if is_e2e(item) else 0,
             2 if item.path.name in LAST else 1 if is_e2e(item) and item.path.name in BESIDE_THE_SWEEP else 0,
+            item.path.name,
         )
     )
 

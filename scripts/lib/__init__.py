@@ -8,7 +8,7 @@
 - tiny/: the tiny profile's model and its quality tasks' data.
 
 Which rule runs a module is read from the imports (dag/imports.py lists them as inputs of each rule), not from where it
-sits here. The rules (tests/test_imports.py): a stage script imports from here, never from another stage script (a
+sits here. The rules (tests/unit/test_imports.py): a stage script imports from here, never from another stage script (a
 stage that needs another stage's work runs it as a program), and only the stage a <stage>/ package is named for
 imports it.
 

@@ -1,7 +1,7 @@
 """The pipeline's configuration: checked, completed and derived once, before any job runs.
 
 rules/common.smk calls `load(config, root)` and reads what the rules need from the returned `Pipeline`; every
-check lives here so that it is unit-tested (tests/test_config.py) rather than reachable only through
+check lives here so that it is unit-tested (tests/unit/test_config.py) rather than reachable only through
 `snakemake -n`. Serve and speculative settings are checked against serving/settings.py, their one home.
 """
 

@@ -272,7 +272,7 @@ def test_bytes_per_step_count_the_mtp_passes_and_give_the_a10g_and_probe_floors(
 
 def test_decode_step_bytes_of_a_checkpoint_count_a_tied_head_once(tmp_path):
     from lib.decode_bytes import part_bytes, step_bytes
-    from test_quantize import write_safetensors
+    from unit.test_quantize import write_safetensors
 
     untied = {
         "model.language_model.layers.0.mlp.up_proj.weight": ("BF16", [64, 32]),

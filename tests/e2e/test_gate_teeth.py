@@ -71,7 +71,7 @@ def test_destroyed_checkpoint_fails_the_gate(tiny_run, tmp_path):
     """The trained checkpoint with its matrices scrambled, served by the image's entrypoint on the host with the
     default variant's settings (eager), scored by quality_gate's own lm-eval run and verdict: it fails the
     thresholds the trained model passes. (The stage's failure path around this verdict, the record, tarball refusing
-    it and the container stopped, is test_pipeline_e2e's test_gate_with_teeth_fails_and_stops_its_container.)"""
+    it and the container stopped, is e2e/test_pipeline.py's test_gate_with_teeth_fails_and_stops_its_container.)"""
     model = tmp_path / "scrambled"
     shutil.copytree(ROOT / "weights" / TINY["model"]["name"] / "checkpoint", model)
     shards = sorted(map(str, model.glob("*.safetensors")))  # the script leaves non-language-model tensors

@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import download
 import quantize
 import train_tiny
-from conftest import TEST_TORCH_THREADS, vllm_cache_root
+from conftest import ROOT, TEST_TORCH_THREADS, vllm_cache_root
 from hub_standin import StandinHub, git_blob_sha1 as blob_sha1_of, run_stage_script
 from lib import hub
 from lib.checkpoint import verify_manifest
@@ -31,7 +31,6 @@ from lib.safetensors import read_header
 from lib.stage import StageError, sha256_file, validate_json
 from lib.tiny import synthesis, tokenizer as tiny_tokenizer, training
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPRESS = ROOT / ".venvs" / "compress" / "bin" / "python"
 SERVE = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 CORPUS = ROOT / "data" / "tiny" / "corpus.txt"

@@ -3,12 +3,12 @@
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 sys.path.insert(0, str(ROOT / "tools"))
 
 import render_results  # noqa: E402

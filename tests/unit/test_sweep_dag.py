@@ -229,7 +229,7 @@ def walk_workflow(tmp_path, outcomes: dict[str, tuple[bool, bool]], latencies=No
     """A workdir with the stand-in workflow, the candidates' latency records (test_sweeps' by default) and each one's
     (lossless passed, gate passed) records, and `bf16` (name, latency record): the run's same-host bf16 variant;
     returns a function running snakemake there."""
-    from test_sweeps import LATENCIES, lossless_record, quality
+    from unit.test_sweeps import LATENCIES, lossless_record, quality
 
     latencies = latencies or LATENCIES
     (tmp_path / "Snakefile").write_text(WALK_SNAKEFILE)
@@ -291,7 +291,7 @@ def test_snakemake_walks_the_candidates_one_check_at_a_time_and_stops_at_the_win
 def test_the_ranking_rule_reads_the_same_host_bf16_record_as_an_input(tmp_path):
     """rank_candidates divides by the run's bf16 variant's medians: its latency record is an input of the rule, and the
     ranking follows this host's speeds, not the contract's A10G numbers."""
-    from test_sweeps import BF16_MEDIANS, X_MEDIANS, Y_MEDIANS, latency, with_medians
+    from unit.test_sweeps import BF16_MEDIANS, X_MEDIANS, Y_MEDIANS, latency, with_medians
 
     candidates = {"x": with_medians(latency(1.0, None), X_MEDIANS), "y": with_medians(latency(1.0, None), Y_MEDIANS)}
     bf16 = ("bf16-none", with_medians(latency(1.0, None), BF16_MEDIANS))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TEST_TORCH_THREADS, TINY as TINY_ARGS, _up_to_date
+from conftest import ROOT, TEST_TORCH_THREADS, TINY as TINY_ARGS, _up_to_date
 from lib.dag.config import with_defaults
 from lib.dag.recipe import read_recipe
 from lib.quantize.checks import (
@@ -24,7 +24,6 @@ from lib.safetensors import checkpoint_header
 from lib.stage import StageError, validate_json, write_manifest
 from quantize import _as_chat, load_calibration_texts
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 REPORT_SCHEMA = ROOT / "schemas" / "quantize_report.schema.yaml"
 ARCH = "Qwen3_5ForConditionalGeneration"

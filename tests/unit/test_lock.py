@@ -1,6 +1,6 @@
 """The lock (scripts/lib/dag/lock.py, config/lock/): entries read, written and checked; the base image's digest through
 pull_base and a fake `docker`; the refresh tool (tools/lock.py) against the hub stand-in and the fake docker; the config
-checked against the lock before any job runs. download_datasets' side: tests/test_download_datasets.py.
+checked against the lock before any job runs. download_datasets' side: tests/e2e/test_download_datasets.py.
 """
 
 import json

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import ROOT
 from hub_standin import StandinHub, run_stage_script
 from lib.dag import lock
 from lib.stage import HUB_OFFLINE_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tools import lock as lock_tool  # noqa: E402
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from test_serving import MSG, FakeVllm
+from unit.test_serving import MSG, FakeVllm
 
 sys.path.insert(0, str(ROOT))
 

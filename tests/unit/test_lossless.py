@@ -24,7 +24,7 @@ from conftest import ROOT, SERVE_PY, TINY, host_server, snakemake
 from lib import lossless as check_lib
 from lib.dag import selection
 from lib.stage import StageError, validate_json
-from test_sweeps import latency
+from unit.test_sweeps import latency
 
 SCHEMA = ROOT / "schemas" / "lossless.schema.yaml"
 MTP = {"method": "mtp", "k": 2}

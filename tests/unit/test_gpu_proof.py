@@ -13,7 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
 RECORDS = ROOT / "records" / "gpu-proof"
 SCHEMA = yaml.safe_load((ROOT / "schemas" / "gpu-proof.schema.yaml").read_text())
 sys.path.insert(0, str(ROOT / "gpu_proof"))

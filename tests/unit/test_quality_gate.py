@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from lib.stage import StageError, validate_json
 from lib.tiny import tasks as tiny_tasks
 from quality_gate import (
@@ -28,7 +29,6 @@ from quality_gate import (
     warnings_for,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 TASKS_DIR = ROOT / "data" / "tiny" / "tasks"
 EVAL_PYTHON = ROOT / ".venvs" / "eval" / "bin" / "python"
 ANSWER = "The answer is (A)."

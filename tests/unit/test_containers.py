@@ -14,12 +14,9 @@ import pytest
 
 import base_image
 import build_image
-from conftest import FAKE_DOCKER_HEAD
+from conftest import FAKE_DOCKER_HEAD, ROOT
 from lib import containers
 from lib.stage import StageError
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # ---------------------------------------------------------------- detect_builder
 
