@@ -56,7 +56,22 @@ HEAVY_FIXTURES = {
 }
 
 
+# Where a test module sits says its tests' kind: tests/unit/ holds the quick ones, tests/e2e/ those marked e2e.
+KIND_FOLDERS = {ROOT / "tests" / "unit": False, ROOT / "tests" / "e2e": True}
+
+
 def pytest_collection_modifyitems(session, config, items):
+    misplaced = [
+        item.nodeid
+        for item in items
+        for folder, e2e in KIND_FOLDERS.items()
+        if folder in item.path.parents and is_e2e(item) != e2e
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            "tests/unit/ holds quick tests, tests/e2e/ the ones marked e2e; these sit in the other folder:\n  "
+            + "\n  ".join(misplaced)
+        )
     light = [
         item.nodeid
         for item in items

@@ -256,33 +256,3 @@ def test_the_calibration_set_is_fetched_once_and_quantize_reads_it_offline(tmp_p
     assert entry["users"] == ["calibration"] and entry["commit"] == COMMIT
     seen = offline(COMPRESS, OFFLINE_CALIBRATION, out / "cache", out / "manifest.json", COMMIT, tmp_path=tmp_path)
     assert len(seen["TEXTS"]) == 3 and set(seen["TEXTS"]) <= set(CALIBRATION_ROWS["text"])
-
-
-STAGE = """
-import os, sys
-from lib.stage import run_stage
-def main(job):
-    print("OFFLINE", os.environ.get("HF_HUB_OFFLINE"), os.environ.get("HF_DATASETS_OFFLINE"))
-run_stage(main, online=sys.argv[1] == "online")
-"""
-
-
-@pytest.mark.parametrize("online", [False, True])
-def test_every_stage_but_the_fetching_ones_runs_with_the_hub_off(tmp_path, online):
-    (tmp_path / "job.json").write_text(json.dumps({"rule": "x", "log": []}))
-    env = {"PYTHONPATH": str(ROOT / "scripts"), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run(
-        [sys.executable, "-c", STAGE, "online" if online else "offline", "--job", str(tmp_path / "job.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == (["OFFLINE", "None", "None"] if online else ["OFFLINE", "1", "1"])
-
-
-def test_only_the_three_fetching_stages_run_with_the_hub_on():
-    """download, download_draft and download_datasets reach the hub (and read HF_TOKEN); every other stage runs with
-    it off, so the docs name exactly these three."""
-    online = sorted(path.stem for path in (ROOT / "scripts").glob("*.py") if "online=True" in path.read_text())
-    assert online == ["download", "download_datasets", "download_draft"]

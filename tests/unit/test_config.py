@@ -447,22 +447,6 @@ def test_an_unpinned_base_passes_only_when_allowed(tmp_path, base):
     assert "rule pull_base" in result.stdout  # pulled as the tag is at the pull
 
 
-@pytest.mark.e2e
-def test_a_missing_recipe_after_a_complete_run_fails_instead_of_shipping_the_old_image(tiny_run, tmp_path):
-    """With outputs of a complete run on disk, a recipe path that names nothing used to plan "Nothing to be done"
-    (the stale quantize outputs were taken as sources) and keep the old image."""
-    config = tiny_config()
-    config["variants"][config["variant"]]["recipe"] = "recipes/renamed.yaml"
-    override = tmp_path / "override.yaml"
-    override.write_text(yaml.safe_dump(config))
-    for args in (("-n",), ("--cores", "2"), ("--cores", "2", "-F")):
-        result = snakemake(*args, *TINY, str(override), check=False)
-        message = result.stdout + result.stderr
-        assert result.returncode != 0, args
-        assert f"config key 'variants.{config['variant']}.recipe': recipes/renamed.yaml does not exist" in message
-        assert "Nothing to be done" not in message
-
-
 def test_the_engine_is_named_once_and_every_profile_serves_it(tmp_path):
     """engine.vllm names the release; the real profile's base image, the tiny profile's CPU build and the GPU proof's
     expected bundle are that release, and a profile that names another is refused naming both."""

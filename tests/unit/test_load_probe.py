@@ -1,6 +1,6 @@
 """The load probe (scripts/load_probe.py, scripts/lib/load_probe/load.py): its request mix, and its verdict against a
-stand-in server that answers as vLLM behind serving/ does (then breaks in one way at a time); the tiny image's record
-(e2e)."""
+stand-in server that answers as vLLM behind serving/ does (then breaks in one way at a time). The tiny image's record:
+tests/e2e/test_load_probe.py."""
 
 import json
 import threading
@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import yaml
 
 from conftest import ROOT
 from lib.load_probe import load
@@ -327,19 +326,3 @@ def test_a_failing_probe_says_what_failed_in_one_message():
     record = probe("one_500")
     message = load.failure_message(record)
     assert "1 5xx" in message and record["failures"][0] in message
-
-
-# ----- the tiny image's record -----
-
-
-@pytest.mark.e2e
-def test_the_tiny_dag_probed_its_image_under_load(tiny_run):
-    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    record = json.loads((ROOT / "results" / tiny["variant"] / "load_probe" / "load.json").read_text())
-    validate_json(record, ROOT / "schemas" / "load.schema.yaml")
-    assert record["variant"] == tiny["variant"] and record["passed"]
-    assert record["counts"]["requests"] == record["settings"]["requests"] == len(record["requests"])
-    assert record["max_in_flight"] == record["settings"]["concurrency"] > 1
-    assert record["counts"]["server_errors"] == record["counts"]["no_answer"] == 0
-    assert all(record["latency_ms"][name]["count"] > 0 for name in ("overall", *load.ENDPOINTS))
-    assert record["statuses"].get("413") == 1 and all(kind["sent"] >= 1 for kind in record["kinds"])
