@@ -17,7 +17,7 @@
 # Bundles (how they reach an offline host is site-specific), xz-packed site-packages trees split in parts in
 # /root/stash: vLLM (NAME.tar.xz.*, NAME from VLLM_BUNDLE, default `vllm`: the release engine.vllm names, with the
 # torch and NCCL it pins where the host's differ) and llmcompressor (llmcompressor.tar.xz.*), and for suffix decoding
-# arctic-inference built the way scripts/lib/local_builds.py builds it (a wheel). A trained checkpoint to serve
+# arctic-inference built the way scripts/lib/make_venv/local_builds.py builds it (a wheel). A trained checkpoint to serve
 # (--checkpoint, --quantized) travels as models.tar.
 # The driver runs from a copy of the tree in $STATE/repo, so a later call's fresh tree does not move under it.
 set -u
@@ -69,7 +69,7 @@ case "$1" in
       PYTHONPATH=$site python3 -c 'import torch, vllm; print(vllm.__file__.split("/")[2], "vllm", vllm.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tail -3
     done
     echo "[unpack] $(( $(date +%s) - t0 )) s" ;;
-  arctic)  # the way scripts/lib/local_builds.py builds it: no isolation, a stub torch, its vLLM plugin left out
+  arctic)  # the way scripts/lib/make_venv/local_builds.py builds it: no isolation, a stub torch, its vLLM plugin left out
     src=$PWD/.device-stage/arctic/c0/arctic; b=/tmp/arctic-build; t0=$(date +%s)
     ls /root/stash/arctic_inference-*.whl 2>/dev/null && exit 0
     rm -rf "$b" && mkdir -p "$b/stub/torch" /root/stash

@@ -154,7 +154,7 @@ def main() -> None:
         import yaml
 
         sys.path.insert(0, str(ROOT / "scripts"))
-        from lib import config as pipeline_config
+        from lib.dag import config as pipeline_config
 
         variant = args.serve_json
         settings = pipeline_config.load(yaml.safe_load(Path(args.config).read_text()), ROOT).serve_json(variant)

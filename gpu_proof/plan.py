@@ -22,10 +22,10 @@ class PlanError(SystemExit):
 
 
 def catalog(config_path: Path):
-    """The pipeline's view of a config (lib.config.load: schema defaults filled, sweeps expanded)."""
+    """The pipeline's view of a config (lib.dag.config.load: schema defaults filled, sweeps expanded)."""
     import yaml
 
-    from lib import config as pipeline_config
+    from lib.dag import config as pipeline_config
 
     return pipeline_config.load(yaml.safe_load(Path(config_path).read_text()), ROOT)
 

@@ -50,7 +50,7 @@ def quantize_job(model_dir: Path, recipe: str, out: Path) -> dict:
     text (data/tiny/corpus.txt as chat turns, 32 samples as the tiny profile: AWQ grid-searches every layer over every
     sample, and a lease has minutes), and the held-out bounds opened up (on random weights the real profile's 0.9 and
     1.1 say nothing; the measured agreement and perplexity ratio are recorded as they are)."""
-    from lib.schema import section_defaults
+    from lib.dag.schema import section_defaults
     from lib.stage import write_manifest
 
     corpus = str(ROOT / "data" / "tiny" / "corpus.txt")

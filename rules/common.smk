@@ -6,9 +6,9 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
-from lib import config as pipeline_config  # every check and derivation, unit-tested in tests/test_config.py
-from lib import lock as pipeline_lock  # what each floating name resolved to (config/lock/), tests/test_lock.py
-from lib import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/test_sweeps.py
+from lib.dag import config as pipeline_config  # every check and derivation, unit-tested in tests/unit/test_config.py
+from lib.dag import lock as pipeline_lock  # what each floating name resolved to (config/lock/), tests/unit/test_lock.py
+from lib.dag import selection  # select's ranking and walk (rules/select.smk), unit-tested in tests/unit/test_sweeps.py
 
 # Schema (naming every bad key), cross-field and file checks, sweep expansion: before any job runs.
 try:
@@ -27,7 +27,7 @@ LOCAL_BASE = config["image"]["base"] == "local"
 # What bake_compile_cache and build_image start from: the tiny profile's local build, or the registry base pulled at
 # the digest its lock entry holds.
 BASE_RECORD = "results/base_image/image.json" if LOCAL_BASE else "results/pull_base/image.json"
-# Each fetch's lock entries, inputs of its rule: an entry changed since (a refresh) refetches (scripts/lib/lock.py).
+# Each fetch's lock entries, inputs of its rule: an entry changed since (a refresh) refetches (scripts/lib/dag/lock.py).
 LOCK_ENTRIES = {
     fetch: pipeline_lock.entry_inputs(config, fetch, workflow.basedir) for fetch in ("calibration", "gate", "base")
 }
@@ -61,15 +61,15 @@ PROJECT_PACKAGES = {"lib": "scripts/lib", "serving": "serving"}
 
 def code_of(script):
     """The project modules `script` imports, read from its import graph, and the data files they declare
-    (scripts/lib/imports.py): inputs of the rule that runs it, so a change to shared code or to a file it reads
+    (scripts/lib/dag/imports.py): inputs of the rule that runs it, so a change to shared code or to a file it reads
     reruns exactly the stages that import it."""
-    from lib.imports import code_inputs
+    from lib.dag.imports import code_inputs
 
     return [str(path) for path in code_inputs(script, PROJECT_PACKAGES)]
 
 
 def tiny_training_inputs():
-    return pipeline_config.tiny_training_inputs(TINY_TRAIN)
+    return pipeline_config.tiny_training_inputs(TINY_TRAIN, TASKS_DIR)
 
 
 wildcard_constraints:

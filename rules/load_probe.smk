@@ -1,7 +1,7 @@
 rule load_probe:
     """The shipped image under concurrent load: valid and invalid requests over the four endpoints, load.concurrency
     at a time; fails naming each request answered wrongly, any 5xx, or a server that does not survive it. See
-    scripts/load_probe.py and scripts/lib/load.py."""
+    scripts/load_probe.py and scripts/lib/load_probe/load.py."""
     input:
         image=rules.build_image.output.image,
         serve=rules.serve_config.output.serve,  # the limits the invalid requests cross

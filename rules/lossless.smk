@@ -13,7 +13,7 @@
 # Besides the prompt sets, the probe's concurrent batch (4 requests at once, recorded untimed after the timed runs) is
 # compared the same way.
 # A variant without speculation passes trivially. See scripts/lossless.py and scripts/lib/lossless.py; the reference
-# is chosen by Pipeline.lossless_reference() in scripts/lib/config.py.
+# is chosen by Pipeline.lossless_reference() in scripts/lib/dag/config.py.
 
 
 checkpoint lossless:

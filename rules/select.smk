@@ -3,7 +3,7 @@
 # image.tar.gz. The gate (hours on the real model) runs for the winner and for faster candidates that failed, never
 # for a slower one. The walk is Snakemake's: `select`'s inputs read each visited record through a checkpoint's
 # .get(), which raises until that check has run, so Snakemake runs the checks one candidate after the other
-# (scripts/lib/selection.py).
+# (scripts/lib/dag/selection.py).
 
 
 def read_json(path):

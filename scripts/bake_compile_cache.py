@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from lib.cache_tar import deterministic_tar
+from lib.bake_compile_cache.cache_tar import deterministic_tar
 from lib.probe import warm_up
 from lib.stage import validate_json, write_json
 from serving.settings import DRAFT_DIR

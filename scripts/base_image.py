@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib.base_image.elf_stubs import build_stub
 from lib.containers import base_into_buildah, buildah_works, builder_env, detect_builder, image_id, image_size, run
-from lib.elf_stubs import build_stub
 from lib.files import link_or_copy
 from lib.stage import StageError, write_json
 
@@ -41,8 +41,8 @@ SITE_EXCLUDE = (
     "torch/bin/ptxas",
 )
 # Linked by `import torch` but never called on a CPU (2.0 GB): replaced by stand-ins that export the same symbols and
-# abort with a message if called (lib/elf_stubs.py). The small ones that CPU work does call stay real: the CUDA
-# runtime (torch.cuda.is_available asks it) and cuDNN's loader (torch.backends.cudnn.version).
+# abort with a message if called (lib/base_image/elf_stubs.py). The small ones that CPU work does call stay real: the
+# CUDA runtime (torch.cuda.is_available asks it) and cuDNN's loader (torch.backends.cudnn.version).
 CUDA_STAND_INS = (
     "nvidia/cu13/lib/libcublasLt.so.*",
     "nvidia/cu13/lib/libcublas.so.*",
@@ -113,8 +113,8 @@ def copy_site_packages(src: Path, dst: Path, exclude=SITE_EXCLUDE) -> None:
 
 
 def stand_in_libraries(src: Path, dst: Path, patterns=CUDA_STAND_INS) -> dict[str, int]:
-    """Write a stand-in (lib/elf_stubs.py) at dst for every library under src matching patterns (relative glob
-    patterns); returns {relative path: bytes saved}. A pattern that matches nothing is reported: the serve venv's
+    """Write a stand-in (lib/base_image/elf_stubs.py) at dst for every library under src matching patterns (relative
+    glob patterns); returns {relative path: bytes saved}. A pattern that matches nothing is reported: the serve venv's
     torch changed its CUDA libraries, and this list needs the new names for the image to stay small."""
     saved = {}
     for pattern in patterns:

@@ -6,7 +6,7 @@ use "gate": every hub dataset the quality gate's tasks load, found by letting lm
 quality_gate does, with `datasets.load_dataset` pinned to the commit quality.datasets names for that dataset.
 
 Each dataset's commit is resolved before anything is loaded (null: its main branch, warned about) and checked against
-the dataset's lock entry (lib/lock.py: a filled entry must hold the same commit, else the stage fails naming both);
+the dataset's lock entry (lib/dag/lock.py: a filled entry must hold the same commit, else the stage fails naming both);
 every file the loader downloaded is checked against the hashes the hub lists for that commit (lib/hub.py) and then
 dropped: what is kept is the prepared cache (arrow files), its sha256 manifest and a record of what was fetched, for
 which user, at which commit. Built aside and renamed into place (lib/checkpoint.py): a failure keeps nothing a rerun
@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-from lib import lock
 from lib.checkpoint import write_checkpoint
+from lib.dag import lock
 from lib.hub import hub_hashes, hub_repo_cache, verify_against_hub
 from lib.progress import Heartbeat, bytes_under, elapsed
 from lib.stage import StageError

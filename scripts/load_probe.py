@@ -1,14 +1,14 @@
 """The shipped image under concurrent load: load.requests requests, load.concurrency at a time, valid and invalid
-ones over the contract's four endpoints (lib/load.py: the mix and the verdict). Fails, naming each request that
-failed, when a valid request is not answered correctly, an invalid one is not answered 4xx, anything is answered 5xx
-or not at all, or the server does not answer /ping and one more request afterwards; the record
+ones over the contract's four endpoints (lib/load_probe/load.py: the mix and the verdict). Fails, naming each request
+that failed, when a valid request is not answered correctly, an invalid one is not answered 4xx, anything is answered
+5xx or not at all, or the server does not answer /ping and one more request afterwards; the record
 (schemas/load.schema.yaml) keeps p50/p99 latency per endpoint and the error counts."""
 
 import dataclasses
 import json
 from pathlib import Path
 
-from lib.load import Server, alone, kinds_summary, ping, plan, request_kinds, run_load, send, verdict
+from lib.load_probe.load import Server, alone, kinds_summary, ping, plan, request_kinds, run_load, send, verdict
 from lib.stage import StageError, validate_json, write_json
 
 
@@ -37,7 +37,7 @@ def load_probe(base_url: str, model: str, settings: dict, serve: dict, alive, lo
 
 def main(job) -> None:
     from lib.containers import recorded_image, run_container
-    from lib.load import failure_message
+    from lib.load_probe.load import failure_message
 
     image = json.loads(Path(job.input.image).read_text())
     serve = json.loads(Path(job.input.serve).read_text())

@@ -81,7 +81,8 @@ def no_deps_requirements(requirements: Path) -> list[str]:
 
 
 # A line `#! local-build <name>==<version>` is built from its source archive after the rest and installed with
-# --no-deps: a package PyPI has no usable wheel of (scripts/lib/local_builds.py holds each recipe and its reasons).
+# --no-deps: a package PyPI has no usable wheel of (scripts/lib/make_venv/local_builds.py holds each recipe and its
+# reasons).
 LOCAL_BUILD_PREFIX = "#! local-build "
 
 
@@ -105,7 +106,7 @@ def build_venv(requirements: Path, venv: Path, repairs: list[str], freeze_path: 
     if no_deps:
         _uv_install(venv, "--no-deps", *no_deps)
     for requirement in local_build_requirements(requirements):
-        from lib import local_builds
+        from lib.make_venv import local_builds
 
         local_builds.build(venv, requirement)
     for name in repairs:

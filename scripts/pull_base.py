@@ -1,15 +1,16 @@
 """Pull the real profile's base image from its registry, at the digest the lock holds for its tag.
 
 image.base names the base by tag (or tag@digest: a pin). What the registry answers for it is checked against the tag's
-lock entry (lib/lock.py): a filled entry must hold the same digest, else the tag moved and the stage fails naming both;
-an empty entry is filled with it once the image is in Docker's store and its record written. bake_compile_cache and
-build_image start from the record: <registry>/<repository>:<tag>@<digest>, which any store pulls again as exactly that
-image. With image.allow_unpinned_base the tag is pulled and recorded here, and no lock entry is read or written.
+lock entry (lib/dag/lock.py): a filled entry must hold the same digest, else the tag moved and the stage fails naming
+both; an empty entry is filled with it once the image is in Docker's store and its record written. bake_compile_cache
+and build_image start from the record: <registry>/<repository>:<tag>@<digest>, which any store pulls again as exactly
+that image. With image.allow_unpinned_base the tag is pulled and recorded here, and no lock entry is read or written.
 """
 
 from pathlib import Path
 
-from lib import lock, registry
+from lib import registry
+from lib.dag import lock
 from lib.progress import Heartbeat, elapsed
 from lib.stage import StageError, write_json
 

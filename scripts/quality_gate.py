@@ -16,12 +16,12 @@ import threading
 import time
 from pathlib import Path
 
+from lib.dag.schema import defaults_of as schema_defaults
 from lib.gate import failed_tasks
 from lib.gate_tasks import task_manager
 from lib.hub import use_fetched_datasets
 from lib.openai_client import get_json, sse_events
 from lib.progress import Heartbeat, elapsed
-from lib.schema import defaults_of as schema_defaults
 from lib.stage import StageError, validate_json, write_json
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "quality.schema.yaml"

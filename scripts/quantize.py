@@ -1,7 +1,7 @@
 """quantize: run the variant's llmcompressor recipe on the source checkpoint (or copy it, for a recipe
 without modifiers: the bf16 baseline), check the result, and write a compressed-tensors checkpoint that
 vLLM serves, plus a sha256 manifest and a schema-checked report. The guards before and after are
-lib/quantize_checks.py's."""
+lib/quantize/checks.py's."""
 
 import json
 import random
@@ -13,9 +13,10 @@ from importlib import metadata
 from pathlib import Path
 
 from lib.checkpoint import verify_manifest
+from lib.dag.recipe import read_recipe
 from lib.decode_bytes import A10G_GBPS, bound_ms, part_bytes, step_bytes
 from lib.hub import use_fetched_datasets
-from lib.quantize_checks import (
+from lib.quantize.checks import (
     HEAD,
     HEAD_MODULE,
     carried_files,
@@ -28,11 +29,10 @@ from lib.quantize_checks import (
     load_model,
     next_token_stats,
     plan_checkpoint,
-    read_recipe,
 )
+from lib.quantize.vocab import PruneError, plan_kept_ids, required_texts, write_pruned_checkpoint
 from lib.safetensors import checkpoint_header
 from lib.stage import StageError, sha256_file, validate_json, write_json, write_manifest
-from lib.vocab import PruneError, plan_kept_ids, required_texts, write_pruned_checkpoint
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "quantize_report.schema.yaml"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

@@ -1,12 +1,12 @@
 """Rank the select candidates by their latency probes (select.mode fastest): results/ranking.json, the order the
-`select` checkpoint checks them in (scripts/lib/selection.py, schemas/ranking.schema.yaml). Fastest first by select.by
-on the competition's prompt set; each one's fresh-prompt speed and place beside it. A mean speedup is against the
-run's same-host bf16 variant (its latency record an input of the rule) when it has one, else against baseline_ms."""
+`select` checkpoint checks them in (scripts/lib/dag/selection.py, schemas/ranking.schema.yaml). Fastest first by
+select.by on the competition's prompt set; each one's fresh-prompt speed and place beside it. A mean speedup is against
+the run's same-host bf16 variant (its latency record an input of the rule) when it has one, else against baseline_ms."""
 
 import json
 from pathlib import Path
 
-from lib.selection import rank, speed_text
+from lib.dag.selection import rank, speed_text
 from lib.stage import StageError, validate_json, write_json
 
 

@@ -3,7 +3,7 @@ check and the quality gate, checked fastest first (results/ranking.json) so that
 
 The `select` checkpoint's inputs are the records of the candidates its walk visited (rules/select.smk): each one's
 lossless.json and, where that passed, its quality.json, up to the first that passed both. This stage walks the same
-records again (lib.selection.choose) and writes the choice, every candidate's rank, speed and outcome, and the
+records again (lib.dag.selection.choose) and writes the choice, every candidate's rank, speed and outcome, and the
 reason into results/selection.json (schemas/selection.schema.yaml); with no candidate passing it fails naming each
 one and why. The ranking is by the competition's prompt set; the reason also gives the fresh-prompt speed and says
 when another candidate would be the fastest on it.
@@ -12,7 +12,7 @@ when another candidate would be the fastest on it.
 import json
 from pathlib import Path
 
-from lib.selection import choose
+from lib.dag.selection import choose
 from lib.stage import StageError, validate_json, write_json
 
 

@@ -1,14 +1,14 @@
 """Submit image.tar.gz through the competition's API (rule submit, not in the default target).
 
-The API's base URL, the team id and the key come from the environment only (lib/submission.py ENV): a missing one
+The API's base URL, the team id and the key come from the environment only (lib/submit/submission.py ENV): a missing one
 fails before any work. The archive is refused, before any request, unless it is named image.tar.gz, is at most
 20 GB, still has its .sha256, and its variant's records say the image ran (verify.json), passed the full quality
 gate (quality.json, not limited to a sample) and the lossless check (lossless.json). The flow, its resume from
-`image.tar.gz.upload.json` and what is never written are in lib/submission.py.
+`image.tar.gz.upload.json` and what is never written are in lib/submit/submission.py.
 """
 
 from lib.stage import StageError, validate_json, write_json
-from lib.submission import Settings, credentials_from_env, state_path, submittable_archive, upload_and_submit
+from lib.submit.submission import Settings, credentials_from_env, state_path, submittable_archive, upload_and_submit
 
 
 def main(job) -> None:

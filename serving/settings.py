@@ -1,8 +1,8 @@
 """The one definition of a variant's serving settings: every key, its default and how it reaches vLLM.
 
 Standard library only, because it ships in the image: the entrypoint (serving/launch.py) turns serve.json into
-vLLM flags here, and the pipeline (scripts/lib/config.py), gpu_proof/driver.py and the schema's `serve` and
-`speculative` sections (kept equal by tests/test_settings.py) read the same tables. Adding a serve flag or a
+vLLM flags here, and the pipeline (scripts/lib/dag/config.py), gpu_proof/driver.py and the schema's `serve` and
+`speculative` sections (kept equal by tests/unit/test_settings.py) read the same tables. Adding a serve flag or a
 speculative method is a row here and its description in schemas/config.schema.yaml. `serve.patches` switches the
 project's vLLM patches, whose table is serving/patches/__init__.py.
 """
@@ -109,7 +109,7 @@ SPECULATIVE_REQUIRED = {"dflash": ("draft",), "ngram": ("prompt_lookup_max",), "
 DRAFTED_METHODS = ("dflash",)
 DRAFT_DIR = "/opt/ml/draft"
 # Methods measured unsafe with enable_prefix_caching on Qwen3.5, and why; the config refuses them together
-# (scripts/lib/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
+# (scripts/lib/dag/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
 # passing with prefix caching on, on the hardware it will serve on.
 PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "mtp": "measured: on vLLM 0.32 on an H200 MTP with prefix caching serves, and its greedy ids on trained weights "

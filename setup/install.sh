@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a fresh Debian 12 CPU machine (as root) needs before `snakemake` and `pytest`:
-# container tooling, gcc and binutils (the tiny base image's CUDA stand-ins, scripts/lib/elf_stubs.py), graphviz for
-# the DAG picture, a single-node SLURM cluster's packages (setup/start-slurm.sh starts it; tests/test_slurm.py runs
+# container tooling, gcc and binutils (the tiny base image's CUDA stand-ins, scripts/lib/base_image/elf_stubs.py), graphviz for
+# the DAG picture, a single-node SLURM cluster's packages (setup/start-slurm.sh starts it; tests/e2e/test_slurm.py runs
 # the cluster profile on it), the driver's Python packages, and a running Docker daemon.
 # Stage venvs (envs/*.txt) are not made here: the DAG's `venv` rule builds them.
 set -euo pipefail

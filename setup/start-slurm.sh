@@ -76,7 +76,7 @@ AccountingStorageHost=localhost
 AccountingStoreFlags=job_comment
 ReturnToService=2
 # A job's tasks run at the nice value of the sbatch that submitted it (root's too): a run started under nice
-# leaves the CPUs to everything else on the machine (tests/test_slurm.py submits its time-limit run so).
+# leaves the CPUs to everything else on the machine (tests/e2e/test_slurm.py submits its time-limit run so).
 PropagatePrioProcess=1
 MpiDefault=none
 $gres_types

@@ -1,5 +1,5 @@
-"""The lock (config/lock/, scripts/lib/lock.py): what each hub dataset and registry base the profile fetches resolved
-to.
+"""The lock (config/lock/, scripts/lib/dag/lock.py): what each hub dataset and registry base the profile fetches
+resolved to.
 
     python3 tools/lock.py                       # every name the profile fetches, its pin and its lock entry
     python3 tools/lock.py add                   # an empty entry for each floating name that has none: the first
@@ -28,8 +28,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from lib import lock, registry  # noqa: E402  (after the path it lives on)
-from lib.config import ConfigError, with_defaults  # noqa: E402
+from lib import registry  # noqa: E402  (after the path it lives on)
+from lib.dag import lock  # noqa: E402
+from lib.dag.config import ConfigError, with_defaults  # noqa: E402
 from lib.stage import StageError  # noqa: E402
 
 

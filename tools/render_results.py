@@ -5,7 +5,7 @@
 
 Every number in both comes from a record; a speedup is always over bf16 measured on the same host (same GPU, same
 lease), and never across hosts. docs/results.md holds every engine's runs; the README's table only the engine the
-release profile ships (config.yaml's engine.vllm). tests/test_results_docs.py runs --check.
+release profile ships (config.yaml's engine.vllm). tests/unit/test_results_docs.py runs --check.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ INHERENT_OPTIONS = ("drafter",)
 
 
 # Sweep points as their records name them, measured before every variant name gave K as `<method><K>` (the catalog's
-# scheme: scripts/lib/sweeps.py k_label), and as users build them now: the tables give today's names, so that a row
-# names a variant one can ask for; the records stay as measured (tests/test_gpu_proof.py checks their settings are
+# scheme: scripts/lib/dag/sweeps.py k_label), and as users build them now: the tables give today's names, so that a row
+# names a variant one can ask for; the records stay as measured (tests/unit/test_gpu_proof.py checks their settings are
 # the renamed variants').
 RENAMED = {
     "awq-w4a16-g32-dflash-k7": "awq-w4a16-g32-dflash7",

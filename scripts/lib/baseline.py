@@ -4,7 +4,7 @@ A probe's `speedup` divides the config's `probe.categories[].baseline_ms` by its
 A10G bf16 numbers, which mean something only for a probe on an A10G at the contract's prompt sizes (a tiny model on a
 CPU, or a 4,096-token long category, is not that). A same-host bf16 variant (a recipe that quantizes nothing, no
 speculation) probed in the same run is the honest reference on any other host: the summary and the ranking divide by
-its medians instead when the run has one. Stdlib only (rules/common.smk imports lib.selection, which imports this).
+its medians instead when the run has one. Stdlib only (rules/common.smk imports lib.dag.selection, which imports this).
 """
 
 from __future__ import annotations

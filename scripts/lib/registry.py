@@ -1,10 +1,10 @@
 """A registry image pulled into Docker's store, and the digest the registry answered for it (pull_base, tools/lock.py).
-Kept out of lib/lock.py: a stage that only reads the lock (download_datasets) does not import Docker's plumbing."""
+Kept out of lib/dag/lock.py: a stage that only reads the lock (download_datasets) does not import Docker's plumbing."""
 
 import re
 
-from lib import lock
 from lib.containers import run
+from lib.dag import lock
 from lib.stage import StageError
 
 

@@ -16,7 +16,7 @@ slice and the token index is 0..T-1. This path writes the same persistent buffer
 columns, query starts, accepted counts) and refills the all-True mask and the token index only when the batch shape
 changed or the general path wrote them since; the host copy of the mask (what update_block_table reads) is kept per
 batch size. Any other batch (prefills, plain decodes, padded requests, no drafts,
-no FULL graphs) goes to vLLM's own build unchanged. tests/test_lossless.py compares the two field by field on
+no FULL graphs) goes to vLLM's own build unchanged. tests/unit/test_lossless.py compares the two field by field on
 vLLM's own builder.
 
 serve.patches.gdn_spec_metadata: false leaves vLLM's build alone (the GPU proof measures the step both ways).

@@ -10,7 +10,7 @@ rejection sampler is the largest host cost left of a step in a profiler trace. A
 move an argmax (no penalties, bad words, allowed-token masks, active min-tokens or logit-bias processors, thinking
 budget, logprobs or synthetic acceptance) samples exactly the argmax of its raw logits: bf16 to float32 is exact, so
 the argmax of the raw rows is the one vLLM takes. The plugin then runs vLLM's own `rejection_sample` on the raw
-target rows and takes the bonus tokens by argmax; any other batch goes to vLLM's forward. tests/test_lossless.py
+target rows and takes the bonus tokens by argmax; any other batch goes to vLLM's forward. tests/unit/test_lossless.py
 compares both with vLLM's forward batch by batch.
 
 serve.patches.greedy_rejection: false leaves vLLM's code alone.

@@ -9,7 +9,7 @@ Those arrays depend on the draft counts and the scheduled-token prefix sums only
 step of a batch has the same counts, so the arrays are the same step after step; the plugin keeps them, per batch
 shape, for steps in which every request verifies its drafts (no prefill, no plain decode), and gathers the step's
 draft token ids from the input ids through one kept index. A step of any other shape goes to vLLM's own code.
-tests/test_lossless.py compares both with vLLM's code step by step.
+tests/unit/test_lossless.py compares both with vLLM's code step by step.
 
 serve.patches.spec_decode_indices: false leaves vLLM's code alone.
 """

@@ -44,7 +44,7 @@ PRETOKENIZE_REGEX = (
 # Qwen3.5-style template: thinking ON unless enable_thinking is false, which emits an empty
 # think block; past reasoning is only rendered after the last user turn; images/videos become
 # vision pad tokens; tools go into the system turn.
-DATA_FILES = ("chat_template.jinja",)  # inputs of every rule whose script imports this module (lib/imports.py)
+DATA_FILES = ("chat_template.jinja",)  # inputs of every rule whose script imports this module (lib/dag/imports.py)
 CHAT_TEMPLATE = (Path(__file__).parent / DATA_FILES[0]).read_text(encoding="utf-8")
 
 

@@ -1,5 +1,5 @@
 """The tiny model's brief supervised training on generated conversations in the quality tasks' formats
-(data/tiny/tasks/generate.py), seeded and deterministic on CPU."""
+(scripts/lib/tiny/tasks.py), seeded and deterministic on CPU."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from lib.stage import StageError
 
 
 def load_generator(path: str | Path):
-    """The tiny tasks' generator module (data/tiny/tasks/generate.py): it writes the test splits and the
+    """The tiny tasks' generator module (scripts/lib/tiny/tasks.py): it writes the test splits and the
     training conversations, so both come from one place in the same formats."""
     import importlib.util
 

@@ -1,0 +1,1 @@
+"""submit's own module: the competition's submission API (submission.py)."""
