@@ -80,6 +80,16 @@ SERVE_PY = ROOT / ".venvs" / "serve-cpu" / "bin" / "python"
 COMPRESS_PY = ROOT / ".venvs" / "compress" / "bin" / "python"  # torch and compressed-tensors
 
 
+def with_recipe(config: dict, recipe: str) -> dict:
+    """config with `recipe` in place of the default variant's recipe in every variant that uses it, as renaming the
+    file would: a sweep's points derived from those variants keep the settings of the catalog variants they name."""
+    old = config["variants"][config["variant"]]["recipe"]
+    for variant in config["variants"].values():
+        if variant.get("recipe") == old:
+            variant["recipe"] = recipe
+    return config
+
+
 def vllm_cache_root(root: Path) -> Path:
     """A VLLM_CACHE_ROOT of its own for a process of the serve-cpu venv, sharing vLLM's model-class inspections:
     vLLM inspects each model class in a subprocess that imports vLLM (~17 s a class, two with MTP, on 2 AVX2 cores)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake
+from conftest import FROM_BAKE_ON, ROOT, TINY, snakemake, with_recipe
+from lib.dag.sweeps import k_label
 
 
 def planned_jobs(*extra: str) -> dict[str, int]:
@@ -20,26 +21,23 @@ def planned_jobs(*extra: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
 
 
-def variant_override(tmp_path: Path, **changes) -> str:
-    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    variant = tiny["variants"][tiny["variant"]]
-    for key, value in changes.items():
-        section, _, field = key.partition("__")
-        if field:
-            variant[section][field] = value
-        else:
-            variant[section] = value
-    override = tmp_path / "override.yaml"
-    override.write_text(yaml.safe_dump({"variants": {tiny["variant"]: variant}}))
-    return str(override)
+def override(tmp_path: Path, config: dict) -> str:
+    path = tmp_path / "override.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
 
 
 @pytest.mark.e2e
 def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
     assert planned_jobs() == {}
     tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
-    shipped_k = tiny["variants"][tiny["variant"]]["speculative"]["k"]
-    jobs = planned_jobs(variant_override(tmp_path, speculative__k=shipped_k + 1))
+    variant = tiny["variants"][tiny["variant"]]
+    method, shipped_k = variant["speculative"]["method"], variant["speculative"]["k"]
+    variant["speculative"]["k"] = shipped_k + 1
+    # a name gives its K (lib.dag.config name_problems): the new K is a variant of its own on the same recipe
+    name = tiny["variant"].replace(k_label(method, shipped_k), k_label(method, shipped_k + 1))
+    assert name != tiny["variant"]
+    jobs = planned_jobs(override(tmp_path, {"variant": name, "variants": {name: variant}}))
     # serve_config writes the new serve.json; quantize is not planned
     assert set(jobs) == {"serve_config", *FROM_BAKE_ON}, jobs
 
@@ -48,8 +46,10 @@ def test_changing_k_reruns_bake_and_after_only(tiny_run, tmp_path):
 def test_changing_the_recipe_reruns_quantize_and_after(tiny_run, tmp_path):
     recipe = ROOT / "results" / "test-recipe-copy.yaml"
     shutil.copy(ROOT / "recipes" / "awq-w4a16-g32-broad.yaml", recipe)
+    tiny = yaml.safe_load((ROOT / "config" / "tiny.yaml").read_text())
+    variants = with_recipe(tiny, str(recipe.relative_to(ROOT)))["variants"]
     try:
-        jobs = planned_jobs(variant_override(tmp_path, recipe=str(recipe.relative_to(ROOT))))
+        jobs = planned_jobs(override(tmp_path, {"variants": variants}))
     finally:
         recipe.unlink()
     assert set(jobs) == {"quantize", *FROM_BAKE_ON}, jobs
