@@ -289,6 +289,7 @@ NO_MTP = {
     "mtp_batch_size": 4,
     "mtp_k": 2,
     "mtp_eval_prompts": 2,
+    "task_cycle": ["tiny_mc", "tiny_mc_think", "tiny_ifeval"],
 }
 ACCEPTANCE = [
     {"k": 1, "rounds": 10, "mean_acceptance_length": 1.8, "draft_accuracy": [0.8]},
@@ -411,6 +412,30 @@ def test_training_conversations_stay_out_of_the_test_splits():
         json.dumps(c["messages"]) for c in plan["conversations"]
     }
     assert all(c["thinking"] == (c["task"] == "tiny_mc_think") for c in plan["conversations"])
+
+
+def test_the_task_cycle_splits_the_conversations_and_refuses_a_task_the_generator_lacks():
+    generator = training.load_generator(GENERATOR)
+    settings = {
+        **NO_MTP,
+        "steps": 3,
+        "lr": 0.01,
+        "batch_size": 2,
+        "seed": 0,
+        "data_seed": 5,
+        "examples": 60,
+        "heldout_examples": 6,
+        "threads": 1,
+        "warmup_steps": 1,
+    }
+    cycle = ["tiny_mc", "tiny_ifeval", "tiny_mc", "tiny_ifeval", "tiny_mc_think", "tiny_ifeval"]
+    plan = training.training_plan({**settings, "task_cycle": cycle}, generator)
+    assert [c["task"] for c in plan["conversations"]] == cycle * 10
+    counts = {task: sum(c["task"] == task for c in plan["conversations"]) for task in generator.TRAIN_TASKS}
+    assert counts == {"tiny_mc": 20, "tiny_mc_think": 10, "tiny_ifeval": 30}
+    assert [c["task"] for c in plan["heldout"]] == cycle
+    with pytest.raises(StageError, match=r"'model.tiny.train.task_cycle': tasks \['tiny_mmlu'\]"):
+        training.training_plan({**settings, "task_cycle": ["tiny_mc", "tiny_mmlu"]}, generator)
 
 
 def test_repeated_texts_hold_the_probe_sentence_and_the_heldout_ones_are_new():

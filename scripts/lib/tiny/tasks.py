@@ -336,19 +336,30 @@ def _item(doc: dict) -> str:
     )
 
 
+TRAIN_TASKS = ("tiny_mc", "tiny_mc_think", "tiny_ifeval")
+
+
 def train_conversations(
-    seed: int, count: int, test_docs: dict[str, list[dict]], exclude: list[dict] = ()
+    seed: int,
+    count: int,
+    test_docs: dict[str, list[dict]],
+    exclude: list[dict] = (),
+    cycle: tuple[str, ...] = TRAIN_TASKS,
 ) -> list[dict]:
-    """`count` training conversations, a third per task, none equal to a test doc or to one in `exclude`:
-    {task, messages (as lm-eval sends them), thinking (enable_thinking), answer (the assistant's text after
-    the chat template's generation prompt, reasoning included when thinking is on)}."""
+    """`count` training conversations, their tasks taking turns as `cycle` lists them (a task listed twice gets
+    twice the examples), none equal to a test doc or to one in `exclude`: {task, messages (as lm-eval sends them),
+    thinking (enable_thinking), answer (the assistant's text after the chat template's generation prompt, reasoning
+    included when thinking is on)}."""
+    unknown = sorted(set(cycle) - set(TRAIN_TASKS))
+    if unknown or not cycle:
+        raise ValueError(f"tasks {unknown or 'none'} in the cycle: the generator trains {', '.join(TRAIN_TASKS)}")
     rng = random.Random(seed)
     seen = {_item(doc) for docs in test_docs.values() for doc in docs}
     test_prompts = {doc["prompt"] for doc in test_docs.get("tiny_ifeval", [])}
     excluded = {json.dumps(conv["messages"]) for conv in exclude}
     out = []
     while len(out) < count:
-        kind = ("tiny_mc", "tiny_mc_think", "tiny_ifeval")[len(out) % 3]
+        kind = cycle[len(out) % len(cycle)]
         if kind == "tiny_mc":
             doc = mc_docs(rng.randrange(2**31), 1)[0]
             if _item(doc) in seen:

@@ -28,8 +28,14 @@ def training_plan(train: dict, generator, sentences: list[str] = ()) -> dict | N
         return None
     tests = generator.test_docs()
     seed = int(train["data_seed"])
-    conversations = generator.train_conversations(seed, int(train["examples"]), tests)
-    heldout = generator.train_conversations(seed + 1, int(train["heldout_examples"]), tests, exclude=conversations)
+    cycle = tuple(train["task_cycle"])
+    try:
+        conversations = generator.train_conversations(seed, int(train["examples"]), tests, cycle=cycle)
+        heldout = generator.train_conversations(
+            seed + 1, int(train["heldout_examples"]), tests, exclude=conversations, cycle=cycle
+        )
+    except ValueError as error:
+        raise StageError(f"config key 'model.tiny.train.task_cycle': {error}") from error
     texts = generator.repeated_texts(seed, int(train["repeat_examples"]), list(sentences))
     plan = {
         "conversations": conversations,
