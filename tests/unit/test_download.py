@@ -383,24 +383,23 @@ def test_train_tiny_refuses_a_synthesized_checkpoint_of_another_seed(tmp_path):
     train_tiny.check_untrained_parts(synthesized, trained)
 
 
+# training_plan's settings less the sizes each test picks (examples, heldout_examples): a plan is made, never trained
+SMALL_PLAN = {
+    **NO_MTP,
+    "steps": 3,
+    "lr": 0.01,
+    "batch_size": 2,
+    "seed": 0,
+    "data_seed": 5,
+    "threads": 1,
+    "warmup_steps": 1,
+}
+
+
 def test_training_conversations_stay_out_of_the_test_splits():
     generator = training.load_generator(GENERATOR)
     tests = generator.test_docs()
-    plan = training.training_plan(
-        {
-            **NO_MTP,
-            "steps": 3,
-            "lr": 0.01,
-            "batch_size": 2,
-            "seed": 0,
-            "data_seed": 5,
-            "examples": 90,
-            "heldout_examples": 9,
-            "threads": 1,
-            "warmup_steps": 1,
-        },
-        generator,
-    )
+    plan = training.training_plan({**SMALL_PLAN, "examples": 90, "heldout_examples": 9}, generator)
     assert len(plan["conversations"]) == 90 and len(plan["heldout"]) == 9
     assert {c["task"] for c in plan["conversations"]} == {"tiny_mc", "tiny_mc_think", "tiny_ifeval"}
     test_texts = {generator.mmlu_pro_text(d) for d in tests["tiny_mc"]}
@@ -416,18 +415,7 @@ def test_training_conversations_stay_out_of_the_test_splits():
 
 def test_the_task_cycle_splits_the_conversations_and_refuses_a_task_the_generator_lacks():
     generator = training.load_generator(GENERATOR)
-    settings = {
-        **NO_MTP,
-        "steps": 3,
-        "lr": 0.01,
-        "batch_size": 2,
-        "seed": 0,
-        "data_seed": 5,
-        "examples": 60,
-        "heldout_examples": 6,
-        "threads": 1,
-        "warmup_steps": 1,
-    }
+    settings = {**SMALL_PLAN, "examples": 60, "heldout_examples": 6}
     cycle = ["tiny_mc", "tiny_ifeval", "tiny_mc", "tiny_ifeval", "tiny_mc_think", "tiny_ifeval"]
     plan = training.training_plan({**settings, "task_cycle": cycle}, generator)
     assert [c["task"] for c in plan["conversations"]] == cycle * 10
@@ -441,16 +429,9 @@ def test_the_task_cycle_splits_the_conversations_and_refuses_a_task_the_generato
 def test_repeated_texts_hold_the_probe_sentence_and_the_heldout_ones_are_new():
     generator = training.load_generator(GENERATOR)
     settings = {
-        **NO_MTP,
-        "steps": 3,
-        "lr": 0.01,
-        "batch_size": 2,
-        "seed": 0,
-        "data_seed": 5,
+        **SMALL_PLAN,
         "examples": 9,
         "heldout_examples": 6,
-        "threads": 1,
-        "warmup_steps": 1,
         "repeat_examples": 40,
         "mtp_steps": 5,
         "mtp_eval_prompts": 4,
