@@ -119,8 +119,35 @@ def option_text(key: str, value) -> str:
     return f"{key}: {json.dumps(value)}"
 
 
+def served_patch_changes(served: dict, engine: str | None, partial: bool) -> str:
+    """The GPU patches a run served otherwise than today's defaults. `served` is the serve.patches its record holds:
+    the whole resolved table, where a patch its vLLM could carry (the release it is written for) but the table lacks
+    did not exist yet, so the run went without it; or, `partial`, a --serve-set table, the rest at their defaults. A
+    row measured before a default changed says so."""
+    from serving.patches import PATCHES
+
+    changed = []
+    for name, patch in PATCHES.items():
+        on = served.get(name, patch.default if partial else False)
+        if patch.platform != "cpu" and patch.vllm == engine and on != patch.default:
+            changed.append(f"{name} {'on' if on else 'off'}")
+    return ", ".join(changed)
+
+
 def label(record: dict) -> str:
-    changed = ", ".join(option_text(key, value) for key, value in sorted(record["options"].items()))
+    options = dict(record["options"])
+    served = (record.get("serve") or {}).get("patches")
+    parts = []
+    if isinstance(served, dict) and options.get("patches") != "off":
+        # what the run served, not what it asked for: a default that changed since shows on the rows measured before
+        asked = options.get("serve_set") or {}
+        serve_set = {key: value for key, value in asked.items() if key != "patches"}
+        options = {key: value for key, value in options.items() if key != "serve_set"} | (
+            {"serve_set": serve_set} if serve_set else {}
+        )
+        changes = served_patch_changes(served, record.get("engine"), partial=isinstance(asked.get("patches"), dict))
+        parts = [f"patches: {changes}"] if changes else []
+    changed = ", ".join([*(option_text(key, value) for key, value in sorted(options.items())), *parts])
     return f"`{record['variant']}`" + (f" ({changed})" if changed else "")
 
 

@@ -200,3 +200,26 @@ def test_an_ab_floor_shows_each_lengths_prefill_both_ways_and_a_verdict_only_on_
     assert "| 64: 69 → 20; 8192: 190 → 180 | 8192 differ |" in rows["| `tiny-awq-mtp2`"]
     assert "| all (random weights: no verdict) | 3.38 → 0.37 |" in rows["| `bf16`"]
     assert render_results.prefill_rows([random | {"gpu": "NVIDIA H100"}], "NVIDIA H200") == []
+
+
+def test_a_row_names_the_patches_it_served_otherwise_than_todays_defaults():
+    """A row measured before a default changed says what it ran with: from the resolved serve.patches of its record (a
+    patch of its vLLM that the table lacks did not exist yet: off), or from a --serve-set table (the rest defaults)."""
+    from serving.patches import PATCHES
+
+    gpu_default_on = next(n for n, p in PATCHES.items() if p.platform == "cuda" and p.default)
+    engine = PATCHES[gpu_default_on].vllm
+    resolved = {name: patch.default for name, patch in PATCHES.items()}
+    base = {"variant": "bf16", "engine": engine, "options": {"gpu_memory_utilization": 0.3}}
+
+    def served(table, **options):
+        return dict(base, serve={"patches": table}, options=dict(base["options"], **options))
+
+    assert render_results.label(served(resolved)) == "`bf16` (gpu_memory_utilization: 0.3)"
+    older = {name: on for name, on in resolved.items() if name != gpu_default_on}
+    assert render_results.label(served(older)) == f"`bf16` (gpu_memory_utilization: 0.3, patches: {gpu_default_on} off)"
+    asked = {gpu_default_on: True}  # --serve-set patches: the others at their defaults, nothing changed
+    assert render_results.label(served(asked, serve_set={"patches": asked})) == "`bf16` (gpu_memory_utilization: 0.3)"
+    # another engine's record: a patch written for this one could not have run there, so it is no change
+    assert render_results.label(dict(served(older), engine="0.0.1")) == "`bf16` (gpu_memory_utilization: 0.3)"
+    assert 'patches: "off"' in render_results.label(served(older, patches="off"))
