@@ -130,13 +130,17 @@ PREFIX_CACHING_ON_CPU = (
 )
 
 
+def drafts_padded(serve: dict) -> bool:
+    """Whether a serve section pads copy-style drafts to k (serve.patches.draft_padding, else its default)."""
+    return (serve.get("patches") or {}).get("draft_padding", PATCHES["draft_padding"].default)
+
+
 def prefix_caching_unsafe(serve: dict, speculative: dict) -> str | None:
     """Why a variant's speculation with serve.enable_prefix_caching is refused on any hardware, or None."""
     if not serve.get("enable_prefix_caching"):
         return None
     method = speculative.get("method", "none")
-    padded = (serve.get("patches") or {}).get("draft_padding", PATCHES["draft_padding"].default)
-    if method == "suffix" and not padded:
+    if method == "suffix" and not drafts_padded(serve):
         return UNPADDED_SUFFIX_WITH_PREFIX_CACHING
     return PREFIX_CACHING_UNSAFE.get(method)
 
@@ -165,8 +169,7 @@ def cuda_only(serve: dict, speculative: dict) -> list[tuple[str, str, str]]:
     method = speculative.get("method", "none")
     if method in CUDA_ONLY_METHODS:
         found.append(("speculative.method", method, CUDA_ONLY_METHODS[method]))
-    padded = (serve.get("patches") or {}).get("draft_padding", PATCHES["draft_padding"].default)
-    if method in UNPADDED_COPY_METHODS and not padded:
+    if method in UNPADDED_COPY_METHODS and not drafts_padded(serve):
         found.append(("serve.patches.draft_padding", "false", UNPADDED_ON_CPU))
     if serve.get("model_runner") == "v2":
         found.append(("serve.model_runner", "v2", V2_RUNNER_NEEDS_CUDA))

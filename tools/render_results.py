@@ -97,57 +97,46 @@ def triple(values, digits: int = 2, suffix: str = "") -> str:
     return " / ".join(fmt(v, digits, suffix) for v in values)
 
 
-def patch_changes(patches: dict) -> str:
+def patch_changes(patches: dict, engine: str | None = None, resolved: bool = False) -> str:
     """A run's serve.patches as what it changed from the registry's defaults ("draft_padding off"), among those that
-    apply on a GPU (a CPU patch switched there changes nothing)."""
+    apply on a GPU (a CPU patch switched there changes nothing) and, given the run's `engine`, can run on it (the
+    release each is written for). `resolved`: the whole table a run served, where a patch it lacks did not exist yet,
+    so the run went without it (a row measured before a default changed says so); else a --serve-set table, the rest
+    at their defaults."""
     from serving.patches import PATCHES
 
-    changed = [
-        f"{name} {'on' if on else 'off'}"
-        for name, on in patches.items()
-        if name in PATCHES and PATCHES[name].platform != "cpu" and on != PATCHES[name].default
-    ]
-    return ", ".join(changed) or "the defaults"
+    changed = []
+    for name, patch in PATCHES.items():
+        on = patches.get(name, False if resolved else patch.default)
+        if patch.platform != "cpu" and engine in (None, patch.vllm) and on != patch.default:
+            changed.append(f"{name} {'on' if on else 'off'}")
+    return ", ".join(changed)
 
 
 def option_text(key: str, value) -> str:
     if key == "serve_set":
         return ", ".join(
-            f"patches: {patch_changes(v)}" if k == "patches" and isinstance(v, dict) else f"{k}: {json.dumps(v)}"
+            f"patches: {patch_changes(v) or 'the defaults'}"
+            if k == "patches" and isinstance(v, dict)
+            else f"{k}: {json.dumps(v)}"
             for k, v in sorted(value.items())
         )
     return f"{key}: {json.dumps(value)}"
 
 
-def served_patch_changes(served: dict, engine: str | None, partial: bool) -> str:
-    """The GPU patches a run served otherwise than today's defaults. `served` is the serve.patches its record holds:
-    the whole resolved table, where a patch its vLLM could carry (the release it is written for) but the table lacks
-    did not exist yet, so the run went without it; or, `partial`, a --serve-set table, the rest at their defaults. A
-    row measured before a default changed says so."""
-    from serving.patches import PATCHES
-
-    changed = []
-    for name, patch in PATCHES.items():
-        on = served.get(name, patch.default if partial else False)
-        if patch.platform != "cpu" and patch.vllm == engine and on != patch.default:
-            changed.append(f"{name} {'on' if on else 'off'}")
-    return ", ".join(changed)
-
-
 def label(record: dict) -> str:
     options = dict(record["options"])
     served = (record.get("serve") or {}).get("patches")
-    parts = []
+    patch_part = []
     if isinstance(served, dict) and options.get("patches") != "off":
         # what the run served, not what it asked for: a default that changed since shows on the rows measured before
-        asked = options.get("serve_set") or {}
-        serve_set = {key: value for key, value in asked.items() if key != "patches"}
-        options = {key: value for key, value in options.items() if key != "serve_set"} | (
-            {"serve_set": serve_set} if serve_set else {}
-        )
-        changes = served_patch_changes(served, record.get("engine"), partial=isinstance(asked.get("patches"), dict))
-        parts = [f"patches: {changes}"] if changes else []
-    changed = ", ".join([*(option_text(key, value) for key, value in sorted(options.items())), *parts])
+        asked = dict(options.pop("serve_set", None) or {})
+        partial = isinstance(asked.pop("patches", None), dict)
+        if asked:
+            options["serve_set"] = asked
+        changes = patch_changes(served, record.get("engine"), resolved=not partial)
+        patch_part = [f"patches: {changes}"] if changes else []
+    changed = ", ".join([*(option_text(key, value) for key, value in sorted(options.items())), *patch_part])
     return f"`{record['variant']}`" + (f" ({changed})" if changed else "")
 
 
