@@ -2,6 +2,8 @@
 one folder per GPU model (records/gpu-proof/<gpu>/), one file per host and variant.
 
     python3 gpu_proof/collect.py RESULTS_TAR_GZ HOST [--out records/gpu-proof] [--floor FLOOR_JSON ...]
+    python3 gpu_proof/collect.py - HOST --floor FLOOR_JSON ... [--gpu NAME --cpu NAME --date YYYY-MM-DD]
+        (a lease that ran floor.py alone: the floors' own GPU, CPU and date, or the ones given)
 
 The driver's records keep every token id and every run's latency (the lossless step needs them on the host); what
 the generated tables cite is each category's summary per prompt set, the lossless verdict per row, and the host.
@@ -105,10 +107,13 @@ def collect(
     run: str | None = None,
     host_busy: bool = False,
     floors: list[str] = (),
+    given: dict | None = None,
 ) -> list[Path]:
     """The lease's records; `run` names one of several drivers on the host (its file names carry it, so two drivers'
     records of one variant, e.g. with and without a setting, both stay); `host_busy` marks variants probed while
     other servers started on the host; `floors` are floor.py records made on the same host."""
+    if tarball is None:  # floor.py alone on the host: no driver's records, the floors' own environment
+        return collect_floors(host, out_root, note, floors, given or {})
     with tarfile.open(tarball) as archive:
         raw = {
             Path(member.name).stem: json.load(archive.extractfile(member))
@@ -147,29 +152,69 @@ def collect(
             record["note"] = note
         if host_busy and record["kind"] == "variant":
             record["host_busy"] = True
+    return write(
+        records, out_root / gpu_model(summary["gpu"]), f"{host}-vllm{context['engine']}-{f'{run}-' if run else ''}"
+    )
+
+
+def write(records: dict, out: Path, prefix: str) -> list[Path]:
+    """Each record schema-checked, then written as <prefix><name>.json."""
     schema = yaml.safe_load(SCHEMA.read_text())
-    out = out_root / gpu_model(summary["gpu"])
+    for record in records.values():
+        jsonschema.validate(record, schema)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, record in records.items():
-        jsonschema.validate(record, schema)
-        path = out / f"{host}-vllm{context['engine']}-{f'{run}-' if run else ''}{name}.json"
+        path = out / f"{prefix}{name}.json"
         path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         written.append(path)
     return written
 
 
+def collect_floors(host: str, out_root: Path, note: str | None, floors: list[str], given: dict) -> list[Path]:
+    """floor.py's records of a lease that ran no driver: each one's GPU, CPU and date from its own `environment`
+    (given: --gpu, --cpu, --date, for a floor.py that did not record it), its engine from its vLLM."""
+    if not floors:
+        raise SystemExit("no driver results (-) and no --floor: nothing to collect")
+    records, engines = {}, set()
+    for path in floors:
+        record = json.loads(Path(path).read_text())
+        if record.get("status") != "ok":
+            continue
+        environment = given | (record.get("environment") or {})
+        missing = [key for key in ("gpu", "cpu", "date") if not environment.get(key)]
+        if missing:
+            raise SystemExit(f"{path}: no {missing} in its record: give --{' --'.join(missing)}")
+        engine = record["vllm"].split("+", 1)[0]
+        engines.add(engine)
+        context = {"host": host, "date": environment["date"], "gpu": environment["gpu"], "engine": engine}
+        records[f"floor-{Path(path).stem}"] = {"kind": "floor", **context, "weights": record["weights"]}
+        records[f"floor-{Path(path).stem}"] |= compact_floor(record) | ({"note": note} if note else {})
+        records["environment"] = {"kind": "environment", "host": host, "date": environment["date"]}
+        records["environment"] |= {"gpu": environment["gpu"], "cpu": environment["cpu"], "vllm": record["vllm"]}
+        records["environment"]["copy_gbps"] = None  # no driver: no bandwidth step
+    if len(engines) != 1:
+        raise SystemExit(f"floors of {sorted(engines) or 'no'} engines: collect one engine's floors at a time")
+    gpu = records["environment"]["gpu"]
+    return write(records, out_root / gpu_model(gpu), f"{host}-vllm{engines.pop()}-")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("tarball", type=Path)
+    parser.add_argument("tarball", help="the driver's results.tar.gz; - where floor.py ran alone (--floor only)")
     parser.add_argument("host", help="a name for the lease's machine, unique among the committed records")
     parser.add_argument("--out", type=Path, default=RECORDS)
     parser.add_argument("--note", help="a sentence on the run's conditions, kept in its variant and lossless records")
     parser.add_argument("--run", help="a name for this driver, where several ran on the host")
     parser.add_argument("--host-busy", action="store_true", help="its probes ran while other servers started there")
     parser.add_argument("--floor", action="append", default=[], help="floor.py's record of this host")
+    for key in ("gpu", "cpu", "date"):
+        parser.add_argument(f"--{key}", help=f"the host's {key}, for a floor.py record without it (tarball -)")
     args = parser.parse_args(argv)
-    for path in collect(args.tarball, args.host, args.out, args.note, args.run, args.host_busy, args.floor):
+    tarball = None if args.tarball == "-" else Path(args.tarball)
+    given = {key: getattr(args, key) for key in ("gpu", "cpu", "date") if getattr(args, key)}
+    written = collect(tarball, args.host, args.out, args.note, args.run, args.host_busy, args.floor, given)
+    for path in written:
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 

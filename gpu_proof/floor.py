@@ -11,8 +11,9 @@ step (prefill and first token) is the time to first token the engine alone allow
 beside the probe's inter-token latency, say what the front end adds a token.
 --ab PATCH runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the patch enabled) and measures every
 length twice, with the patch's wrapper taken off vLLM's class, then put back: one engine, the same caches, every
-token's id and logprob compared. --profile DIR keeps a torch profiler trace (CPU, CUDA, Python stacks) of one first
-step a pass in DIR, and its summary in the record.
+token's id and logprob compared, after an untimed pass over every length (neither pass pays the engine's warm-up).
+--profile DIR keeps a torch profiler trace (CPU, CUDA, Python stacks) of one first step a pass in DIR, and its
+summary in the record.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ AB_TARGETS = {
         "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention._forward_core",
         "_serving_gdn_prefill_graphs",
     ),
+    "suffix_tree_overlap": (
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+        "_serving_suffix_tree_overlap",
+    ),
 }
 GDN_OP = "vllm::qwen_gdn_attention_core"
+RUNNER_SCOPE = "gpu_model_runner:"  # vLLM's record_function scopes, there with VLLM_CUSTOM_SCOPES_FOR_PROFILING
 WARMUPS = 2  # a length's graphs are captured at its second sighting: two warm-ups leave every timed run a replay
 
 
@@ -60,20 +66,26 @@ def prompt_of(length: int) -> dict:
 
 
 def summarize_profile(events) -> dict:
-    """A profiled first step: host time in the GDN attention op (calls, ms a call) and the GPU's busy time (the union
-    of its kernels' intervals)."""
-    gdn, kernels = [], []
+    """A profiled first step: host time in the GDN attention op (calls, ms a call), in each of the model runner's
+    own scopes (sample, bookkeep, draft: ms) and the GPU's busy time (the union of its kernels' intervals)."""
+    gdn, kernels, scopes = [], [], {}
     for event in events:
         if str(getattr(event, "device_type", "")).endswith("CUDA"):
             kernels.append((event.time_range.start, event.time_range.end))
         elif event.name == GDN_OP:
             gdn.append(event.time_range.end - event.time_range.start)
+        elif event.name.startswith(RUNNER_SCOPE):
+            name = event.name.removeprefix(RUNNER_SCOPE).strip()
+            scopes[name] = scopes.get(name, 0.0) + (event.time_range.end - event.time_range.start) / 1e3
     busy, end = 0.0, float("-inf")
     for start, stop in sorted(kernels):
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     mean = round(statistics.mean(gdn) / 1e3, 4) if gdn else None
-    return {"gdn_calls": len(gdn), "gdn_host_ms_per_call": mean, "gpu_busy_ms": round(busy / 1e3, 3)}
+    runner = {name: round(ms, 3) for name, ms in sorted(scopes.items())}
+    return {"gdn_calls": len(gdn), "gdn_host_ms_per_call": mean, "gpu_busy_ms": round(busy / 1e3, 3)} | (
+        {"runner_scopes_ms": runner} if runner else {}
+    )
 
 
 def run_request(engine, request_id: str, length: int, params) -> tuple[list[float], list, list]:
@@ -144,6 +156,7 @@ def main() -> None:
 
     import torch
 
+    import records  # gpu_proof/'s own (floor.py's folder is on sys.path)
     from serving.launch import DIST_DIR, child_env
     from serving.settings import vllm_args
 
@@ -165,6 +178,8 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its classes are ours
     flags = engine_flags(vllm_args(settings, args.model_dir, host="127.0.0.1", port=0, cuda=torch.cuda.is_available()))
     os.environ.update(child_env(dict(os.environ), settings))  # the engine core process inherits it
+    if args.profile:
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the model runner's scopes in the trace
     sys.path.insert(0, str(DIST_DIR))  # the patches' plugin entry points, for this process too
 
     import vllm
@@ -177,6 +192,8 @@ def main() -> None:
     namespace = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(namespace))
     record = {"kind": "floor", "status": "ok", "vllm": vllm.__version__, "flags": flags}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    record["environment"] = {"gpu": gpu, "cpu": records.cpu_model(), "date": time.strftime("%F")}
     record |= {"start_s": round(time.monotonic() - started, 1), "variant": variant, "weights": args.weights}
     record |= {"config": str(Path(args.config).resolve().relative_to(ROOT)), "tokens": args.tokens, "options": options}
 
@@ -190,13 +207,17 @@ def main() -> None:
         wrapper = getattr(cls, method)
         if not hasattr(wrapper, wrapped_attr):
             raise SystemExit(f"--ab {args.ab}: the patch did not load in this process ({cls_name}.{method} unwrapped)")
+        # an untimed pass first: whatever the engine still warms on its first requests (the first pass's runs
+        # fell run after run, the prefill table's note) is not charged to the patch's off side
+        setattr(cls, method, getattr(wrapper, wrapped_attr))
+        measure(engine, "warm", argparse.Namespace(**(vars(args) | {"profile": None})), params_for)
         passes = {}
         for label, implementation in (("off", getattr(wrapper, wrapped_attr)), ("on", wrapper)):
             setattr(cls, method, implementation)
             passes[label] = measure(engine, label, args, params_for)
         off, on = passes["off"]["lengths"], passes["on"]["lengths"]
         same = {n: {key: off[n][key] == on[n][key] for key in ("ids", "logprobs")} for n in off}
-        record |= {"ab": args.ab, "passes": passes, "same": same}
+        record |= {"ab": args.ab, "passes": passes, "same": same, "warm_pass": True}
     else:
         passes = {"run": measure(engine, "run", args, params_for)}
         record |= passes["run"]

@@ -24,6 +24,13 @@ RESIDENT = Path(os.environ.get("PROBE_RESIDENT", "/tmp/gpu-proof-resident"))
 COMPILE_LOG_MARKS = ("torch.compile took", "Directly load", "Compiling a graph", "compile range", "Cache the graph")
 
 
+def cpu_model() -> str | None:
+    """The host's CPU model names (/proc/cpuinfo), joined where they differ."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    models = {line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")}
+    return " / ".join(sorted(models)) or None
+
+
 def write(state: Path, name: str, data: dict) -> None:
     """STATE/results/<name>.json, then the whole results folder as STATE/results.tar.gz (each written aside)."""
     path = state / "results" / f"{name}.json"

@@ -201,11 +201,9 @@ class Driver:
         bundled, expected = versions["vllm_bundle"]["vllm"], self.options.get("engine")
         if expected and bundled.split("+", 1)[0] != expected:
             raise RuntimeError(f"the vLLM bundle at {SITE_VLLM} is {bundled}, not {expected} (--engine, engine.vllm)")
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        models = {line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")}
         name, driver, memory = [part.strip() for part in smi]
         environment = {"gpu": {"name": name, "driver": driver, "memory_total": memory}}
-        environment |= {"versions": versions, "cpu": " / ".join(sorted(models)) or None, "cpu_count": os.cpu_count()}
+        environment |= {"versions": versions, "cpu": records.cpu_model(), "cpu_count": os.cpu_count()}
         self.record("environment", {"kind": "environment", "status": "ok", "date": time.strftime("%F"), **environment})
 
     def step_checkpoint(self, _: str) -> None:

@@ -97,18 +97,19 @@ def triple(values, digits: int = 2, suffix: str = "") -> str:
     return " / ".join(fmt(v, digits, suffix) for v in values)
 
 
-def patch_changes(patches: dict, engine: str | None = None, resolved: bool = False) -> str:
+def patch_changes(patches: dict, engine: str | None = None, resolved: bool = False, method: str | None = None) -> str:
     """A run's serve.patches as what it changed from the registry's defaults ("draft_padding off"), among those that
-    apply on a GPU (a CPU patch switched there changes nothing) and, given the run's `engine`, can run on it (the
-    release each is written for). `resolved`: the whole table a run served, where a patch it lacks did not exist yet,
-    so the run went without it (a row measured before a default changed says so); else a --serve-set table, the rest
-    at their defaults."""
+    apply on a GPU (a CPU patch switched there changes nothing), to the run's speculative `method` where given, and,
+    given the run's `engine`, can run on it (the release each is written for). `resolved`: the whole table a run
+    served, where a patch it lacks did not exist yet, so the run went without it (a row measured before a default
+    changed says so); else a --serve-set table, the rest at their defaults."""
     from serving.patches import PATCHES
 
     changed = []
     for name, patch in PATCHES.items():
         on = patches.get(name, False if resolved else patch.default)
-        if patch.platform != "cpu" and engine in (None, patch.vllm) and on != patch.default:
+        acts = method is None or patch.methods is None or method in patch.methods
+        if patch.platform != "cpu" and acts and engine in (None, patch.vllm) and on != patch.default:
             changed.append(f"{name} {'on' if on else 'off'}")
     return ", ".join(changed)
 
@@ -134,7 +135,8 @@ def label(record: dict) -> str:
         partial = isinstance(asked.pop("patches", None), dict)
         if asked:
             options["serve_set"] = asked
-        changes = patch_changes(served, record.get("engine"), resolved=not partial)
+        method = (record.get("speculative") or {}).get("method")
+        changes = patch_changes(served, record.get("engine"), resolved=not partial, method=method)
         patch_part = [f"patches: {changes}"] if changes else []
     changed = ", ".join([*(option_text(key, value) for key, value in sorted(options.items())), *patch_part])
     return f"`{record['variant']}`" + (f" ({changed})" if changed else "")
@@ -256,10 +258,22 @@ def trained_rows(records: list[dict], gpu: str) -> list[str]:
     return rows + footnotes(notes)
 
 
+def profiled_host_ms(profile: dict) -> str:
+    """What the patch acts on in the profiled step, off → on: the GDN attention op's host time a call where the
+    step ran it, else the model runner's draft scope (the proposer's host time)."""
+    off, on = profile.get("off") or {}, profile.get("on") or {}
+    if off.get("gdn_calls") and on.get("gdn_calls"):
+        return f"GDN op a call {fmt(off['gdn_host_ms_per_call'])} → {fmt(on['gdn_host_ms_per_call'])}"
+    scopes = off.get("runner_scopes_ms") or {}, on.get("runner_scopes_ms") or {}
+    if all("draft" in scope for scope in scopes):
+        return f"draft {fmt(scopes[0]['draft'], 1)} → {fmt(scopes[1]['draft'], 1)}"
+    return "—"
+
+
 def prefill_rows(records: list[dict], gpu: str) -> list[str]:
     """A vLLM patch measured off, then on, in one engine (gpu_proof/floor.py --ab): each prompt length's first step
     (prefill and first token) both ways, whether every token's id and logprob stayed equal (a verdict only on
-    trained weights), and the profiled 64-token step's host time in the GDN attention op a call."""
+    trained weights), and the profiled step's host time in what the patch acts on (profiled_host_ms)."""
     floors = [r for r in records if r["kind"] == "floor" and r["gpu"] == gpu and "prefill_ms" in r]
     if not floors:
         return []
@@ -269,7 +283,7 @@ def prefill_rows(records: list[dict], gpu: str) -> list[str]:
         "request's arrival to its first token, median of 5 after 2 warm-ups, by prompt length in tokens):",
         "",
         "| variant | patch | weights | vLLM | host, date | off → on, ms a prompt length | ids and logprobs equal "
-        "| GDN op host ms a call, off → on |",
+        "| profiled step's host ms, off → on |",
         "|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
@@ -283,10 +297,7 @@ def prefill_rows(records: list[dict], gpu: str) -> list[str]:
         equal = "all" if not differ else f"{', '.join(differ)} differ"
         if record["weights"] != "trained":
             equal += " (random weights: no verdict)"
-        profile = record.get("profile") or {}
-        host_ms = "—"
-        if "off" in profile and "on" in profile:
-            host_ms = f"{fmt(profile['off']['gdn_host_ms_per_call'])} → {fmt(profile['on']['gdn_host_ms_per_call'])}"
+        host_ms = profiled_host_ms(record.get("profile") or {})
         checked = {"variant": record["variant"], "options": record.get("options") or {}}
         rows.append(
             f"| {label(checked)}{note_mark(record, notes)} | `{record['ab']}` | {record['weights']} "

@@ -44,6 +44,7 @@ class Patch:
     platform: str  # cpu, cuda or any: where it applies
     default: bool  # on unless serve.patches says otherwise
     why: str
+    methods: tuple[str, ...] | None = None  # the speculative methods whose serving it changes; None: any
 
 
 # Retired with vLLM 0.32 (issue 55), and why:
@@ -161,6 +162,19 @@ PATCHES: dict[str, Patch] = {
         "Kept by same-host H200 records on vLLM 0.32 (docs/results.md, the prefill table): the 4B's 64-token first "
         "step 70 -> 27 ms in-process, every token's id and logprob equal on the trained tiny checkpoint (MTP K=2 "
         "with and without prefix caching, none) at 1-8,192 tokens.",
+    ),
+    "suffix_tree_overlap": Patch(
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+        vllm="0.32.0",
+        platform="cuda",
+        default=True,
+        why="vLLM 0.32 builds a request's prompt suffix tree (arctic-inference) in its first propose, after the "
+        "prefill's token reached the host, so the GPU idles while the host builds it and the first token waits. "
+        "The same trees are built once the prefill is queued, while the GPU runs it. Kept by a same-host H200 "
+        "record on vLLM 0.32 (docs/results.md, the prefill table): the 4B with the combined variant's suffix "
+        "settings (K=20, 64-deep tree), an 8,192-token first step 184 -> 164 ms in-process (the host's draft "
+        "time 28 -> 0.5 ms), every token's id and logprob equal on the trained tiny checkpoint at 1-8,192 tokens.",
+        methods=("suffix",),
     ),
     "fork_start": Patch(
         target="get_mp_context of vllm.v1.engine.utils and vllm.v1.executor.multiproc_executor",

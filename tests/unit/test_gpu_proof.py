@@ -314,6 +314,34 @@ def test_a_variant_the_catalog_does_not_define_is_refused_before_any_step(tmp_pa
     ]
 
 
+def test_a_profiled_first_step_sums_the_gdn_op_the_runners_scopes_and_the_gpus_busy_union():
+    """floor.summarize_profile: host time a GDN call, each model-runner scope's host time (summed over its calls),
+    and the GPU's busy time with overlapping kernels counted once."""
+    from types import SimpleNamespace
+
+    import floor
+
+    def event(name, start, end, device="DeviceType.CPU"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [
+        event(floor.GDN_OP, 0, 300),
+        event(floor.GDN_OP, 1000, 1500),
+        event("gpu_model_runner: draft", 2000, 6000),
+        event("gpu_model_runner: draft", 7000, 8000),
+        event("gpu_model_runner: bookkeep", 8000, 8500),
+        event("aten::index", 0, 9000),
+        event("kernel", 0, 2000, "DeviceType.CUDA"),
+        event("kernel", 1000, 3000, "DeviceType.CUDA"),
+        event("kernel", 5000, 6000, "DeviceType.CUDA"),
+    ]
+    summary = floor.summarize_profile(events)
+    assert summary["gdn_calls"] == 2 and summary["gdn_host_ms_per_call"] == 0.4
+    assert summary["runner_scopes_ms"] == {"bookkeep": 0.5, "draft": 5.0}
+    assert summary["gpu_busy_ms"] == 4.0
+    assert "runner_scopes_ms" not in floor.summarize_profile(events[:2])
+
+
 def test_the_floor_measures_the_engine_with_the_servers_settings_less_the_front_ends_flags():
     """gpu_proof/floor.py builds vLLM's engine from the image's own command line, without the API server's flags."""
     import floor
@@ -503,3 +531,36 @@ def test_an_in_process_ab_floor_is_kept_as_its_prefill_times_verdict_and_host_ti
     assert kept["same"] == {"64": False, "2048": True}  # a logprob moved at 64 tokens
     assert kept["profile"]["on"] == {"gdn_calls": 24, "gdn_host_ms_per_call": 0.4, "gpu_busy_ms": 5.0}
     assert "logprobs" not in json.dumps(kept) and "ids" not in json.dumps(kept)
+
+
+def test_a_lease_that_ran_only_floors_is_collected_from_the_floors_own_environment(tmp_path):
+    """collect.py - HOST --floor ...: no driver's results; each floor's GPU, CPU and date from its own record (what
+    floor.py records), else from --gpu/--cpu/--date, and a floor without either is refused naming what is missing."""
+    floor = ab_floor("tiny-awq-mtp2", "config/tiny.yaml", "trained", [-1.0, -2.5])
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text(
+        json.dumps(floor | {"environment": {"gpu": "NVIDIA H200", "cpu": "Xeon", "date": "2026-12-02"}})
+    )
+    written = collect.collect(None, "host9", tmp_path / "records", floors=[str(recorded)])
+    assert sorted(p.name for p in written) == [
+        "host9-vllm0.32.0-environment.json",
+        "host9-vllm0.32.0-floor-recorded.json",
+    ]
+    kept = json.loads((tmp_path / "records" / "h200" / "host9-vllm0.32.0-floor-recorded.json").read_text())
+    assert (kept["gpu"], kept["date"], kept["engine"], kept["weights"]) == (
+        "NVIDIA H200",
+        "2026-12-02",
+        "0.32.0",
+        "trained",
+    )
+    environment = json.loads(next(p for p in written if p.name.endswith("environment.json")).read_text())
+    assert (environment["cpu"], environment["copy_gbps"]) == ("Xeon", None)
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(floor))
+    with pytest.raises(SystemExit, match="cpu"):
+        collect.collect(
+            None, "host9", tmp_path / "other", floors=[str(older)], given={"gpu": "NVIDIA H200", "date": "2026-12-02"}
+        )
+    given = {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "EPYC", "date": "2026-12-02"}
+    collect.collect(None, "host9", tmp_path / "other", floors=[str(older)], given=given)
+    assert (tmp_path / "other" / "h100" / "host9-vllm0.32.0-floor-older.json").is_file()

@@ -196,9 +196,20 @@ def test_an_ab_floor_shows_each_lengths_prefill_both_ways_and_a_verdict_only_on_
         label: {"gdn_calls": 24, "gdn_host_ms_per_call": ms, "gpu_busy_ms": 5.0}
         for label, ms in (("off", 3.38), ("on", 0.37))
     }
-    rows = {line.split(" | ")[0]: line for line in render_results.prefill_rows([trained, random], "NVIDIA H200")}
-    assert "| 64: 69 → 20; 8192: 190 → 180 | 8192 differ |" in rows["| `tiny-awq-mtp2`"]
-    assert "| all (random weights: no verdict) | 3.38 → 0.37 |" in rows["| `bf16`"]
+    drafted = random | {"variant": "bf16-suffix", "ab": "suffix_tree_overlap"}
+    drafted["profile"] = {
+        label: {"gdn_calls": 0, "gdn_host_ms_per_call": None, "gpu_busy_ms": 200.0, "runner_scopes_ms": {"draft": ms}}
+        for label, ms in (("off", 28.08), ("on", 0.52))
+    }
+    floors = [trained, random, drafted]
+    rows = {line.split(" | ")[0]: line for line in render_results.prefill_rows(floors, "NVIDIA H200")}
+    assert "| 64: 69 → 20; 8192: 190 → 180 | 8192 differ | — |" in rows["| `tiny-awq-mtp2`"]
+    assert "| all (random weights: no verdict) | GDN op a call 3.38 → 0.37 |" in rows["| `bf16`"]
+    assert rows["| `bf16-suffix`"].endswith(
+        "| `suffix_tree_overlap` | random | 0.32.0 | h, 2026-12-01 "
+        "| 64: 69 → 20; 8192: 190 → 180 | all (random weights: no verdict) "
+        "| draft 28.1 → 0.5 |"
+    )
     assert render_results.prefill_rows([random | {"gpu": "NVIDIA H100"}], "NVIDIA H200") == []
 
 
@@ -223,3 +234,8 @@ def test_a_row_names_the_patches_it_served_otherwise_than_todays_defaults():
     # another engine's record: a patch written for this one could not have run there, so it is no change
     assert render_results.label(dict(served(older), engine="0.0.1")) == "`bf16` (gpu_memory_utilization: 0.3)"
     assert 'patches: "off"' in render_results.label(served(older, patches="off"))
+    # a patch that acts on one speculative method only is no change on another method's row
+    suffix_only = next(name for name, patch in PATCHES.items() if patch.methods == ("suffix",))
+    without = dict(resolved, **{suffix_only: False})
+    assert suffix_only not in render_results.label(dict(served(without), speculative={"method": "mtp"}))
+    assert f"{suffix_only} off" in render_results.label(dict(served(without), speculative={"method": "suffix"}))
