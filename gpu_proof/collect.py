@@ -76,6 +76,9 @@ def compact_variant(record: dict, host: str, environment: dict) -> dict:
     kept["bytes_per_step"] = record.get("bytes_per_step") or (record.get("decode") or {}).get("weights_bytes_per_step")
     probe = record["probe"]
     kept |= {"warmup": probe["warmup"], "runs": probe["runs"], "sets": compact_sets(probe)}
+    if record.get("alone"):  # --alone: probed again with its group stopped
+        alone = record["alone"]
+        kept["alone"] = {"resident_servers": alone["resident_servers"], "sets": compact_sets(alone["probe"])}
     return {"kind": "variant", "host": host, **{key: environment[key] for key in CONTEXT}, **kept}
 
 

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=None, metavar="G")
     parser.add_argument("--serve-set", action="append", default=[], metavar="KEY=JSON")
     parser.add_argument("--restart", default="", metavar="VARIANT,VARIANT")
+    parser.add_argument("--alone", default="", metavar="VARIANT,VARIANT", help="probed again with its group stopped")
     parser.add_argument("--reference-for", action="append", default=[], metavar="VARIANT=REFERENCE")
     parser.add_argument("--plan", action="store_true", help="print the steps and exit (no GPU needed)")
     args = parser.parse_args(argv)

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # --max-resident's default: how many other servers (any driver's) may be resident on the host while a probe runs.
-# Not yet measured on one host (one variant probed alone and beside N resident servers): probes beside 15 resident
-# servers read +20-33 % inter-token latency with prefix caching where a lone server read +5 %, so few, while
-# `--together 3` still runs.
+# Not yet measured on one host (`--alone`: one variant probed beside N resident servers, then alone on the same
+# server): probes beside 15 resident servers read +20-33 % inter-token latency with prefix caching where a lone
+# server read +5 %, so few, while `--together 3` still runs.
 MAX_RESIDENT = 2
 
 
@@ -84,11 +84,18 @@ def from_args(args, pipeline) -> tuple[list[str], list[str], dict]:
     if unknown:
         raise PlanError(f"--quantized {unknown}: not a recipe of the catalog; known: {sorted(pipeline.recipes)}")
     restart = [name for name in args.restart.split(",") if name]
-    strays = sorted({*reference_for, *reference_for.values(), *restart} - set(names))
+    alone = [name for name in args.alone.split(",") if name]
+    strays = sorted({*reference_for, *reference_for.values(), *restart, *alone} - set(names))
     if strays:
-        raise PlanError(f"--reference-for or --restart {strays}: not among --variants {names}")
+        raise PlanError(f"--reference-for, --restart or --alone {strays}: not among --variants {names}")
+    for group, members in groups(names, args.together).items():
+        crowded = [name for name in members if name in alone]
+        if len(crowded) > 1:
+            raise PlanError(f"--alone {crowded} share {group}: once one is probed alone the others are stopped")
+        if crowded and len(members) < 2:
+            raise PlanError(f"--alone {crowded}: nothing is resident beside it in {group} (--together 2 or more)")
     options = {key: value for key, value in vars(args).items() if key not in ("variants", "state", "plan")}
-    options |= {"quantized": quantized, "restart": restart, "reference_for": reference_for}
+    options |= {"quantized": quantized, "restart": restart, "reference_for": reference_for, "alone": alone}
     options["serve_env"] = pairs(args.serve_env)
     options["serve_set"] = {key: json.loads(value) for key, value in pairs(args.serve_set).items()}
     options["config"] = str(Path(args.config).resolve().relative_to(ROOT))

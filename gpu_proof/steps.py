@@ -315,6 +315,14 @@ class Driver:
                     self.probe_variant(name, base, record)
                 except Exception as error:  # noqa: BLE001
                     failed.append(self.fail(name, record, error))
+            for name in [n for n in running if n not in failed and n in (self.options.get("alone") or [])]:
+                for other in [n for n in running if n != name]:  # the group's others leave the host
+                    self.stop(running[other][0])
+                    mark(records.RESIDENT, self.marker(other), False)
+                try:
+                    self.probe_alone(name, running[name][1], running[name][3])
+                except Exception as error:  # noqa: BLE001
+                    failed.append(self.fail(name, running[name][3], error))
             for name in [n for n in running if n not in failed and n in (self.options.get("restart") or [])]:
                 self.stop(running[name][0])
                 try:
@@ -428,21 +436,39 @@ class Driver:
         self.record(f"variant-{name}", record)
         return proc, base, log_path, record, started
 
+    def probe_settings(self) -> dict:
+        return {**self.pipeline.config["probe"], "warmup": self.options["warmup"], "runs": self.options["runs"]}
+
+    def timed_probe(self, name: str, base: str, record: dict) -> tuple[dict, int, float]:
+        """One probe of `name`'s server once no server on the host is starting (else `host_busy`): its result, the
+        most other servers resident at its start and end, its seconds. The caller holds the host lock."""
+        settings = self.probe_settings()
+        if not self.wait_quiet():
+            record["host_busy"] = True
+        resident, started = self.others_resident(name), time.monotonic()
+        result = probe(
+            base, record["serve"]["served_model_name"], settings, str(ROOT / settings["varied_text"]), self.log
+        )
+        result.update(warmup=settings["warmup"], runs=settings["runs"])
+        return result, max(resident, self.others_resident(name)), round(time.monotonic() - started, 1)
+
+    def probe_alone(self, name: str, base: str, record: dict) -> None:
+        """--alone: the same server probed again once its group's other servers are stopped, so its record holds the
+        one variant beside N resident servers and beside none (what --max-resident is decided from)."""
+        with self.probe_lock():
+            result, resident, seconds = self.timed_probe(name, base, record)
+        record["alone"] = {"probe": result, "resident_servers": resident, "probe_s": seconds}
+        self.record(f"variant-{name}", record)
+
     def probe_variant(self, name: str, base: str, record: dict) -> None:
         """The probe, under the host lock once no server on the host is starting, counting the other servers resident
         at its start and end; then, on the same server, the lossless reference where this run needs one."""
-        settings = {**self.pipeline.config["probe"], "warmup": self.options["warmup"], "runs": self.options["runs"]}
+        settings = self.probe_settings()
         model_name = record["serve"]["served_model_name"]
         varied = str(ROOT / settings["varied_text"])
         speculative = [n for n in self.names if self.variants[n]["speculative"]["method"] != "none"]
         with self.probe_lock():
-            if not self.wait_quiet():
-                record["host_busy"] = True
-            resident, started = self.others_resident(name), time.monotonic()
-            record["probe"] = probe(base, model_name, settings, varied, log=self.log)
-            record["probe_s"] = round(time.monotonic() - started, 1)
-            record["resident_servers"] = max(resident, self.others_resident(name))
-            record["probe"].update(warmup=settings["warmup"], runs=settings["runs"])
+            record["probe"], record["resident_servers"], record["probe_s"] = self.timed_probe(name, base, record)
             record["bytes_per_step"] = records.bytes_per_step(record)
             self.record(f"variant-{name}", record)
             if name in (self.options.get("reference_for") or {}).values() or (

@@ -313,6 +313,34 @@ def verdict(check: dict) -> str:
     return "passed" if check["passed"] else "FAILED"
 
 
+def resident_rows(records: list[dict], gpu: str) -> list[str]:
+    """A variant probed beside its group's resident servers, then alone on the same server (gpu_proof/driver.py
+    --alone): each prompt set's mean TTFT and ITL both ways, what --max-resident is decided from."""
+    probed = [r for r in records if r["kind"] == "variant" and r["gpu"] == gpu and r.get("alone")]
+    if not probed:
+        return []
+    rows = [
+        "",
+        "Resident servers beside a probe (gpu_proof/driver.py --alone: one server probed beside its group, then",
+        "again once the others were stopped; means over the categories, repeated / varied / fresh):",
+        "",
+        "| variant | vLLM | host, date | others resident → alone | TTFT ms | ITL ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record in sorted(probed, key=lambda r: (r["date"], r["host"], r["variant"])):
+        alone = {"sets": record["alone"]["sets"]}
+        cells = []
+        for field, digits in (("ttft_median_ms", 0), ("itl_median_ms", 2)):
+            beside, by_itself = per_set(record, field), per_set(alone, field)
+            cells.append(" / ".join(f"{fmt(beside[n], digits)} → {fmt(by_itself[n], digits)}" for n in SETS))
+        resident = f"{record.get('resident_servers', 'unknown')} → {record['alone']['resident_servers']}"
+        rows.append(
+            f"| {label(record)} | {record['engine']} | {record['host']}, {record['date']} | {resident} "
+            f"| {cells[0]} | {cells[1]} |"
+        )
+    return rows
+
+
 def lossless_rows(records: list[dict], gpu: str) -> list[str]:
     """Only trained weights decide losslessness: random logits part at near ties two correct kernels break apart."""
     checks = [(r, c) for r in measured(records, "lossless", gpu, "trained") for c in r["checks"]]
@@ -370,6 +398,7 @@ def results_md(records: list[dict]) -> str:
             *trained_rows(records, gpu),
             *lossless_rows(records, gpu),
             *prefill_rows(records, gpu),
+            *resident_rows(records, gpu),
         ]
         environments = [r for r in records if r["kind"] == "environment" and r["gpu"] == gpu]
         hosts = ", ".join(

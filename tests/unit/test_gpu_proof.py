@@ -564,3 +564,30 @@ def test_a_lease_that_ran_only_floors_is_collected_from_the_floors_own_environme
     given = {"gpu": "NVIDIA H100 80GB HBM3", "cpu": "EPYC", "date": "2026-12-02"}
     collect.collect(None, "host9", tmp_path / "other", floors=[str(older)], given=given)
     assert (tmp_path / "other" / "h100" / "host9-vllm0.32.0-floor-older.json").is_file()
+
+
+def test_alone_probes_one_server_again_once_its_group_is_stopped_and_the_tables_show_both(tmp_path, pipeline):
+    """--alone: after its group's probes, bf16's server is probed again with the group's other server stopped, so
+    its record holds the same variant beside one resident server and beside none; collect keeps both, the results
+    page shows them side by side; two --alone variants in one group, or one with nobody beside it, are refused."""
+    import render_results
+
+    names = ["bf16", "awq-w4a16-g32-none"]
+    d = fake_driver(tmp_path, pipeline, names, together=2, alone=["bf16"])
+    d.run()
+    record = json.loads((tmp_path / "results" / "variant-bf16.json").read_text())
+    assert record["status"] == "ok", record.get("error")
+    assert (record["resident_servers"], record["alone"]["resident_servers"]) == (1, 0)
+    assert record["alone"]["probe"]["categories"] and "alone" not in json.loads(
+        (tmp_path / "results" / "variant-awq-w4a16-g32-none.json").read_text()
+    )
+    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records")
+    kept = next(json.loads(p.read_text()) for p in written if p.name.endswith("-bf16.json"))
+    assert kept["alone"]["resident_servers"] == 0 and set(kept["alone"]["sets"]) == set(kept["sets"])
+    rows = render_results.resident_rows([kept], kept["gpu"])
+    assert len([row for row in rows if row.startswith("| `bf16`")]) == 1
+    assert "| 1 → 0 |" in rows[-1]
+    with pytest.raises(plan.PlanError, match="share serve-1"):
+        driver.main(["--variants", "bf16,awq-w4a16-g32-none", "--together", "2", "--alone", "bf16,awq-w4a16-g32-none"])
+    with pytest.raises(plan.PlanError, match="nothing is resident"):
+        driver.main(["--variants", "bf16", "--alone", "bf16", "--plan"])
