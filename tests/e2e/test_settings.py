@@ -1,14 +1,11 @@
 """A serve setting's effect inside the serve venv's vLLM: ngram_gpu drafts padded on the device
 (tests/unit/test_settings.py: the settings table, its flags and the schema kept equal)."""
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, serve_venv_json
 
 sys.path.insert(0, str(ROOT))
 from serving import patches  # noqa: E402
@@ -47,16 +44,7 @@ print(json.dumps({
 @pytest.fixture(scope="module")
 def ngram_gpu_plugins(tiny_venvs):
     """NGRAM_GPU_PLUGINS run in the serve venv's vLLM, with the padding asked for; its JSON."""
-    result = subprocess.run(
-        [str(tiny_venvs["serve-cpu"]), "-c", NGRAM_GPU_PLUGINS],
-        cwd=ROOT,
-        env=dict(os.environ, **{patches.ENV: "draft_padding"}, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return serve_venv_json(tiny_venvs, NGRAM_GPU_PLUGINS, env={patches.ENV: "draft_padding"})
 
 
 @pytest.mark.e2e

@@ -6,13 +6,9 @@ the input batch as vLLM's does; the GPU proof times the real one (gpu_proof/floo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, serve_venv_json
 
 CHECK = r"""
 import json, sys
@@ -165,16 +161,7 @@ print(json.dumps({"plain": plain, "patched": patched, "error": error, "real": re
 
 @pytest.fixture(scope="module")
 def overlap(tiny_venvs):
-    result = subprocess.run(
-        [str(tiny_venvs["serve-cpu"]), "-c", CHECK, str(ROOT)],
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return serve_venv_json(tiny_venvs, CHECK, str(ROOT))
 
 
 @pytest.mark.e2e
