@@ -188,18 +188,21 @@ def collect_floors(host: str, out_root: Path, note: str | None, floors: list[str
         missing = [key for key in ("gpu", "cpu", "date") if not environment.get(key)]
         if missing:
             raise SystemExit(f"{path}: no {missing} in its record: give --{' --'.join(missing)}")
-        engine = record["vllm"].split("+", 1)[0]
-        engines.add(engine)
-        context = {"host": host, "date": environment["date"], "gpu": environment["gpu"], "engine": engine}
-        records[f"floor-{Path(path).stem}"] = {"kind": "floor", **context, "weights": record["weights"]}
-        records[f"floor-{Path(path).stem}"] |= compact_floor(record) | ({"note": note} if note else {})
-        records["environment"] = {"kind": "environment", "host": host, "date": environment["date"]}
-        records["environment"] |= {"gpu": environment["gpu"], "cpu": environment["cpu"], "vllm": record["vllm"]}
-        records["environment"]["copy_gbps"] = None  # no driver: no bandwidth step
+        vllm = record["vllm"]
+        context = {"host": host, "date": environment["date"], "gpu": environment["gpu"]}
+        context["engine"] = vllm.split("+", 1)[0]
+        engines.add(context["engine"])
+        records[f"floor-{Path(path).stem}"] = (
+            {"kind": "floor", **context, "weights": record["weights"]}
+            | compact_floor(record)
+            | ({"note": note} if note else {})
+        )
     if len(engines) != 1:
         raise SystemExit(f"floors of {sorted(engines) or 'no'} engines: collect one engine's floors at a time")
-    gpu = records["environment"]["gpu"]
-    return write(records, out_root / gpu_model(gpu), f"{host}-vllm{engines.pop()}-")
+    records["environment"] = {"kind": "environment", "host": host, "date": environment["date"], "vllm": vllm}
+    records["environment"] |= {"gpu": environment["gpu"], "cpu": environment["cpu"]}
+    records["environment"]["copy_gbps"] = None  # no driver: no bandwidth step
+    return write(records, out_root / gpu_model(environment["gpu"]), f"{host}-vllm{context['engine']}-")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -220,7 +220,7 @@ def main() -> None:
             passes[label] = measure(engine, label, args, params_for)
         off, on = passes["off"]["lengths"], passes["on"]["lengths"]
         same = {n: {key: off[n][key] == on[n][key] for key in ("ids", "logprobs")} for n in off}
-        record |= {"ab": args.ab, "passes": passes, "same": same, "warm_pass": True}
+        record |= {"ab": args.ab, "passes": passes, "same": same}
     else:
         passes = {"run": measure(engine, "run", args, params_for)}
         record |= passes["run"]

@@ -325,6 +325,7 @@ class Driver:
                     failed.append(self.fail(name, running[name][3], error))
             for name in [n for n in running if n not in failed and n in (self.options.get("restart") or [])]:
                 self.stop(running[name][0])
+                mark(records.RESIDENT, self.marker(name), True)  # again, where --alone stopped it
                 try:
                     running[name] = self.restart(name, running[name], len(names))
                 except Exception as error:  # noqa: BLE001

@@ -39,8 +39,7 @@ def prompts_to_start(runner, scheduler_output) -> list[tuple[str, object]]:
             continue  # a partial prefill: propose skips it this step
         if batch.num_tokens_no_spec[index] >= drafter.max_model_len:
             continue
-        prompt = batch.token_ids_cpu[index, : batch.num_prompt_tokens[index]].copy()
-        starting.append((req_id, prompt))
+        starting.append((req_id, batch.token_ids_cpu[index, : batch.num_prompt_tokens[index]]))
     return starting
 
 
