@@ -91,6 +91,10 @@ def compact_lossless(record: dict, host: str, environment: dict, options: dict |
     keep = ("set", "category", "tokens", "passed", "problem")
     checks = []
     for check in record["checks"]:
+        if check.get("reference_variant") is None:  # nothing was compared (the driver's failures say why): no verdict
+            why = "; ".join(check.get("failures", []))
+            print(f"collect: {check['variant']} left out of the lossless record: {why}")
+            continue
         rows = []
         for row in check["rows"]:
             where = {"first_difference": (row["first_difference"] or {}).get("position")}
@@ -138,7 +142,9 @@ def collect(
             records[record["variant"]] = compact_variant(record, host, summary | context)
         elif name == "lossless":
             options = {r["variant"]: r.get("options") or {} for n, r in raw.items() if n.startswith("variant-")}
-            records["lossless"] = compact_lossless(record, host, summary | context, options)
+            lossless = compact_lossless(record, host, summary | context, options)
+            if lossless["checks"]:
+                records["lossless"] = lossless
         elif name.startswith("floor-") and record.get("status") == "ok":  # gpu_proof/floor.py's
             variant = name.removeprefix("floor-")
             floor = {"kind": "floor", "host": host, **{key: (summary | context)[key] for key in CONTEXT}}

@@ -168,6 +168,18 @@ def test_a_relaunch_skips_what_is_done_and_a_failed_start_leaves_the_others_prob
     assert (results / f"variant-{names[0]}.json").stat().st_mtime_ns == probed_at
 
 
+def test_a_speculative_variant_without_its_reference_in_the_run_leaves_no_lossless_verdict(tmp_path, pipeline):
+    """The driver records why nothing was compared; collect.py keeps no lossless record for it (an empty failed
+    check is not a verdict on the method)."""
+    names = ["bf16", "awq-w4a16-g32-mtp2"]  # no AWQ variant without speculation: no reference for the MTP one
+    d = fake_driver(tmp_path, pipeline, names, together=2)
+    d.run()
+    (check,) = json.loads((tmp_path / "results" / "lossless.json").read_text())["checks"]
+    assert check["reference_variant"] is None and check["failures"]
+    written = collect.collect(tmp_path / "results.tar.gz", "host1", tmp_path / "records")
+    assert sorted(p.name for p in written) == sorted(f"host1-vllm0.26.0-{n}.json" for n in [*names, "environment"])
+
+
 def test_a_restart_on_the_first_starts_cache_is_timed_and_a_canary_against_other_weights_fails(tmp_path, pipeline):
     """--restart: each server started again on the cache its first start filled (the bake's cache) is timed beside
     the first start, with vLLM's compile lines of both; --reference-for: a variant checked against another recipe's
