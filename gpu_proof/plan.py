@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # --max-resident's default: how many other servers (any driver's) may be resident on the host while a probe runs.
-# Measured with --alone on one H200 (records/gpu-proof/h200/machine43-*suffix20-d64-f3.json): the combined suffix
+# Measured with --alone on one H200 (docs/results.md's resident-server table): the combined suffix
 # variant beside two idle resident servers was no slower than alone on the same server (TTFT 114-121 ms either way,
 # ITL 0.40-0.47 ms), where probes beside fifteen resident servers had read +20-33 % inter-token latency.
 MAX_RESIDENT = 2
