@@ -111,9 +111,10 @@ DRAFT_DIR = "/opt/ml/draft"
 # Speculative methods not measured safe with enable_prefix_caching on Qwen3.5, and why; the config refuses them
 # together (scripts/lib/dag/config.py). A method leaves this table only with evidence: the lossless check
 # (rules/lossless.smk) passing with prefix caching on, on the hardware it will serve on. MTP and padded suffix left it
-# on vLLM 0.32 on CUDA: on an H200 their greedy ids on the trained tiny checkpoint with it on equal those without it
-# (docs/results.md, the lossless table). The catalog still serves them without it: prompts that miss the cache got
-# slower (docs/results.md, the H200 cost table's fresh prompts).
+# on vLLM 0.32 on CUDA: on an H200 their greedy ids on the trained tiny checkpoint with it on equal those without it,
+# with every patch the real profile serves (docs/results.md, the lossless table). The catalog holds each of them with
+# it on and off (the -prefix-cache variants) and selection ranks them: it speeds the competition's repeated prompt and
+# slows prompts that miss the cache (docs/results.md, the H200 cost table).
 PREFIX_CACHING_UNSAFE: dict[str, str] = {
     "ngram": "not measured safe: refused until the lossless check passes with prefix caching on",
     "ngram_gpu": "not measured safe: refused like ngram until the lossless check passes with prefix caching on",
