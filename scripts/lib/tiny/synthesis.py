@@ -14,8 +14,9 @@ from lib.stage import write_json
 from lib.tiny.tokenizer import SPECIAL_TOKENS, train_tokenizer
 from lib.tiny.training import train_model
 
-# Qwen3.5-4B's shape, shrunk. Linear-attention head dims stay 128 (vLLM's CPU kernels refuse
-# smaller); every Linear a quantizer may touch has both dims multiples of 32, except
+# Qwen3.5-4B's shape, shrunk. Linear-attention head dims 64, the smallest vLLM's CPU GDN kernel takes
+# ("Unexpected head dim size, 32"); at 128 the GDN layers' chunked delta rule was most of a training step.
+# Every Linear a quantizer may touch has both dims multiples of 32, except
 # in_proj_a/in_proj_b whose output width is linear_num_value_heads (kept 16-bit, as in the real
 # recipes, where it is 32 wide).
 TINY_DIMS = {
@@ -28,8 +29,8 @@ TINY_DIMS = {
     "head_dim": 128,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
     "linear_conv_kernel_dim": 4,
     "max_position_embeddings": 32768,
     "mtp_num_hidden_layers": 1,
