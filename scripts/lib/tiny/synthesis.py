@@ -15,7 +15,7 @@ from lib.tiny.tokenizer import SPECIAL_TOKENS, train_tokenizer
 from lib.tiny.training import train_model
 
 # Qwen3.5-4B's shape, shrunk. Linear-attention head dims 64, the smallest vLLM's CPU GDN kernel takes
-# ("Unexpected head dim size, 32"); at 128 the GDN layers' chunked delta rule was most of a training step.
+# ("Unexpected head dim size, 32"); at 128 their chunked delta rule took a third to a half of a training step.
 # Every Linear a quantizer may touch has both dims multiples of 32, except
 # in_proj_a/in_proj_b whose output width is linear_num_value_heads (kept 16-bit, as in the real
 # recipes, where it is 32 wide).
