@@ -98,11 +98,11 @@ def runs(tmp_path_factory, tiny_venvs, tiny_checkpoint):
 
 
 # Tensor bytes over the source's on the tiny model (its embeddings and vision stay 16-bit; a -head recipe adds the
-# untied head's packed copy beside them: 0.64 on the tiny model, above broad's 0.59).
+# untied head's packed copy beside them, so it shrinks less than broad).
 SHRINK = {
     "awq-w4a16-g32-mlp": 0.9,
     "awq-w4a16-g32-broad": 0.65,
-    "awq-w4a16-g32-broad-head4": 0.68,
+    "awq-w4a16-g32-broad-head4": 0.65,
     "gptq-w4a16-g32-sym": 0.65,
     "w8a16": 0.8,
 }
