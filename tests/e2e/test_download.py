@@ -328,6 +328,33 @@ def test_trained_mtp_drafts_the_repeated_sentence_and_a_random_one_does_not(tiny
     assert result["random"] < 1.1 and result["trained"] > 2.0, result
 
 
+ANSWER_LOSS = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from transformers import AutoModelForImageTextToText
+from lib.tiny import training
+torch.manual_seed(0)
+model = AutoModelForImageTextToText.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+# two rows of other lengths (right padding), the loss on the second half of each
+rows = [(list(range(5, 17)), list(range(30, 42))), (list(range(50, 57)), list(range(60, 66)))]
+ids, labels = training._batch(rows, 0)
+with torch.no_grad():
+    logits = model(input_ids=ids, use_cache=False).logits
+    full = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    fast = training.answer_loss(model, ids, labels)
+    print("LOSSES", float(full), float(fast))
+"""
+
+
+@pytest.mark.e2e
+def test_the_answer_loss_equals_the_cross_entropy_over_the_full_logits(built):
+    """train_model's loss applies the LM head at the labelled positions only: the same loss as over every position's
+    logits with the prompt and padding ignored."""
+    (checkpoint, _), _ = built
+    full, fast = map(float, run_on_checkpoint(COMPRESS, ANSWER_LOSS, checkpoint, ROOT / "scripts").split()[-2:])
+    assert full > 1.0 and abs(full - fast) < 1e-4 * full, (full, fast)
+
+
 @pytest.mark.e2e
 def test_manifest_covers_all_files(built):
     (checkpoint, manifest_path), _ = built

@@ -137,6 +137,18 @@ def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, wind
     return batches[:steps]
 
 
+def answer_loss(model, ids, labels):
+    """Next-token cross-entropy where labels are not -100 (`_batch`'s labels), with the LM head applied at those
+    positions only: the same loss as over the full logits, without the head's work on prompts and padding (two
+    thirds of the tokens)."""
+    import torch
+
+    hidden = model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    targets = labels[:, 1:]
+    scored = targets != -100
+    return torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), targets[scored])
+
+
 def optimize(params, batches: list, loss_of, *, lr: float, warmup_steps: int, tag: str, log=print) -> dict:
     """One AdamW step per batch (linear warm-up, cosine decay to a tenth, gradients clipped at 1): the main model's
     training and the MTP head's share it. `loss_of(batch)` returns the batch's loss tensor."""
@@ -210,11 +222,7 @@ def train_model(
     params = [p for p in model.parameters() if p.requires_grad]
 
     def loss_of(picked):
-        ids, labels = (t.to(device) for t in _batch([train[i] for i in picked], pad_id))
-        logits = model(input_ids=ids, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-        )
+        return answer_loss(model, *(t.to(device) for t in _batch([train[i] for i in picked], pad_id)))
 
     plan = batch_order([len(p) + len(a) for p, a in train], batch_size, steps, seed)
     trained = optimize(
