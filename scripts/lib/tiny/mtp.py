@@ -16,6 +16,8 @@ The decoder layer is transformers' Qwen3_5DecoderLayer (full attention, gated qu
 built from the checkpoint's own text config, so the tensors keep exactly the names vLLM loads (`mtp.` + name).
 """
 
+from lib.tiny.training import target_hidden
+
 PREFIX = "mtp."
 
 
@@ -80,11 +82,6 @@ def _rope(text, x, positions):
     """(cos, sin) for 1-D `positions`: the text's mrope with its three sections at the same position, as vLLM
     gives a text-only request ([3, B, T] position ids, which every transformers version takes)."""
     return text.rotary_emb(x, positions.expand(3, x.shape[0], -1))
-
-
-def target_hidden(model, ids):
-    """The main model's hidden states after its final norm (what its LM head and vLLM's MTP read), [B, T, h]."""
-    return _text_model(model)(input_ids=ids, use_cache=False).last_hidden_state
 
 
 def mtp_logits(model, mtp, ids, hidden):

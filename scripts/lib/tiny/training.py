@@ -137,13 +137,18 @@ def batch_order(lengths: list[int], batch_size: int, steps: int, seed: int, wind
     return batches[:steps]
 
 
+def target_hidden(model, ids):
+    """The main model's hidden states after its final norm (what its LM head and vLLM's MTP read), [B, T, h]."""
+    return model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state
+
+
 def answer_loss(model, ids, labels):
     """Next-token cross-entropy where labels are not -100 (`_batch`'s labels), with the LM head applied at those
     positions only: the same loss as over the full logits, without the head's work on prompts and padding (two
     thirds of the tokens)."""
     import torch
 
-    hidden = model.model.language_model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+    hidden = target_hidden(model, ids)[:, :-1]
     targets = labels[:, 1:]
     scored = targets != -100
     return torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), targets[scored])
